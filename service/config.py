@@ -1,0 +1,133 @@
+"""One validated configuration object, built once at start-up and passed down explicitly.
+
+Every setting can come from a CLI flag (`python -m service serve --max-batch-tokens 8192`) or from
+the environment with the `QVE_` prefix (`QVE_MAX_BATCH_TOKENS=8192`); a flag wins over the
+environment. Nothing on the hot path reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_store_dir() -> Path:
+    # /dev/shm is RAM-backed and shared between containers that mount it: the LM consumer reads
+    # embeddings at memory speed. Fall back to the temp dir where it does not exist (macOS).
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / "qwen3vl-encoder-cache"
+
+
+@dataclass(frozen=True)
+class PreprocessParams:
+    """How an image becomes patches: Qwen3-VL's preprocessor_config.json values (never Qwen2-VL's)."""
+
+    min_pixels: int = 65536  # size.shortest_edge
+    max_pixels: int = 16777216  # size.longest_edge
+    patch_size: int = 16
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL.Image.BICUBIC
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Checked before an image is fully decoded, so hostile input costs little."""
+
+    max_image_bytes: int = 32 * 1024 * 1024
+    max_input_pixels: int = 64_000_000  # width * height as declared in the header
+    max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects >= 200
+
+
+class Settings(BaseSettings):
+    """All service settings. Field names are the CLI flags with '-' for '_'."""
+
+    model_config = SettingsConfigDict(env_prefix="QVE_", extra="forbid")
+
+    # model
+    model: str = Field("qwen3-vl-2b", description="preset name or local Hugging Face checkpoint directory")
+    device: str = Field("auto", description="cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
+    seed: int = Field(0, description="seed for preset random weights")
+    min_pixels: int | None = Field(None, description="override preprocessor min pixels")
+    max_pixels: int | None = Field(None, description="override preprocessor max pixels")
+
+    # store
+    store: Path = Field(default_factory=default_store_dir, description="embedding store root")
+    store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes")
+
+    # HTTP
+    host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
+    port: int = Field(8080, ge=0, le=65535)
+    allowed_url_hosts: list[str] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
+    url_timeout_s: float = Field(10.0, gt=0)
+    max_images_per_request: int = Field(64, gt=0)
+
+    # images
+    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_input_pixels: int = Field(64_000_000, gt=0)
+    decode_workers: int = Field(0, ge=0, description="image decode processes; 0 = one per core (max 8)")
+
+    # batching
+    max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
+    max_batch_images: int = Field(64, gt=0)
+    max_wait_ms: float = Field(5.0, ge=0, description="a step closes this long after its first image at most")
+    max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
+
+    # step loop
+    pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
+    warmup: bool = Field(True, description="run one step before /ready says ready")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
+
+    @field_validator("allowed_url_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, v):
+        # QVE_ALLOWED_URL_HOSTS=a.example,b.example is friendlier than JSON in an env file.
+        if isinstance(v, str):
+            return [h.strip().lower() for h in v.split(",") if h.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _check_pixels(self) -> "Settings":
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        return self
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # local: config stays importable (and testable) without touching CUDA
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"

@@ -1,0 +1,117 @@
+"""The service's errors, and the one table that maps them to HTTP status.
+
+Bad input and overload are `ServiceError`s with a machine-readable `code` and a message that says
+how to fix the request. Anything else that escapes is a bug and becomes a 500 in `app.py`.
+Invariants are asserts; user input never reaches an assert.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class. `code` is stable (clients switch on it); the message is for humans."""
+
+    code = "internal_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+# ---- the request itself is malformed (400) --------------------------------------------------------
+class BadRequest(ServiceError):
+    code = "bad_request"
+
+
+class InvalidKey(ServiceError):
+    """A client `uuid` that is not a safe store key (it could name a path outside the store)."""
+
+    code = "invalid_key"
+
+
+# ---- an image could not be used (422 / 413 / 415) -------------------------------------------------
+class ImageError(ServiceError):
+    """Base for every per-image problem. `index` is set by the front end to the image's position."""
+
+    code = "invalid_image"
+    index: int | None = None
+
+
+class EmptyImage(ImageError):
+    code = "empty_image"
+
+
+class NotAnImage(ImageError):
+    code = "not_an_image"
+
+
+class UnsupportedFormat(ImageError):
+    code = "unsupported_format"
+
+
+class CorruptImage(ImageError):
+    code = "corrupt_image"
+
+
+class TruncatedImage(ImageError):
+    code = "truncated_image"
+
+
+class ImageTooLarge(ImageError):
+    """Encoded bytes or decoded pixel count over the configured limit (decompression bombs land here)."""
+
+    code = "image_too_large"
+
+
+class BadAspectRatio(ImageError):
+    code = "aspect_ratio_too_extreme"
+
+
+class ImageFetchError(ImageError):
+    """An http(s) image URL that is not allowed, failed, timed out or was too large."""
+
+    code = "image_fetch_failed"
+
+
+# ---- the service cannot take the work (429 / 503) -------------------------------------------------
+class Overloaded(ServiceError):
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ServiceError):
+    code = "unavailable"
+
+
+# ---- a step failed on the backend (500) -----------------------------------------------------------
+class BackendError(ServiceError):
+    code = "backend_error"
+
+
+class ModelLoadError(Exception):
+    """Start-up failure: the --model argument cannot be turned into a vision tower. Not an HTTP error."""
+
+
+# NOTE: the one place where errors become HTTP status codes. Order matters: first match wins, so
+# subclasses come before their bases.
+HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
+    (ImageTooLarge, 413),
+    (UnsupportedFormat, 415),
+    (ImageError, 422),
+    (InvalidKey, 422),
+    (BadRequest, 400),
+    (Overloaded, 429),
+    (Unavailable, 503),
+    (BackendError, 500),
+    (ServiceError, 500),
+]
+
+
+def http_status(err: ServiceError) -> int:
+    for cls, status in HTTP_STATUS:
+        if isinstance(err, cls):
+            return status
+    raise AssertionError(f"unmapped error type {type(err).__name__}: this is a bug")
