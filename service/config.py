@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def default_store_dir() -> Path:
@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     # HTTP
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535)
-    allowed_url_hosts: list[str] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
+    allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
     url_timeout_s: float = Field(10.0, gt=0)
     max_images_per_request: int = Field(64, gt=0)
 

@@ -1,0 +1,39 @@
+"""Prometheus metrics. One registry per app instance (tests build several apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("qve_requests", "HTTP /encode requests by status code", ["status"], registry=r)
+        self.images = Counter(
+            "qve_images", "Images answered, by how: encoded, cached (store hit), coalesced (joined an in-flight encode)",
+            ["outcome"], registry=r,
+        )
+        self.cache_hits = Counter("qve_cache_hits", "Images answered from the store without encoding", registry=r)
+        self.coalesced = Counter("qve_coalesced", "Images that joined an identical in-flight encode", registry=r)
+        self.dropped = Gauge("qve_dropped", "Queued images dropped because every client waiting for them left", registry=r)
+        self.rejected = Counter("qve_rejected", "Images refused with 429 because the queue was full", registry=r)
+        self.steps = Counter("qve_steps", "Step-loop steps run", ["result"], registry=r)
+        self.step_tokens = Histogram(
+            "qve_step_tokens", "Output tokens per step", buckets=(64, 256, 1024, 4096, 16384, 65536), registry=r
+        )
+        self.step_images = Histogram("qve_step_images", "Images per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.step_seconds = Histogram(
+            "qve_step_seconds", "Host time to stage and launch one step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.encode_latency = Histogram(
+            "qve_encode_latency_seconds", "Time from request arrival to response, per /encode request",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("qve_queue_depth", "Images queued and not yet scheduled", registry=r)
+        self.in_flight = Gauge("qve_in_flight", "Distinct images scheduled or queued", registry=r)
+        self.store_bytes = Gauge("qve_store_bytes", "Bytes held by the embedding store", registry=r)
+        self.store_items = Gauge("qve_store_items", "Items held by the embedding store", registry=r)
+        self.store_evictions = Gauge("qve_store_evictions", "LRU evictions since start", registry=r)
+        self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)

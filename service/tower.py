@@ -1,0 +1,285 @@
+"""The Qwen3-VL vision tower, written for serving.
+
+Same architecture and the same state-dict names as transformers' `Qwen3VLVisionModel` (so released
+checkpoints load with `strict=True` and transformers is the reference in tests), but shaped for a
+step loop:
+  * every per-batch index (rotary positions, learned-position interpolation taps, cu_seqlens) is
+    computed on the host from grid_thw and arrives as a tensor: no `.tolist()` / `repeat_interleave`
+    host syncs inside the forward;
+  * the patch embedding is a Linear over one frame (768 wide) with the Conv3d weights summed over
+    t: both temporal frames of an image are equal, so this is the same function on half the input;
+  * attention runs over the packed batch: `varlen_attn` on CUDA in bf16/fp16, one batched SDPA when
+    all images have the same length, else a loop whose split sizes are host integers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # torch >= 2.10 on CUDA; absent or unusable elsewhere, we fall back to SDPA.
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch build
+    _varlen_attn = None
+
+
+@dataclass(frozen=True)
+class TowerSpec:
+    """What the rest of the service needs to know about a tower (plain ints, no tensors)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    deepstack_indexes: tuple[int, ...]
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    num_position_embeddings: int
+    rope_theta: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "TowerSpec":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        return cls(
+            depth=cfg.depth,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            out_hidden_size=cfg.out_hidden_size,
+            deepstack_indexes=tuple(cfg.deepstack_visual_indexes),
+            patch_size=cfg.patch_size,
+            merge_size=cfg.spatial_merge_size,
+            temporal_patch_size=cfg.temporal_patch_size,
+            num_position_embeddings=cfg.num_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.deepstack_indexes)
+
+    @property
+    def out_width(self) -> int:
+        """Columns of one image's stored tensor: main embeddings, then each deepstack tap."""
+        return self.out_hidden_size * (1 + self.deepstack_levels)
+
+    @property
+    def frame_patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host-side geometry: everything the forward needs that depends only on an image's grid.
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridGeometry:
+    """Per-patch indices for one (grid_h, grid_w), rows in merge-block order (h/2, w/2, 2, 2)."""
+
+    pos_hw: np.ndarray  # [n, 2] int64 — (row, col) of each patch, for the 2-D rotary embedding
+    interp_idx: np.ndarray  # [n, 4] int64 — taps into the learned square position table
+    interp_w: np.ndarray  # [n, 4] float32 — bilinear (align_corners=True) weights of those taps
+
+
+@lru_cache(maxsize=4096)
+def grid_geometry(grid_h: int, grid_w: int, merge: int, num_position_embeddings: int) -> GridGeometry:
+    """Cached: real traffic repeats a few hundred grid shapes, and this is pure index arithmetic."""
+    side = int(math.isqrt(num_position_embeddings))
+    rows = torch.arange(grid_h).view(grid_h // merge, merge, 1, 1).expand(-1, -1, grid_w // merge, merge)
+    cols = torch.arange(grid_w).view(1, 1, grid_w // merge, merge).expand(grid_h // merge, merge, -1, -1)
+    # (bh, mh, bw, mw) -> (bh, bw, mh, mw): each 2x2 merge block contiguous
+    row = rows.permute(0, 2, 1, 3).reshape(-1)
+    col = cols.permute(0, 2, 1, 3).reshape(-1)
+
+    def taps(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # bilinear, align_corners=True: endpoints map to 0 and side-1 (same float32 ops as transformers)
+        src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+        lo = torch.floor(src)
+        t = torch.stack([lo, lo + 1], dim=1).long().clamp(0, side - 1)
+        w = (1 - (src[:, None] - lo[:, None] - torch.arange(2)).abs()).clamp(min=0)
+        return t, w
+
+    h_t, h_w = taps(row, grid_h)
+    w_t, w_w = taps(col, grid_w)
+    idx = (h_t[:, :, None] * side + w_t[:, None, :]).reshape(-1, 4)
+    wts = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    pos_hw = torch.stack([row, col], dim=1)
+    return GridGeometry(pos_hw.numpy(), idx.numpy(), wts.to(torch.float32).numpy())
+
+
+@dataclass
+class TowerBatch:
+    """One packed step of images, on the tower's device. Images are back to back in every tensor."""
+
+    patches: torch.Tensor  # [N, 3*P*P] model dtype — one frame's patch rows, merge-block order
+    pos_hw: torch.Tensor  # [N, 2] int64
+    interp_idx: torch.Tensor  # [N, 4] int64
+    interp_w: torch.Tensor  # [N, 4] float32
+    cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image
+    seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules (attribute names mirror transformers' Qwen3VLVisionModel for strict state-dict loading)
+# ---------------------------------------------------------------------------------------------------
+class _PatchEmbed(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(3, spec.hidden_size, kernel_size=k, stride=k, bias=True)
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.head_dim = spec.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
+        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: TowerBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
+        q, k = _rotary(q, k, cos, sin)
+        out = _packed_attention(q, k, v, b, self.scale)  # [N, H, D]
+        return self.proj(out.reshape(n, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # gelu_pytorch_tanh
+
+
+class _Block(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(spec.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(spec.hidden_size, eps=1e-6)
+        self.attn = _Attention(spec)
+        self.mlp = _MLP(spec)
+
+    def forward(self, x, cos, sin, b: TowerBatch):
+        x = x + self.attn(self.norm1(x), cos, sin, b)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Merger(nn.Module):
+    """2x2 patch merge to the LM width. Deepstack mergers normalise after the shuffle, the main one before."""
+
+    def __init__(self, spec: TowerSpec, postshuffle_norm: bool):
+        super().__init__()
+        self.width = spec.hidden_size * spec.merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.width if postshuffle_norm else spec.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, spec.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle_norm else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionTower(nn.Module):
+    """Qwen3-VL vision tower. `forward(TowerBatch) -> [tokens, out_hidden * (1 + deepstack levels)]`."""
+
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = _PatchEmbed(spec)
+        self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
+        self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
+        self.merger = _Merger(spec, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(_Merger(spec, postshuffle_norm=True) for _ in spec.deepstack_indexes)
+        # Rotary inverse frequencies: head_dim/4 of them, shared by the row and column axes.
+        quarter = spec.head_dim // 2
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
+        self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
+
+    @torch.no_grad()
+    def fuse_patch_embed(self) -> None:
+        """Call after loading weights: Conv3d over (t, p, p) on a frame repeated over t == Linear with
+        the weights summed over t. Summed in float32, then cast to the model dtype."""
+        w = self.patch_embed.proj.weight  # [hidden, 3, T, P, P]
+        self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
+
+    def forward(self, b: TowerBatch) -> torch.Tensor:
+        assert self.frame_proj_weight.numel() > 0, "fuse_patch_embed() was not called after loading: this is a bug"
+        x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
+        x = x + pos.to(x.dtype)
+        freqs = b.pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
+        half = freqs.flatten(1)  # [N, D/2]: row freqs then column freqs
+        emb = torch.cat([half, half], dim=-1)  # [N, D]
+        cos, sin = emb.cos(), emb.sin()
+
+        taps = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, b)
+            if i in self.spec.deepstack_indexes:
+                taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
+        return torch.cat([self.merger(x), *taps], dim=1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary(q, k, cos, sin):
+    # In float32 like the reference: bf16 rotary loses visible precision on large grids.
+    dtype = q.dtype
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    qf, kf = q.float(), k.float()
+    q = qf * cos + _rotate_half(qf) * sin
+    k = kf * cos + _rotate_half(kf) * sin
+    return q.to(dtype), k.to(dtype)
+
+
+def _packed_attention(q, k, v, b: TowerBatch, scale: float) -> torch.Tensor:
+    """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
+    lens = b.seq_lens
+    if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        m = max(lens)
+        return _varlen_attn(q, k, v, b.cu_seqlens, b.cu_seqlens, m, m, scale=scale)
+    if all(n == lens[0] for n in lens):
+        # Equal lengths: one batched SDPA call, no Python loop.
+        bsz, n = len(lens), lens[0]
+        qs, ks, vs = (t.view(bsz, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+    outs = []
+    for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
+        o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def build_batch(grids: list[tuple[int, int, int]], spec: TowerSpec) -> dict[str, np.ndarray]:
+    """Host arrays for a batch of grids, concatenated (used by tests and the CPU path)."""
+    geos = [grid_geometry(h, w, spec.merge_size, spec.num_position_embeddings) for (_, h, w) in grids]
+    lens = [t * h * w for (t, h, w) in grids]
+    return {
+        "pos_hw": np.concatenate([g.pos_hw for g in geos]),
+        "interp_idx": np.concatenate([g.interp_idx for g in geos]),
+        "interp_w": np.concatenate([g.interp_w for g in geos]),
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+    }

@@ -1,0 +1,57 @@
+"""Tiny Qwen3-VL checkpoints written by transformers itself (save_pretrained), in the layouts users have."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLVisionModel
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from service.presets import preset_vision_config
+
+# Pixel limits deliberately unlike Qwen3-VL's defaults (65536 / 16777216): the service must take them
+# from preprocessor_config.json. Small max keeps CPU tests fast; big photos get downscaled.
+TEST_MIN_PIXELS = 128 * 128
+TEST_MAX_PIXELS = 320 * 320
+
+
+def tiny_config() -> Qwen3VLConfig:
+    return Qwen3VLConfig(
+        vision_config=preset_vision_config("tiny").to_dict(),
+        text_config=dict(
+            vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=24,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 4, 4], "mrope_interleaved": True},
+        ),
+    )
+
+
+def image_processor(min_pixels: int = TEST_MIN_PIXELS, max_pixels: int = TEST_MAX_PIXELS) -> Qwen2VLImageProcessorPil:
+    """transformers' PIL-backend processor with Qwen3-VL's values (never its Qwen2-VL defaults)."""
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )
+
+
+def make_full_checkpoint(path: Path, seed: int = 0, max_shard_size: str = "200KB") -> Path:
+    """A full (text + vision) Qwen3-VL checkpoint, sharded, with a preprocessor_config.json."""
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(tiny_config()).eval()
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    image_processor().save_pretrained(path)
+    return path
+
+
+def make_vision_only_checkpoint(path: Path, seed: int = 1) -> Path:
+    torch.manual_seed(seed)
+    Qwen3VLVisionModel._from_config(preset_vision_config("tiny")).save_pretrained(path)
+    return path
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
