@@ -53,7 +53,7 @@ class ImageLimits:
 
     max_image_bytes: int = 32 * 1024 * 1024
     max_input_pixels: int = 64_000_000  # width * height as declared in the header
-    max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects >= 200
+    max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
 
 
 class Settings(BaseSettings):

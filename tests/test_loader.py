@@ -11,12 +11,12 @@ from transformers import Qwen3VLForConditionalGeneration
 from service.config import Settings
 from service.errors import ModelLoadError
 from service.loader import load_model
-from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS, edit_json, make_full_checkpoint, make_vision_only_checkpoint
+from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS, edit_json, make_vision_only_checkpoint
 
 
-@pytest.fixture(scope="module")
-def full_ckpt(tmp_path_factory):
-    return make_full_checkpoint(tmp_path_factory.mktemp("full"))
+@pytest.fixture
+def full_ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def _load(path, **kw):

@@ -1,0 +1,82 @@
+"""CLI: `python -m service serve --model PRESET_OR_DIR --device cpu|cuda[:N] --dtype ... --store DIR ...`
+
+Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
+variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. The model is loaded before the server binds, so a bad
+`--model` fails fast with a message instead of a half-started server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .config import Settings
+from .errors import ModelLoadError
+
+
+def _flag_type(annotation):
+    """argparse type for a Settings field annotation."""
+    base = annotation
+    if typing.get_origin(base) in (typing.Union, types.UnionType):  # `int | None` -> int
+        base = next(a for a in typing.get_args(base) if a is not type(None))
+    if typing.get_origin(base) is typing.Literal:
+        return str, list(typing.get_args(base))
+    if typing.get_origin(base) is list:
+        return str, None  # comma-separated; Settings splits it
+    if base in (int, float, str, Path):
+        return base, None
+    return str, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL vision-encoder service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS)
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{field.description or ''} (env QVE_{name.upper()})".strip()
+        if field.annotation is bool:
+            serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+            continue
+        type_, choices = _flag_type(field.annotation)
+        serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    args.pop("command")
+    log_level = args.pop("log_level", "info")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings(**args)
+    except ValidationError as e:
+        print(f"invalid settings:\n{e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from .app import create_app
+    from .loader import load_model
+
+    try:
+        model = load_model(settings)
+    except ModelLoadError as e:
+        print(f"cannot load model: {e}", file=sys.stderr)
+        return 2
+    app = create_app(settings, model)
+    # NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose
+    # images are queued or running), then runs the app's shutdown, which drains the step loop.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""HTTP front end: parse and validate requests, check the store, hand work to the batcher, answer.
+
+Handlers never see tensors: they deal in bytes, keys, futures and StoredItems. Decoding and
+preprocessing run in a process pool, off the event loop. Every ServiceError becomes its HTTP status
+in one place (`errors.HTTP_STATUS`), as `{"error": {"code", "message", "index"?}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import concurrent.futures
+import hashlib
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field, ValidationError
+
+from .batcher import BatchLimits, Batcher
+from .config import ImageLimits, Settings
+from .engine import EncodeJob, Engine
+from .errors import (
+    BadRequest,
+    EmptyImage,
+    ImageError,
+    ImageFetchError,
+    ImageTooLarge,
+    Overloaded,
+    ServiceError,
+    Unavailable,
+    http_status,
+)
+from .images import PreparedImage, prepare_image
+from .loader import LoadedModel, load_model
+from .metrics import Metrics
+from .store import EmbeddingStore, StoredItem, validate_key
+
+log = logging.getLogger(__name__)
+
+
+# ---- request / response schemas (OpenAI content-part shape) ---------------------------------------
+class ImageURL(BaseModel):
+    url: str = Field(description="data:image/...;base64,... or an http(s) URL on the allow-list")
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+    uuid: str | None = Field(None, description="optional store key; default: content hash")
+
+
+class EncodeRequest(BaseModel):
+    images: list[ImagePart] = Field(min_length=1)
+
+
+class EncodedItem(BaseModel):
+    key: str
+    num_tokens: int
+    grid_thw: list[int]
+    shape: list[int]
+    dtype: str
+    cached: bool
+    path: str = Field(description="relative to the store root: <key>/encoder_cache.safetensors")
+
+
+class EncodeResponse(BaseModel):
+    items: list[EncodedItem]
+
+
+@dataclass
+class _Input:
+    data: bytes
+    uuid: str | None
+
+
+# ---- the running service --------------------------------------------------------------------------
+class Runtime:
+    """Everything one app instance owns. Built in the lifespan; torn down gracefully on shutdown."""
+
+    def __init__(self, settings: Settings, model: LoadedModel):
+        self.settings, self.model = settings, model
+        self.metrics = Metrics()
+        self.store = EmbeddingStore(
+            settings.store, settings.store_capacity_bytes, model_id=model.model_id,
+            out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
+            dtype=str(model.dtype).replace("torch.", ""),
+        )
+        self.batcher = Batcher(BatchLimits(
+            max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
+            max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
+        ))
+        self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
+        workers = settings.decode_workers or min(8, os.cpu_count() or 1)
+        # NOTE: processes, not threads: PIL decode + bicubic resize hold the GIL for most of their time.
+        # forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        self.decoders = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+        self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
+        self.ready = threading.Event()
+        self.started = False
+        # Part of every content-hash key: the same bytes under another model or preprocessing are another key.
+        self.key_salt = f"{model.model_id}|{model.params}|{model.dtype}".encode()
+
+    def start(self) -> None:
+        def warm_then_run():
+            try:
+                if self.settings.warmup:
+                    self.engine.encode_sync([_warmup_image(self.model)])
+                self.engine.start()
+                self.started = True
+                self.ready.set()
+                log.info("ready: %s on %s (%s)", self.model.model_id, self.model.device, self.model.dtype)
+            except Exception:
+                log.exception("warm-up failed; the service will report not ready")
+
+        threading.Thread(target=warm_then_run, name="warmup", daemon=True).start()
+
+    async def shutdown(self) -> None:
+        # uvicorn has already waited for open requests; close the queue, let the loop drain and the writer flush.
+        self.batcher.close()
+        await asyncio.to_thread(self.engine.join, 60)
+        self.decoders.shutdown(wait=False, cancel_futures=True)
+        await self.http.aclose()
+
+    def update_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.batcher.queue_depth())
+        self.metrics.in_flight.set(self.batcher.in_flight())
+        self.metrics.store_bytes.set(self.store.bytes_used)
+        self.metrics.store_items.set(len(self.store))
+        self.metrics.store_evictions.set(self.store.evictions)
+        self.metrics.dropped.set(self.batcher.stats.dropped)
+
+
+def _warmup_image(model: LoadedModel) -> PreparedImage:
+    """A synthetic image of the minimum size, prepared like any request."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return prepare_image(buf.getvalue(), model.params, ImageLimits())
+
+
+def _at(err: ImageError, index: int) -> ImageError:
+    """Tag a per-image error with the image's position in the request."""
+    err.index = index
+    return err
+
+
+# ---- parsing --------------------------------------------------------------------------------------
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ImageTooLarge(f"request body is {int(declared)} bytes, over the limit of {limit}; send fewer or smaller images")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ImageTooLarge(f"request body is over the limit of {limit} bytes; send fewer or smaller images")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise BadRequest(f"images[{index}].image_url.url must be a data URL 'data:image/<fmt>;base64,<data>' "
+                         f"or an allowed http(s) URL")
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise _at(ImageTooLarge(f"images[{index}] is over the limit of {max_bytes} bytes"), index)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
+
+
+async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
+    host = (urlsplit(url).hostname or "").lower()
+    if host not in rt.settings.allowed_url_hosts:
+        raise _at(ImageFetchError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
+                                      f"the host to --allowed-url-hosts"), index)
+    limit = rt.settings.max_image_bytes
+    try:
+        async with rt.http.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise _at(ImageFetchError(f"images[{index}]: GET {url} answered {resp.status_code}"), index)
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise _at(ImageTooLarge(f"images[{index}]: {url} is over the limit of {limit} bytes"), index)
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as e:
+        raise _at(ImageFetchError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}"), index) from None
+
+
+async def _parse_inputs(rt: Runtime, request: Request) -> list[_Input]:
+    s = rt.settings
+    limit = s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        try:
+            form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
+        except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
+            raise BadRequest(f"malformed multipart body: {e}") from None
+        files = form.getlist("image")
+        uuids = form.getlist("uuid")
+        if not files:
+            raise BadRequest("multipart request has no 'image' file parts")
+        if uuids and len(uuids) != len(files):
+            raise BadRequest(f"got {len(uuids)} 'uuid' fields for {len(files)} images; send one per image or none")
+        inputs = []
+        for i, f in enumerate(files):
+            if isinstance(f, str):
+                raise BadRequest(f"'image' part {i} is a text field; send it as a file part")
+            data = await f.read(s.max_image_bytes + 1)
+            if len(data) > s.max_image_bytes:
+                raise _at(ImageTooLarge(f"images[{i}] is over the limit of {s.max_image_bytes} bytes"), i)
+            inputs.append(_Input(data, uuids[i] if uuids else None))
+        return inputs
+    if ctype not in ("application/json", ""):
+        raise BadRequest(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
+    body = await _read_body(request, limit)
+    try:
+        req = EncodeRequest.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+    if len(req.images) > s.max_images_per_request:
+        raise BadRequest(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
+    inputs = []
+    for i, part in enumerate(req.images):
+        url = part.image_url.url
+        if url.startswith("data:"):
+            data = _decode_data_url(url, i, s.max_image_bytes)
+        elif url.startswith(("http://", "https://")):
+            data = await _fetch_url(rt, url, i)
+        else:
+            raise BadRequest(f"images[{i}].image_url.url must start with data:, http:// or https://")
+        inputs.append(_Input(data, part.uuid))
+    return inputs
+
+
+def _content_key(rt: Runtime, data: bytes) -> str:
+    h = hashlib.sha256(rt.key_salt)
+    h.update(b"\0")
+    h.update(data)
+    return h.hexdigest()
+
+
+def _item(stored: StoredItem, cached: bool) -> EncodedItem:
+    return EncodedItem(key=stored.key, num_tokens=stored.num_tokens, grid_thw=list(stored.grid_thw),
+                       shape=list(stored.shape), dtype=stored.dtype, cached=cached, path=stored.path)
+
+
+async def _wait_or_disconnect(request: Request, futures: list[asyncio.Future]) -> bool:
+    """Wait for all futures; False if the client went away first."""
+    gathered = asyncio.gather(*futures)
+
+    async def watch():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if gathered in done:
+        gathered.result()  # re-raise a step failure
+        return True
+    gathered.cancel()
+    return False
+
+
+# ---- the app --------------------------------------------------------------------------------------
+def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loaded = model or await asyncio.to_thread(load_model, settings)
+        rt = Runtime(settings, loaded)
+        app.state.rt = rt
+        rt.start()
+        try:
+            yield
+        finally:
+            await rt.shutdown()
+
+    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan,
+                  description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, err: ServiceError):
+        body = {"code": err.code, "message": err.message}
+        if isinstance(err, ImageError) and err.index is not None:
+            body["index"] = err.index
+        headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded) else None
+        return JSONResponse({"error": body}, status_code=http_status(err), headers=headers)
+
+    @app.post("/encode", response_model=EncodeResponse, openapi_extra={"requestBody": {"content": {
+        "application/json": {"schema": EncodeRequest.model_json_schema()},
+        "multipart/form-data": {"schema": {"type": "object", "properties": {
+            "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+            "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})
+    async def encode(request: Request):
+        """Encode images; answer one item per image, in input order, once each is in the store."""
+        rt: Runtime = request.app.state.rt
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            items = await _encode(rt, request)
+            status = 200 if items is not None else 499
+            if items is None:  # client gone: nobody to answer
+                return PlainTextResponse("client disconnected", status_code=499)
+            return EncodeResponse(items=items)
+        except ServiceError as e:
+            status = http_status(e)
+            if isinstance(e, Overloaded):
+                rt.metrics.rejected.inc()
+            raise
+        finally:
+            rt.metrics.requests.labels(status=str(status)).inc()
+            rt.metrics.encode_latency.observe(time.perf_counter() - t0)
+
+    @app.get("/health")
+    async def health(request: Request):
+        """200 while the step loop is alive (or still warming up); 503 once it has died."""
+        rt: Runtime = request.app.state.rt
+        if rt.started and not rt.engine.alive():
+            return JSONResponse({"status": "step loop is not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request):
+        """200 once the model is loaded and warmed up."""
+        rt: Runtime = request.app.state.rt
+        if not rt.ready.is_set():
+            return JSONResponse({"ready": False}, status_code=503)
+        m = rt.model
+        return {"ready": True, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
+                "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
+                "deepstack_levels": m.spec.deepstack_levels}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        rt: Runtime = request.app.state.rt
+        rt.update_gauges()
+        return PlainTextResponse(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
+    inputs = await _parse_inputs(rt, request)
+    keys = []
+    for i, inp in enumerate(inputs):
+        if not inp.data:
+            raise _at(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
+        keys.append(validate_key(inp.uuid) if inp.uuid is not None else await asyncio.to_thread(_content_key, rt, inp.data))
+
+    results: list[EncodedItem | None] = [None] * len(inputs)
+    todo: dict[str, int] = {}  # key -> first index needing an encode (a key twice in one request encodes once)
+    for i, key in enumerate(keys):
+        hit = rt.store.lookup(key)
+        if hit is not None:
+            results[i] = _item(hit, cached=True)
+            rt.metrics.cache_hits.inc()
+            rt.metrics.images.labels(outcome="cached").inc()
+        elif key not in todo:
+            todo[key] = i
+
+    loop = asyncio.get_running_loop()
+    limits = rt.settings.image_limits
+    prepared = await asyncio.gather(
+        *(loop.run_in_executor(rt.decoders, prepare_image, inputs[i].data, rt.model.params, limits) for i in todo.values()),
+        return_exceptions=True,
+    )
+    for i, p in zip(todo.values(), prepared):
+        if isinstance(p, ImageError):
+            p.message = f"images[{i}]: {p.message}"
+            raise _at(p, i)
+        if isinstance(p, BaseException):
+            raise p
+
+    tickets = []
+    try:
+        for (key, i), prep in zip(todo.items(), prepared):
+            tickets.append((key, rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)))
+    except Overloaded:
+        for _, t in tickets:
+            t.cancel()  # give back what this request queued: it is answered 429 as a whole
+        raise
+    for _, t in tickets:
+        if t.coalesced:
+            rt.metrics.coalesced.inc()
+    futures = [asyncio.wrap_future(t.future) for _, t in tickets]
+    if not await _wait_or_disconnect(request, futures):
+        for _, t in tickets:
+            t.cancel()
+        return None
+    by_key = {}
+    for (key, t), fut in zip(tickets, futures):
+        by_key[key] = _item(fut.result(), cached=False)
+        rt.metrics.images.labels(outcome="coalesced" if t.coalesced else "encoded").inc()
+    for i, key in enumerate(keys):
+        if results[i] is None:
+            results[i] = by_key[key]
+    return results

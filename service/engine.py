@@ -1,0 +1,303 @@
+"""The step loop: the one thread that owns the device.
+
+    step():  schedule (batcher) -> stage (host, into pinned slot k) -> run (device) -> publish (writer)
+
+The loop never waits on the device for its own sake. Its only host waits are
+  * the slot fence: before overwriting pinned slot k, wait for the CUDA event recorded after the
+    last device work that read slot k (the bug this service exists to avoid: recycling a pinned
+    input buffer while an earlier step's H2D copy still reads it), and
+  * back-pressure from the writer when all output buffers are still being written to the store.
+The writer thread waits on each step's copy-done event, then writes the store and resolves futures.
+On CPU the same code runs: events are trivial and the "device" work is synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batcher import Batch, Batcher, WorkItem
+from .config import Settings
+from .errors import BackendError
+from .images import PreparedImage
+from .loader import LoadedModel
+from .metrics import Metrics
+from .pool import BufferSpec, Slot, StagingPool
+from .preprocess import normalize_lut, patchify
+from .store import EmbeddingStore
+from .tower import TowerBatch, grid_geometry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodeJob:
+    """The batcher's payload for one distinct image (a key). Plain host data, no tensors."""
+
+    key: str
+    image: PreparedImage
+
+
+@dataclass
+class Staged:
+    """Step inputs written into pinned slot `slot`; sizes are host ints (no device syncs needed)."""
+
+    slot: Slot
+    items: list[WorkItem]
+    num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
+    num_patches: int
+    seq_lens: tuple[int, ...]  # patches per image
+    token_offsets: list[int]  # [B+1] output-row offsets per image
+    grids: list[tuple[int, int, int]]
+
+
+@dataclass
+class Launched:
+    """A step whose device work is enqueued; `host_out` is valid once `done` has fired."""
+
+    items: list[WorkItem]
+    host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA
+    done: torch.cuda.Event | None  # None on CPU (already complete)
+    out_index: int | None  # which output buffer to give back to the ring (CUDA only)
+    token_offsets: list[int]
+    grids: list[tuple[int, int, int]]
+
+
+class Engine:
+    """Owns the tower, the staging pool and the device buffers. `start()` spawns the loop and the writer."""
+
+    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher, settings: Settings, metrics: Metrics):
+        self.model, self.store, self.batcher, self.metrics = model, store, batcher, metrics
+        spec, params = model.spec, model.params
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        merge2 = spec.merge_size**2
+        pp = spec.patch_size**2
+        # A step holds up to the token budget, or one image above it (such an image runs alone).
+        self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
+        self.max_images = settings.max_batch_images
+        specs = {
+            "pixels": BufferSpec((self.max_patches * pp * 3,), torch.uint8),  # images back to back, [H, W, 3] each
+            "images": BufferSpec((self.max_images, 4), torch.int32),  # (byte offset, H, W, first patch row)
+            "pos_hw": BufferSpec((self.max_patches, 2), torch.int64),
+            "interp_idx": BufferSpec((self.max_patches, 4), torch.int64),
+            "interp_w": BufferSpec((self.max_patches, 4), torch.float32),
+            "cu_seqlens": BufferSpec((self.max_images + 1,), torch.int32),
+        }
+        self.pool = StagingPool(specs, settings.pool_slots, self.device)
+        # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
+        self._np = [{k: v.numpy() for k, v in self.pool.slot(i).buffers.items()} for i in range(settings.pool_slots)]
+        self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
+        self.lut = torch.from_numpy(self.lut_np).to(self.device)
+        if self.cuda:
+            from kernels.preprocess import patchify_cuda  # CuPy is only needed (and imported) on GPU
+
+            self._patchify_cuda = patchify_cuda
+            # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
+            self.dev = {k: torch.empty(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
+            self.patches = torch.empty(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+            self.compute_stream = torch.cuda.Stream(self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+            # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
+            max_tokens = self.max_patches // merge2
+            self.out_bufs = [
+                torch.empty(max_tokens, spec.out_width, dtype=model.dtype, pin_memory=True)
+                for _ in range(settings.pool_slots)
+            ]
+            self.out_events = [torch.cuda.Event() for _ in self.out_bufs]
+            self.out_free: queue.Queue[int] = queue.Queue()
+            for i in range(len(self.out_bufs)):
+                self.out_free.put(i)
+        self._writer_q: queue.Queue[Launched | None] = queue.Queue()
+        self._step_no = 0
+        self._loop_thread: threading.Thread | None = None
+        self._writer_thread: threading.Thread | None = None
+        self.failed_steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._writer_thread = threading.Thread(target=self._writer, name="store-writer", daemon=True)
+        self._loop_thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
+        self._writer_thread.start()
+        self._loop_thread.start()
+
+    def alive(self) -> bool:
+        return bool(self._loop_thread and self._loop_thread.is_alive() and self._writer_thread.is_alive())
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the loop to drain (after batcher.close()) and the writer to finish."""
+        if self._loop_thread:
+            self._loop_thread.join(timeout)
+        if self._writer_thread:
+            self._writer_thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            batch = self.batcher.next_batch(timeout=0.25)
+            if batch is None:
+                if self.batcher.closed:
+                    break
+                continue
+            self.step(batch)
+        self._writer_q.put(None)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self, batch: Batch) -> None:
+        self._step_no += 1
+        t0 = time.perf_counter()
+        try:
+            staged = self.stage(batch)
+            launched = self.run(staged)
+        except Exception as e:  # a failed step fails only its own requests; the loop lives on
+            self.failed_steps += 1
+            self.metrics.steps.labels(result="failed").inc()
+            log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
+                      [it.key for it in batch.items[:3]], e, exc_info=log.isEnabledFor(logging.DEBUG))
+            err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
+            for item in batch.items:
+                self.batcher.finish(item, error=err)
+            return
+        self.publish(launched)
+        self.metrics.steps.labels(result="ok").inc()
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self.metrics.step_tokens.observe(launched.token_offsets[-1])
+        self.metrics.step_images.observe(len(batch.items))
+        self.metrics.fence_waits.set(self.pool.stats.waits_blocked)
+
+    def stage(self, batch: Batch) -> Staged:
+        """Host: write the batch's pixels and geometry into the next pinned slot (after its fence)."""
+        slot = self.pool.acquire()  # blocks until the device has finished reading this slot's last step
+        bufs = self._np[slot.index]
+        spec = self.model.spec
+        merge2 = spec.merge_size**2
+        off = row = 0
+        seq_lens, grids, token_offsets = [], [], [0]
+        for i, item in enumerate(batch.items):
+            img: PreparedImage = item.payload.image
+            t, gh, gw = img.grid_thw
+            h, w = img.pixels.shape[:2]
+            n_bytes, n_patches = img.pixels.size, gh * gw
+            assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
+            bufs["pixels"][off : off + n_bytes] = img.pixels.reshape(-1)
+            bufs["images"][i] = (off, h, w, row)
+            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
+            bufs["pos_hw"][row : row + n_patches] = geo.pos_hw
+            bufs["interp_idx"][row : row + n_patches] = geo.interp_idx
+            bufs["interp_w"][row : row + n_patches] = geo.interp_w
+            off += n_bytes
+            row += n_patches
+            seq_lens.append(n_patches)
+            grids.append((t, gh, gw))
+            token_offsets.append(token_offsets[-1] + n_patches // merge2)
+        bufs["cu_seqlens"][: len(seq_lens) + 1] = np.concatenate([[0], np.cumsum(seq_lens)])
+        return Staged(slot, batch.items, off, row, tuple(seq_lens), token_offsets, grids)
+
+    def run(self, st: Staged) -> Launched:
+        """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
+        return self._run_cuda(st) if self.cuda else self._run_cpu(st)
+
+    def _run_cpu(self, st: Staged) -> Launched:
+        b, n, nb = st.slot.buffers, st.num_patches, len(st.items)
+        try:
+            rows = []
+            for i in range(nb):
+                off, h, w, _ = (int(x) for x in b["images"][i])
+                pixels = b["pixels"][off : off + h * w * 3].view(h, w, 3)
+                rows.append(patchify(pixels, self.lut, self.model.params))
+            batch = TowerBatch(
+                patches=torch.cat(rows).to(self.model.dtype),
+                pos_hw=b["pos_hw"][:n], interp_idx=b["interp_idx"][:n], interp_w=b["interp_w"][:n],
+                cu_seqlens=b["cu_seqlens"][: nb + 1], seq_lens=st.seq_lens,
+            )
+            with torch.inference_mode():
+                out = self.model.tower(batch)
+        finally:
+            st.slot.release()  # CPU work is synchronous: the slot is free again
+        return Launched(st.items, out, None, None, st.token_offsets, st.grids)
+
+    def _run_cuda(self, st: Staged) -> Launched:
+        slot, n, nb, nbytes = st.slot, st.num_patches, len(st.items), st.num_bytes
+        d = self.dev
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            try:
+                for name, count in (("pixels", nbytes), ("images", nb), ("pos_hw", n), ("interp_idx", n),
+                                    ("interp_w", n), ("cu_seqlens", nb + 1)):
+                    d[name][:count].copy_(slot.buffers[name][:count], non_blocking=True)
+            finally:
+                # The H2D copies above are the last device work that reads slot k: fence it here.
+                slot.release(self.compute_stream)
+            patches = self.patches[:n]
+            self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
+                                patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
+            batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
+                               d["cu_seqlens"][: nb + 1], st.seq_lens)
+            out = self.model.tower(batch)
+        tokens = st.token_offsets[-1]
+        k = self.out_free.get()  # back-pressure: only blocks when the writer is pool_slots steps behind
+        host, done = self.out_bufs[k][:tokens], self.out_events[k]
+        self.copy_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(out, non_blocking=True)
+            done.record(self.copy_stream)
+        # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
+        out.record_stream(self.copy_stream)
+        return Launched(st.items, host, done, k, st.token_offsets, st.grids)
+
+    def publish(self, launched: Launched) -> None:
+        self._writer_q.put(launched)
+
+    # ---- writer thread -----------------------------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            job = self._writer_q.get()
+            if job is None:
+                return
+            finished = 0  # items already answered: a later failure must not answer them twice
+            try:
+                if job.done is not None:
+                    job.done.synchronize()  # the writer's one device wait: this step's D2H copy
+                for i, item in enumerate(job.items):
+                    a, b = job.token_offsets[i], job.token_offsets[i + 1]
+                    try:
+                        stored = self.store.put(item.key, job.host_out[a:b], job.grids[i])
+                    except Exception as e:
+                        log.error("store write for %s failed: %r", item.key, e)
+                        self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
+                    else:
+                        self.batcher.finish(item, result=stored)
+                    finished = i + 1
+            except Exception as e:  # e.g. a device fault surfaced by synchronize()
+                log.error("writer failed on a step of %d images: %r", len(job.items), e)
+                for item in job.items[finished:]:
+                    self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+            finally:
+                if job.out_index is not None:
+                    self.out_free.put(job.out_index)
+            self.metrics.store_bytes.set(self.store.bytes_used)
+            self.metrics.store_items.set(len(self.store))
+            self.metrics.store_evictions.set(self.store.evictions)
+
+    # ---- synchronous path (warm-up, tests, benchmarks) ----------------------------------------------
+    def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """Encode one packed batch through the same stage/run path as the loop, wait, and return one
+        CPU tensor per image ([num_tokens, out_width]). Must not run concurrently with the loop."""
+        items = [
+            WorkItem(key=f"__sync{i}__", payload=EncodeJob(f"__sync{i}__", img), tokens=img.num_tokens, future=None,
+                     waiters=0, enqueued_at=time.monotonic())
+            for i, img in enumerate(images)
+        ]
+        launched = self.run(self.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")))
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()
+            offs = launched.token_offsets
+            return [launched.host_out[offs[i] : offs[i + 1]].clone() for i in range(len(images))]
+        finally:
+            if launched.out_index is not None:
+                self.out_free.put(launched.out_index)

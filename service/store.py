@@ -1,0 +1,572 @@
+"""The embedding store: one safetensors file per image, in vLLM's ECExampleConnector layout.
+
+    <root>/<key>/encoder_cache.safetensors
+        tensor  "ec_cache"      # [num_tokens, out_hidden * (1 + deepstack_levels)], float32 | bfloat16
+                                # columns: main merged embeddings, then each deepstack tap in index order
+        __metadata__ (all values are strings; lists are JSON):
+            format_version   "1"
+            model            model identity, e.g. "qwen3-vl-4b" or a checkpoint path
+            out_hidden_size  "2560"
+            deepstack_levels "3"
+            grid_thw         "[1, 28, 28]"
+            num_tokens       "196"        (redundant with the shape; for humans and `jq`)
+
+Two sides, two APIs:
+- `EmbeddingStore` is the encoder (writer) side: atomic puts, a byte-bounded LRU index rebuilt from
+  the files' headers at start, eviction. One writer process per root (the index lives in memory);
+  any number of threads in it.
+- `read_embeddings` is the consumer (reader) side. It shares nothing with `EmbeddingStore` but the
+  format, so another process (the LM server) can call it while the writer evicts and replaces files.
+
+Why this is safe for concurrent readers: a file is written under a temp name in its key directory and
+`os.replace`d onto the final name, and never modified in place afterwards. A reader that opens the
+final name holds either the old or the new inode, both complete; eviction only unlinks, and an
+unlinked inode stays readable through an open handle (POSIX). So `read_embeddings` opens once, reads
+everything from that handle, and checks the size against the header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap as _mmap
+import os
+import re
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from service.errors import InvalidKey
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FILE_NAME = "encoder_cache.safetensors"
+TENSOR_NAME = "ec_cache"
+TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (safetensors' own too)
+FILE_MODE = 0o644
+
+KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+
+# safetensors dtype code <-> torch dtype <-> the name used in the API ("dtype" in /encode answers).
+_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "F32": (torch.float32, "float32"),
+    "BF16": (torch.bfloat16, "bfloat16"),
+}
+_CODE_OF: dict[torch.dtype, str] = {td: code for code, (td, _) in _DTYPES.items()}
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+
+class StoreFormatError(ValueError):
+    """A store file that is not a well-formed ec_cache file (truncated, foreign, or corrupt)."""
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it is a safe store key (one path component, no leading dot), else raise InvalidKey."""
+    # NOTE: fullmatch, not match: with `re.match`, "$" also matches before a trailing "\n".
+    if not isinstance(key, str) or key in (".", "..") or KEY_RE.fullmatch(key) is None:
+        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+        raise InvalidKey(
+            f"invalid key {shown}: a key is 1-128 ASCII characters from [A-Za-z0-9._-] "
+            "and must not start with '.'; leave 'uuid' out to use a content hash"
+        )
+    return key
+
+
+def _key_dir(root: Path, key: str, real_root: str | None = None) -> Path:
+    """`root/key`, checked to resolve to a direct child of root (defence in depth behind validate_key:
+    it also catches a key directory that someone replaced with a symlink to elsewhere)."""
+    validate_key(key)
+    d = root / key
+    real_root = real_root or os.path.realpath(root)
+    if os.path.dirname(os.path.realpath(d)) != real_root:
+        raise InvalidKey(f"key {key!r} resolves outside the store root {str(root)!r}; remove that entry from the store")
+    return d
+
+
+# ---- the on-disk format ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Header:
+    """A parsed, validated safetensors header of one store file."""
+
+    header_len: int  # bytes of JSON after the 8-byte length prefix
+    torch_dtype: torch.dtype
+    dtype: str  # "float32" | "bfloat16"
+    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
+    data_nbytes: int
+    metadata: dict[str, str]  # the raw __metadata__
+    format_version: int
+    model: str
+    out_hidden_size: int
+    deepstack_levels: int
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def file_nbytes(self) -> int:
+        return 8 + self.header_len + self.data_nbytes
+
+
+def _parse_header(prefix: bytes, header_json: bytes, file_size: int, where: str) -> _Header:
+    """Validate one store file's header against its size. Raises StoreFormatError saying what is wrong."""
+
+    def bad(why: str) -> StoreFormatError:
+        return StoreFormatError(f"{where}: not a valid {FILE_NAME} ({why})")
+
+    (header_len,) = struct.unpack("<Q", prefix)
+    if len(header_json) != header_len:
+        raise bad(f"truncated header: {len(header_json)} of {header_len} bytes")
+    try:
+        header = json.loads(header_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or set(header) != {"__metadata__", TENSOR_NAME}:
+        keys = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise bad(f"expected exactly the tensor {TENSOR_NAME!r} and __metadata__, found {keys}")
+    info, meta = header[TENSOR_NAME], header["__metadata__"]
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ must map strings to strings")
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        raise bad(f"{TENSOR_NAME} dtype must be one of {sorted(_DTYPES)}")
+    torch_dtype, dtype = _DTYPES[info["dtype"]]
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(s) is int and s >= 0 for s in shape)):
+        raise bad(f"{TENSOR_NAME} must be 2-D, got shape {shape!r}")
+    data_nbytes = shape[0] * shape[1] * torch_dtype.itemsize
+    if offsets != [0, data_nbytes]:
+        raise bad(f"data_offsets {offsets!r} do not match shape {shape} {dtype}")
+    if file_size != 8 + header_len + data_nbytes:
+        raise bad(f"file is {file_size} bytes, header says {8 + header_len + data_nbytes}")
+    try:
+        format_version = int(meta["format_version"])
+        model = meta["model"]
+        out_hidden = int(meta["out_hidden_size"])
+        levels = int(meta["deepstack_levels"])
+        grid = json.loads(meta["grid_thw"])
+    except (KeyError, ValueError) as e:
+        raise bad(f"missing or malformed metadata field: {e!r}") from None
+    if not (isinstance(grid, list) and len(grid) == 3 and all(type(g) is int and g > 0 for g in grid)):
+        raise bad(f"grid_thw must be three positive ints, got {meta['grid_thw']!r}")
+    if out_hidden <= 0 or levels < 0 or shape[1] != out_hidden * (1 + levels):
+        raise bad(f"shape {shape} does not match out_hidden_size={out_hidden} deepstack_levels={levels}")
+    return _Header(
+        header_len=header_len,
+        torch_dtype=torch_dtype,
+        dtype=dtype,
+        shape=(shape[0], shape[1]),
+        data_nbytes=data_nbytes,
+        metadata=meta,
+        format_version=format_version,
+        model=model,
+        out_hidden_size=out_hidden,
+        deepstack_levels=levels,
+        grid_thw=(grid[0], grid[1], grid[2]),
+    )
+
+
+def _read_into(fd: int, buf: memoryview, where: str) -> None:
+    """Fill `buf` from the file's current position, or raise StoreFormatError if the file ends first."""
+    got = 0
+    while got < len(buf):
+        k = os.readv(fd, [buf[got:]])
+        if k == 0:
+            raise StoreFormatError(f"{where}: truncated: got {got} of {len(buf)} bytes")
+        got += k
+
+
+def _read_bytes(fd: int, n: int, where: str) -> bytes:
+    buf = bytearray(n)
+    _read_into(fd, memoryview(buf), where)
+    return bytes(buf)
+
+
+def _read_header(fd: int, where: str) -> _Header:
+    """Read and validate the header from an open file (position must be 0; left after the header)."""
+    file_size = os.fstat(fd).st_size
+    if file_size < 8:
+        raise StoreFormatError(f"{where}: not a valid {FILE_NAME} (only {file_size} bytes)")
+    prefix = _read_bytes(fd, 8, where)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+        raise StoreFormatError(f"{where}: not a valid {FILE_NAME} (header length {header_len} is impossible)")
+    return _parse_header(prefix, _read_bytes(fd, header_len, where), file_size, where)
+
+
+# ---- the consumer side -----------------------------------------------------------------------------
+@dataclass
+class StoredEmbeddings:
+    """One image's embeddings as the LM consumer needs them.
+
+    `main` and `deepstack[i]` are column slices (views) of one [n, out_hidden*(1+levels)] buffer, as in
+    vLLM's split of `ec_cache`; call `.contiguous()` if a kernel needs dense rows.
+    """
+
+    main: torch.Tensor  # [num_tokens, out_hidden], CPU, float32 | bfloat16
+    deepstack: list[torch.Tensor]  # deepstack_levels x [num_tokens, out_hidden], tap index order
+    grid_thw: tuple[int, int, int]  # the LM needs it for Qwen3-VL's 3-D rotary positions
+    metadata: dict[str, str]  # the raw safetensors __metadata__ (string values, lists JSON-encoded)
+
+
+def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbeddings:
+    """Read `<root>/<key>/encoder_cache.safetensors` and split it into main + deepstack embeddings.
+
+    Raises KeyError(key) if the key is not in the store (never written, or evicted), InvalidKey for a
+    key that could not be in the store, and StoreFormatError for a file that is not a whole ec_cache file.
+
+    Safe against a concurrent eviction or replacement by the writer: the file is opened once, its
+    header checked against its size, and the data read through that same handle, so the result is
+    one complete version of the file (an unlinked or replaced inode stays valid while open).
+
+    `mmap=True` maps the file instead of copying it (zero-copy; on /dev/shm the tensor then lives in
+    the store's pages, copy-on-write). The mapping keeps the inode alive after an eviction too; it is
+    safe because the writer never modifies or truncates a published file, it only replaces or unlinks
+    it. The default copy (~1.6 GB/s on one core, mostly page faults) owns its memory.
+    """
+    root = Path(root)
+    path = _key_dir(root, key) / FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise KeyError(key) from None
+    try:
+        where = str(path)
+        h = _read_header(fd, where)
+        n, width = h.shape
+        offset = 8 + h.header_len
+        if h.data_nbytes == 0:
+            ec_cache = torch.empty((n, width), dtype=h.torch_dtype)
+        elif mmap and offset % h.torch_dtype.itemsize == 0:  # safetensors pads headers to 8 bytes
+            mapped = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)  # the tensor holds the only reference
+            ec_cache = torch.frombuffer(mapped, dtype=h.torch_dtype, count=n * width, offset=offset)
+            ec_cache = ec_cache.view(n, width)
+        else:
+            data = torch.empty(h.data_nbytes, dtype=torch.uint8)  # [data_nbytes] uint8, no zero fill
+            _read_into(fd, memoryview(data.numpy()), where)
+            ec_cache = data.view(h.torch_dtype).view(n, width)  # little-endian, like every host we run on
+    finally:
+        os.close(fd)
+    parts = list(torch.split(ec_cache, h.out_hidden_size, dim=1))
+    assert len(parts) == 1 + h.deepstack_levels, "checked by _parse_header: this is a bug"
+    return StoredEmbeddings(main=parts[0], deepstack=parts[1:], grid_thw=h.grid_thw, metadata=h.metadata)
+
+
+# ---- the writer side -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredItem:
+    """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
+
+    key: str
+    path: str  # relative to the store root: "<key>/encoder_cache.safetensors"
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
+    dtype: str  # "float32" | "bfloat16"
+    nbytes: int  # whole file (header + data): what counts against the capacity
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    item: StoredItem | None  # None: on disk and counted, but not a hit (other model/format, or malformed)
+
+
+class EmbeddingStore:
+    """Byte-bounded LRU store of ec_cache files under `root`, written atomically. Thread-safe.
+
+    NOTE (other models' files): an existing file whose metadata names a different model,
+    out_hidden_size, deepstack_levels, format_version (or dtype, when `dtype` is given) -- or that does
+    not parse -- is indexed, counted against the capacity and evictable in LRU order, but `lookup` never
+    returns it: another model's embeddings are not a cache hit. A `put` of that key overwrites it.
+
+    NOTE (oversize items): a single item larger than the whole capacity is still written (the request
+    that produced it is waiting for it, and the consumer reads it from the store), everything else is
+    evicted, and a warning is logged. The next put evicts it. So the store can exceed its capacity by
+    at most one item, transiently.
+
+    NOTE (locking): `_lock` guards the index and the directory-entry steps that must not interleave
+    for one key -- mkdir + create temp, rename onto the final name, unlink + rmdir on eviction. The
+    tensor write itself runs outside the lock, so lookups and other puts never wait on it. A key
+    directory cannot be removed by an eviction while a put's temp file is in it (rmdir of a non-empty
+    directory fails, and is tolerated), and the temp file is created under the lock right after the
+    mkdir, so a put of a key that is being evicted always lands.
+
+    One writer process per root: the index is this process's memory. Readers in other processes use
+    `read_embeddings`.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        model_id: str,
+        out_hidden_size: int,
+        deepstack_levels: int,
+        *,
+        dtype: str | None = None,  # "float32" | "bfloat16": if given, other-dtype files are not hits
+        fsync: bool = False,  # durability across power loss; pointless on /dev/shm (RAM), so off by default
+    ):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if out_hidden_size <= 0 or deepstack_levels < 0:
+            raise ValueError(f"bad out_hidden_size={out_hidden_size} / deepstack_levels={deepstack_levels}")
+        if dtype is not None and dtype not in {name for _, name in _DTYPES.values()}:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        self.root = Path(root).absolute()
+        self._real_root = os.path.realpath(self.root)
+        self.capacity_bytes = capacity_bytes
+        self.model_id = model_id
+        self.out_hidden_size = out_hidden_size
+        self.deepstack_levels = deepstack_levels
+        self.dtype = dtype
+        self.fsync = fsync
+
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first, MRU last
+        self._bytes_used = 0
+        self._evictions = 0
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+        with self._lock:
+            self._evict_locked(keep=None)
+
+    # ---- public ------------------------------------------------------------------------------------
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes_used
+
+    @property
+    def evictions(self) -> int:
+        return self._evictions
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def lru_keys(self) -> list[str]:
+        """All indexed keys, least recently used first (for metrics and tests)."""
+        with self._lock:
+            return list(self._index)
+
+    def abspath(self, item: StoredItem) -> Path:
+        return self.root / item.path
+
+    def lookup(self, key: str) -> StoredItem | None:
+        """The stored item for `key` if it is a hit for this model; marks it most recently used."""
+        validate_key(key)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry.item is None:
+                return None
+            self._index.move_to_end(key)
+        # Outside the lock: touch the mtime, which both checks that the file still exists and makes
+        # the recency survive a restart (the index is rebuilt in mtime order).
+        try:
+            os.utime(self.root / entry.item.path)
+        except FileNotFoundError:
+            with self._lock:
+                if self._index.get(key) is entry:  # not already replaced/evicted by another thread
+                    log.warning("store file for key %r was deleted externally; dropping it from the index", key)
+                    del self._index[key]
+                    self._bytes_used -= entry.nbytes
+            return None
+        return entry.item
+
+    def put(self, key: str, ec_cache: torch.Tensor, grid_thw) -> StoredItem:
+        """Write `ec_cache` for `key` atomically, then evict LRU entries (never this one) to fit.
+
+        `ec_cache`: [num_tokens, out_hidden*(1+deepstack_levels)], CPU, contiguous, float32|bfloat16.
+        Overwrites an existing entry of the same key. On failure nothing new is visible and the
+        previous version (if any) is untouched.
+        """
+        key_dir = _key_dir(self.root, key, self._real_root)
+        grid = tuple(int(g) for g in grid_thw)
+        self._check_tensor(ec_cache, grid)
+        n, width = ec_cache.shape
+        metadata = {
+            "format_version": str(FORMAT_VERSION),
+            "model": self.model_id,
+            "out_hidden_size": str(self.out_hidden_size),
+            "deepstack_levels": str(self.deepstack_levels),
+            "grid_thw": json.dumps(list(grid)),
+            "num_tokens": str(n),
+        }
+        final = key_dir / FILE_NAME
+
+        # The temp file is created (empty) under the lock together with the mkdir: from then on the
+        # directory is non-empty, so a concurrent eviction of this key cannot rmdir it from under us.
+        tmp = key_dir / f"{TMP_PREFIX}{secrets.token_hex(8)}"
+        with self._lock:
+            key_dir.mkdir(exist_ok=True)
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, FILE_MODE))
+        try:
+            # NOTE: safetensors 0.8 itself writes a `.tmpXXXXXX` sibling (mode 0600) and renames it onto
+            # `tmp`; older versions write `tmp` in place. Either way only `tmp` is ever renamed onto the
+            # final name, and the chmod lets a consumer running as another user read it.
+            save_file({TENSOR_NAME: ec_cache}, tmp, metadata=metadata)
+            os.chmod(tmp, FILE_MODE)
+            if self.fsync:
+                _fsync_path(tmp)
+            nbytes = tmp.stat().st_size
+        except BaseException:
+            with self._lock:
+                tmp.unlink(missing_ok=True)
+                if key not in self._index:
+                    _rmdir_quietly(key_dir)
+            raise
+
+        item = StoredItem(
+            key=key,
+            path=f"{key}/{FILE_NAME}",
+            num_tokens=n,
+            grid_thw=grid,  # type: ignore[arg-type]
+            shape=(n, width),
+            dtype=_DTYPES[_CODE_OF[ec_cache.dtype]][1],
+            nbytes=nbytes,
+        )
+        with self._lock:
+            os.replace(tmp, final)
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._bytes_used -= old.nbytes
+            self._index[key] = _Entry(nbytes=nbytes, item=item)
+            self._bytes_used += nbytes
+            if nbytes > self.capacity_bytes:
+                log.warning(
+                    "store item %r is %d bytes, more than the whole capacity (%d): writing it anyway and "
+                    "evicting everything else; raise --store-capacity-bytes",
+                    key, nbytes, self.capacity_bytes,
+                )
+            self._evict_locked(keep=key)
+        if self.fsync:
+            try:
+                _fsync_path(key_dir)  # makes the rename durable
+            except FileNotFoundError:
+                pass  # already evicted by a concurrent put
+        return item
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _check_tensor(self, t: torch.Tensor, grid: tuple[int, ...]) -> None:
+        # The caller is our own step loop, so these are contract checks, kept as exceptions (not
+        # asserts) because they guard what a separate consumer process will read.
+        width = self.out_hidden_size * (1 + self.deepstack_levels)
+        if t.dim() != 2 or t.shape[1] != width or t.shape[0] == 0:
+            raise ValueError(f"ec_cache must be [num_tokens>0, {width}], got {tuple(t.shape)}")
+        if t.dtype not in _CODE_OF:
+            raise ValueError(f"ec_cache dtype must be float32 or bfloat16, got {t.dtype}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("ec_cache must be a contiguous CPU tensor (copy it off the device first)")
+        if len(grid) != 3 or min(grid) <= 0:
+            raise ValueError(f"grid_thw must be three positive ints, got {grid}")
+
+    def _is_hit(self, h: _Header) -> bool:
+        return (
+            h.format_version == FORMAT_VERSION
+            and h.model == self.model_id
+            and h.out_hidden_size == self.out_hidden_size
+            and h.deepstack_levels == self.deepstack_levels
+            and (self.dtype is None or h.dtype == self.dtype)
+        )
+
+    def _rebuild_index(self) -> None:
+        """Index every `<root>/<key>/encoder_cache.safetensors` from its header, LRU order = mtime order.
+
+        Removes temp files left by a crashed writer and empty key directories. Leaves anything that is
+        not in the store's layout (other names, invalid keys) alone and uncounted.
+        """
+        found: list[tuple[int, str, _Entry]] = []
+        for tmp in self.root.glob(".tmp*"):
+            _unlink_quietly(tmp)
+        with os.scandir(self.root) as it:
+            dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
+        for d in dirs:
+            key = d.name
+            if KEY_RE.fullmatch(key) is None:
+                continue
+            key_dir = Path(d.path)
+            for tmp in key_dir.glob(".tmp*"):
+                log.info("removing stale temp file %s", tmp)
+                _unlink_quietly(tmp)
+            path = key_dir / FILE_NAME
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            except FileNotFoundError:
+                _rmdir_quietly(key_dir)
+                continue
+            except OSError as e:
+                log.warning("store: cannot open %s (%s); ignoring it", path, e)
+                continue
+            try:
+                st = os.fstat(fd)
+                try:
+                    h = _read_header(fd, str(path))
+                except StoreFormatError as e:
+                    log.warning("store: %s; it is counted and evictable but never a hit", e)
+                    h = None
+            finally:
+                os.close(fd)
+            item = None
+            if h is not None and self._is_hit(h):
+                item = StoredItem(
+                    key=key,
+                    path=f"{key}/{FILE_NAME}",
+                    num_tokens=h.shape[0],
+                    grid_thw=h.grid_thw,
+                    shape=h.shape,
+                    dtype=h.dtype,
+                    nbytes=st.st_size,
+                )
+            found.append((st.st_mtime_ns, key, _Entry(nbytes=st.st_size, item=item)))
+        found.sort(key=lambda f: (f[0], f[1]))
+        for _, key, entry in found:
+            self._index[key] = entry
+            self._bytes_used += entry.nbytes
+        if found:
+            hits = sum(e.item is not None for _, _, e in found)
+            log.info(
+                "store %s: indexed %d files (%d bytes), %d usable by model %r",
+                self.root, len(found), self._bytes_used, hits, self.model_id,
+            )
+
+    def _evict_locked(self, keep: str | None) -> None:
+        """Evict least recently used entries (never `keep`) until within capacity. Caller holds _lock."""
+        while self._bytes_used > self.capacity_bytes:
+            victim = next((k for k in self._index if k != keep), None)
+            if victim is None:
+                return  # only `keep` is left: an oversize item (see the class NOTE)
+            entry = self._index.pop(victim)
+            self._bytes_used -= entry.nbytes
+            self._evictions += 1
+            key_dir = self.root / victim
+            try:
+                _unlink_quietly(key_dir / FILE_NAME)
+            except OSError as e:  # the bytes are probably still used; say so rather than fail the put
+                log.error("store: cannot evict %s: %s", key_dir / FILE_NAME, e)
+            _rmdir_quietly(key_dir)  # fails harmlessly while a put of this key has its temp file inside
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _rmdir_quietly(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:  # gone already, or not empty (a concurrent put's temp file)
+        pass
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,254 @@
+"""The HTTP service in process, under a real uvicorn on a loopback port: contracts, dedupe, overload,
+disconnects, hostile keys, bad input, failed steps and metrics."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from service.config import Settings
+from service.loader import load_model
+from service.store import read_embeddings
+from tests import imagedata as data
+from tests.live import json_body, live_server, metric
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model(Settings(model="tiny", device="cpu"))
+
+
+def _settings(tmp_path, **kw):
+    base = dict(model="tiny", device="cpu", store=tmp_path / "store", max_pixels=256 * 256, decode_workers=1,
+                max_wait_ms=20)
+    base.update(kw)
+    return Settings(**base)
+
+
+def _png(seed: int, w: int = 96, h: int = 64) -> bytes:
+    return data.encode(data.textured_rgb(w, h, seed=seed), "PNG")
+
+
+class _Gate:
+    """Holds the step loop inside `run` until released: makes queueing states deterministic."""
+
+    def __init__(self, engine):
+        self.engine, self.entered, self.release = engine, threading.Event(), threading.Event()
+        self._run = engine.run
+        engine.run = self._gated
+
+    def _gated(self, staged):
+        self.entered.set()
+        assert self.release.wait(30), "test gate never released"
+        return self._run(staged)
+
+
+def _wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_encode_json_multipart_and_cache_hit(tmp_path, tiny_model):
+    blob = data.valid_images()["coffee.png"]
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json=json_body(blob, blob, uuids=[None, "client-key_1.a"]), timeout=30)
+        assert r.status_code == 200, r.text
+        first, named = r.json()["items"]
+        assert first["cached"] is False and named["key"] == "client-key_1.a"
+        assert len(first["key"]) == 64 and int(first["key"], 16) >= 0  # sha256 content hash
+        stored = read_embeddings(tmp_path / "store", first["key"])
+        n = first["num_tokens"]
+        t, h, w = first["grid_thw"]
+        assert n == t * h * w // 4 == stored.main.shape[0]
+        assert first["shape"] == [n, 48 * 3] and first["dtype"] == "float32"
+        assert first["path"] == f"{first['key']}/encoder_cache.safetensors"
+        assert (tmp_path / "store" / first["path"]).is_file()
+        assert list(stored.grid_thw) == first["grid_thw"] and len(stored.deepstack) == 2
+        assert torch.equal(read_embeddings(tmp_path / "store", "client-key_1.a").main, stored.main)
+
+        again = httpx.post(url + "/encode", json=json_body(blob), timeout=30).json()["items"][0]
+        assert again["cached"] is True and again["key"] == first["key"]
+        multi = httpx.post(url + "/encode", files=[("image", ("c.png", blob, "image/png"))], timeout=30)
+        assert multi.status_code == 200 and multi.json()["items"][0] == again
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_cache_hits_total") == 2
+        assert metric(m, "qve_images_total", 'outcome="encoded"') == 2
+
+
+def test_twenty_identical_concurrent_requests_encode_once(tmp_path, tiny_model):
+    blob = _png(1)
+    with live_server(_settings(tmp_path, max_wait_ms=200), tiny_model) as (url, app):
+        def post(_):
+            return httpx.post(url + "/encode", json=json_body(blob), timeout=60)
+
+        with ThreadPoolExecutor(20) as pool:
+            responses = list(pool.map(post, range(20)))
+        assert [r.status_code for r in responses] == [200] * 20
+        keys = {r.json()["items"][0]["key"] for r in responses}
+        assert len(keys) == 1
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_images_total", 'outcome="encoded"') == 1
+        assert metric(m, "qve_steps_total", 'result="ok"') == 1
+        joined = metric(m, "qve_images_total", 'outcome="coalesced"') + metric(m, "qve_images_total", 'outcome="cached"')
+        assert joined == 19
+
+
+def test_overload_answers_429_with_retry_after_and_recovers(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path, max_queue_images=2, max_batch_images=1), tiny_model) as (url, app):
+        gate = _Gate(app.state.rt.engine)
+        with ThreadPoolExecutor(8) as pool:
+            first = pool.submit(httpx.post, url + "/encode", json=json_body(_png(100)), timeout=60)
+            assert gate.entered.wait(10)  # image 100 is in the step loop, held
+            queued = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(101 + i)), timeout=60) for i in range(2)]
+            _wait_for(lambda: app.state.rt.batcher.queue_depth() == 2)
+            over = httpx.post(url + "/encode", json=json_body(_png(200)), timeout=60)
+            assert over.status_code == 429
+            assert over.headers["retry-after"] == "1"
+            assert over.json()["error"]["code"] == "overloaded" and "queue is full" in over.json()["error"]["message"]
+            gate.release.set()
+            assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
+        assert httpx.post(url + "/encode", json=json_body(_png(200)), timeout=60).status_code == 200
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_requests_total", 'status="429"') == 1 and metric(m, "qve_rejected_total") == 1
+
+
+def test_client_that_disconnects_is_dropped_before_running(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
+        rt = app.state.rt
+        gate = _Gate(rt.engine)
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(300)), timeout=60)
+            assert gate.entered.wait(10)
+            with pytest.raises(httpx.ReadTimeout):  # this client gives up while its image is queued
+                httpx.post(url + "/encode", json=json_body(_png(301)), timeout=httpx.Timeout(60, read=1.0))
+            _wait_for(lambda: rt.batcher.stats.dropped == 1)
+            assert rt.batcher.queue_depth() == 0
+            gate.release.set()
+            assert held.result().status_code == 200
+        _wait_for(lambda: rt.batcher.in_flight() == 0)
+        assert len(rt.store) == 1  # the abandoned image was never encoded
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_dropped") == 1 and metric(m, "qve_steps_total", 'result="ok"') == 1
+
+
+@pytest.mark.parametrize("bad", [
+    "../escape", "..", ".", "/etc/passwd", "a/b", "a\\b", "", "x" * 129, ".hidden", "key\x00nul", "ключ",
+    "a b", "~root", "key\n",
+])
+def test_uuids_that_try_to_leave_the_store_are_rejected(tmp_path, tiny_model, bad, request):
+    # one server for all parametrized cases would be faster, but each case must see a clean tree
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        r = httpx.post(url + "/encode", json=json_body(_png(5), uuids=[bad]), timeout=30)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["code"] == "invalid_key"
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+        assert not (tmp_path.parent / "escape").exists()
+
+
+def test_bad_requests_get_clear_4xx_and_good_ones_in_the_same_step_succeed(tmp_path, tiny_model):
+    bad_images = data.bad_images()
+    with live_server(_settings(tmp_path, max_wait_ms=300, max_image_bytes=2_000_000, max_input_pixels=4_000_000),
+                     tiny_model) as (url, app):
+        cases = {name: json_body(blob) for name, (blob, _, _) in bad_images.items()}
+        with ThreadPoolExecutor(16) as pool:
+            goods = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(400 + i)), timeout=60) for i in range(4)]
+            bads = {n: pool.submit(httpx.post, url + "/encode", json=body, timeout=60) for n, body in cases.items()}
+            for name, fut in bads.items():
+                r = fut.result()
+                assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
+                err = r.json()["error"]
+                assert err["code"] == bad_images[name][1].code and err["index"] == 0, name
+                assert err["message"].startswith("images[0]")
+            assert [g.result().status_code for g in goods] == [200] * 4
+        # malformed requests of every other kind
+        post = lambda **kw: httpx.post(url + "/encode", timeout=30, **kw)  # noqa: E731
+        checks = [
+            (post(content=b"{not json", headers={"content-type": "application/json"}), 400, "bad_request"),
+            (post(json={"images": []}), 400, "bad_request"),
+            (post(json={"imgs": []}), 400, "bad_request"),
+            (post(json={"images": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}), 400, "bad_request"),
+            (post(json={"images": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}), 400, "bad_request"),
+            (post(json={"images": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}), 422, "image_fetch_failed"),
+            (post(json={"images": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}), 422, "empty_image"),
+            (post(content=b"x", headers={"content-type": "text/plain"}), 400, "bad_request"),
+            (post(files=[("file", ("a.png", _png(1), "image/png"))]), 400, "bad_request"),
+            (post(json=json_body(*[_png(1)] * 65)), 400, "bad_request"),
+            (post(json=json_body(b"\0" * 2_100_000)), 413, "image_too_large"),
+            (post(files=[("image", ("big.png", b"\0" * 2_100_000, "image/png"))]), 413, "image_too_large"),
+        ]
+        for i, (r, status, code) in enumerate(checks):
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), (i, r.text)
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/encode", json=json_body(_png(499)), timeout=30).status_code == 200
+
+
+def test_failed_step_fails_only_its_requests_and_the_loop_lives_on(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
+        engine = app.state.rt.engine
+        real_run, calls = engine.run, []
+
+        def flaky(staged):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected device fault")
+            return real_run(staged)
+
+        engine.run = flaky
+        bad = httpx.post(url + "/encode", json=json_body(_png(600)), timeout=30)
+        assert bad.status_code == 500 and bad.json()["error"]["code"] == "backend_error"
+        assert "injected device fault" in bad.json()["error"]["message"]
+        good = httpx.post(url + "/encode", json=json_body(_png(600)), timeout=30)  # same image again: now it works
+        assert good.status_code == 200 and good.json()["items"][0]["cached"] is False
+        assert httpx.get(url + "/health").status_code == 200
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_steps_total", 'result="failed"') == 1 and metric(m, "qve_steps_total", 'result="ok"') == 1
+
+
+def test_metrics_move_as_requests_are_served(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        m0 = httpx.get(url + "/metrics").text
+        assert metric(m0, "qve_requests_total", 'status="200"') == 0
+        tokens = 0
+        for i in range(3):
+            r = httpx.post(url + "/encode", json=json_body(_png(700 + i), _png(700)), timeout=30)
+            assert r.status_code == 200
+            tokens += r.json()["items"][0]["num_tokens"]
+        m1 = httpx.get(url + "/metrics").text
+        assert metric(m1, "qve_requests_total", 'status="200"') == 3
+        assert metric(m1, "qve_encode_latency_seconds_count") == 3
+        assert metric(m1, "qve_images_total", 'outcome="encoded"') == 3  # 700, 701, 702
+        assert metric(m1, "qve_cache_hits_total") == 2  # 700 again in requests 2 and 3
+        assert tokens > 0 and metric(m1, "qve_step_tokens_sum") == tokens
+        assert metric(m1, "qve_step_tokens_count") == 3
+        assert metric(m1, "qve_store_items") == 3 and metric(m1, "qve_store_bytes") > tokens * 144 * 4
+        assert metric(m1, "qve_queue_depth") == 0
+
+
+def test_eviction_at_capacity_through_http(tmp_path, tiny_model):
+    tokens = 70  # a 96x64 image upscaled to min_pixels (65536): grid 14x20 -> 70 tokens
+    one = tokens * 144 * 4  # x 144 float32 columns
+    with live_server(_settings(tmp_path, store_capacity_bytes=3 * one + 3 * 1024), tiny_model) as (url, app):
+        keys = [httpx.post(url + "/encode", json=json_body(_png(800 + i)), timeout=30).json()["items"][0]["key"]
+                for i in range(6)]
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_store_evictions") == 3 and metric(m, "qve_store_items") == 3
+        with pytest.raises(KeyError):
+            read_embeddings(tmp_path / "store", keys[0])
+        assert read_embeddings(tmp_path / "store", keys[-1]).main.shape == (tokens, 48)
+
+
+def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/docs").status_code == 200
+        assert "/encode" in httpx.get(url + "/openapi.json").json()["paths"]
+        app.state.rt.batcher.close()  # the loop exits once the queue is empty
+        _wait_for(lambda: not app.state.rt.engine.alive())
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503

@@ -1,0 +1,473 @@
+"""Tests for service/store.py: format, atomicity, LRU capacity, concurrency, restart, key safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import service.store as store_mod
+from service.errors import InvalidKey
+from service.store import (
+    FILE_NAME,
+    EmbeddingStore,
+    StoredItem,
+    StoreFormatError,
+    read_embeddings,
+    validate_key,
+)
+
+MODEL = "test-model"
+D = 8  # out_hidden_size
+L = 3  # deepstack levels
+W = D * (1 + L)
+
+
+def make_store(root: Path, capacity: int = 1 << 30, model: str = MODEL, **kw) -> EmbeddingStore:
+    return EmbeddingStore(root, capacity, model_id=model, out_hidden_size=D, deepstack_levels=L, **kw)
+
+
+def parts_for(seed: int, n: int, dtype=torch.float32) -> list[torch.Tensor]:
+    """main + L deepstack taps, each [n, D], distinct and deterministic in `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, D, generator=g) + 100 * i).to(dtype) for i in range(1 + L)]
+
+
+def ec_for(seed: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.cat(parts_for(seed, n, dtype), dim=1).contiguous()
+
+
+def item_nbytes(store: EmbeddingStore, n: int) -> int:
+    """File size of one n-token float32 item with a one-digit grid, measured by writing one."""
+    probe = make_store(store.root.parent / "probe")
+    return probe.put("probe", ec_for(0, n), (1, 2, 2 * n)).nbytes
+
+
+def files_under(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".tmp*")]
+
+
+# ---- format ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_mmap", [False, True], ids=["copy", "mmap"])
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_roundtrip_bit_exact_and_split_order(tmp_path, dtype, name, use_mmap):
+    store = make_store(tmp_path / "s", dtype=name)
+    parts = parts_for(7, 5, dtype)
+    ec = torch.cat(parts, dim=1).contiguous()
+    item = store.put("img-1", ec, (1, 4, 5))
+
+    assert item == StoredItem(
+        key="img-1", path=f"img-1/{FILE_NAME}", num_tokens=5, grid_thw=(1, 4, 5),
+        shape=(5, W), dtype=name, nbytes=(tmp_path / "s" / "img-1" / FILE_NAME).stat().st_size,
+    )
+    got = read_embeddings(tmp_path / "s", "img-1", mmap=use_mmap)
+    assert got.main.dtype == dtype and got.main.shape == (5, D)
+    assert len(got.deepstack) == L
+    # bit-exact, and in order: main first, then each tap (the +100*i offsets make a swap visible)
+    for out, ref in zip([got.main, *got.deepstack], parts):
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert got.grid_thw == (1, 4, 5)
+    meta = got.metadata
+    assert meta["format_version"] == "1" and meta["model"] == MODEL
+    assert meta["out_hidden_size"] == str(D) and meta["deepstack_levels"] == str(L)
+    assert json.loads(meta["grid_thw"]) == [1, 4, 5] and meta["num_tokens"] == "5"
+
+    # what vLLM's ECExampleConnector does: load_file(...)["ec_cache"]
+    ref = load_file(str(tmp_path / "s" / item.path))
+    assert list(ref) == ["ec_cache"] and ref["ec_cache"].dtype == dtype
+    assert torch.equal(ref["ec_cache"], ec)
+    assert store.lookup("img-1") == item
+    # the result outlives the file (an eviction after the read), and writing to it never touches the store
+    (tmp_path / "s" / item.path).unlink()
+    got.main.add_(1)
+    assert torch.equal(got.deepstack[0], parts[1]) and torch.equal(got.main, parts[0] + 1)
+    store.put("img-1", ec, (1, 4, 5))
+    # readable by others: the consumer may run as another user
+    assert (tmp_path / "s" / item.path).stat().st_mode & 0o777 == 0o644
+
+
+def test_put_accepts_row_slice_of_a_larger_buffer(tmp_path):
+    # the engine hands the store row slices of one persistent host output buffer
+    buf = ec_for(5, 12)
+    store = make_store(tmp_path / "s")
+    store.put("a", buf[3:7], (1, 4, 4))
+    got = read_embeddings(tmp_path / "s", "a")
+    assert torch.equal(torch.cat([got.main, *got.deepstack], dim=1), buf[3:7])
+
+
+def test_put_rejects_wrong_tensors(tmp_path):
+    store = make_store(tmp_path / "s")
+    with pytest.raises(ValueError, match="ec_cache must be"):
+        store.put("a", torch.zeros(4, W + 1), (1, 2, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        store.put("a", torch.zeros(4, W, dtype=torch.float16), (1, 2, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        store.put("a", torch.zeros(W, 4).t(), (1, 2, 8))
+    with pytest.raises(ValueError, match="grid_thw"):
+        store.put("a", torch.zeros(4, W), (1, 0, 8))
+    assert len(store) == 0 and files_under(tmp_path / "s") == set()
+
+
+def test_read_rejects_malformed_files(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root)
+    store.put("a", ec_for(1, 6), (1, 4, 6))
+    path = root / "a" / FILE_NAME
+    whole = path.read_bytes()
+
+    path.write_bytes(whole[:-3])  # truncated data
+    with pytest.raises(StoreFormatError, match="bytes, header says"):
+        read_embeddings(root, "a")
+    path.write_bytes(whole[:5])  # not even a length prefix
+    with pytest.raises(StoreFormatError, match="only 5 bytes"):
+        read_embeddings(root, "a")
+    path.write_bytes((10**12).to_bytes(8, "little") + whole[8:])  # absurd header length
+    with pytest.raises(StoreFormatError, match="impossible"):
+        read_embeddings(root, "a")
+    path.write_bytes(b"garbage!" * 40)
+    with pytest.raises(StoreFormatError):
+        read_embeddings(root, "a")
+    with pytest.raises(KeyError):
+        read_embeddings(root, "never-written")
+
+
+# ---- atomicity -------------------------------------------------------------------------------------
+def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    store = make_store(root)
+    old = store.put("kept", ec_for(1, 4), (1, 4, 4))
+
+    def half_write(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 100)  # partial bytes, then the "disk" fails
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "save_file", half_write)
+    with pytest.raises(OSError, match="No space"):
+        store.put("new", ec_for(2, 4), (1, 4, 4))
+    with pytest.raises(OSError, match="No space"):
+        store.put("kept", ec_for(3, 4), (1, 4, 4))  # overwrite of an existing key fails
+
+    assert tmp_files(root) == []
+    assert not (root / "new").exists()  # the key directory made for the failed put is gone too
+    assert store.lookup("new") is None
+    with pytest.raises(KeyError):
+        read_embeddings(root, "new")
+    # the previous version is untouched and still indexed
+    assert store.lookup("kept") == old and len(store) == 1 and store.bytes_used == old.nbytes
+    assert torch.equal(read_embeddings(root, "kept").main, parts_for(1, 4)[0])
+
+
+def test_reader_sees_old_or_new_never_partial_during_overwrite(tmp_path):
+    """Many overwrites of one key while a reader reads it: each read is one whole version."""
+    root = tmp_path / "s"
+    store = make_store(root)
+    versions = {s: ec_for(s, 64) for s in range(4)}
+    store.put("k", versions[0], (1, 16, 16))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    reads = 0
+
+    def reader():
+        nonlocal reads
+        while not stop.is_set():
+            try:
+                got = read_embeddings(root, "k", mmap=reads % 2 == 1)
+                full = torch.cat([got.main, *got.deepstack], dim=1)
+                assert any(torch.equal(full, v) for v in versions.values()), "read a torn file"
+                reads += 1
+            except BaseException as e:  # noqa: BLE001 - surfaced below
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(200):
+        store.put("k", versions[i % 4], (1, 16, 16))
+    stop.set()
+    t.join()
+    assert errors == [] and reads > 0
+    assert tmp_files(root) == [] and len(store) == 1
+
+
+# ---- capacity and LRU ------------------------------------------------------------------------------
+def test_capacity_evicts_least_recently_used(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root, capacity=1)  # placeholder, replaced below once we know an item's size
+    size = item_nbytes(store, 4)
+    store = make_store(root, capacity=3 * size)
+
+    for k in "abc":
+        store.put(k, ec_for(ord(k), 4), (1, 2, 8))
+    assert len(store) == 3 and store.bytes_used == 3 * size and store.evictions == 0
+    assert store.lookup("a") is not None  # a becomes most recently used
+    assert store.lru_keys() == ["b", "c", "a"]
+
+    store.put("d", ec_for(ord("d"), 4), (1, 2, 8))
+    assert store.evictions == 1 and store.lru_keys() == ["c", "a", "d"]
+    assert store.lookup("b") is None and not (root / "b").exists()  # file and directory gone
+    with pytest.raises(KeyError):
+        read_embeddings(root, "b")
+    assert store.bytes_used == 3 * size <= store.capacity_bytes
+
+    # re-putting an existing key replaces it without double counting, and refreshes it
+    store.put("c", ec_for(ord("c"), 4), (1, 2, 8))
+    assert len(store) == 3 and store.bytes_used == 3 * size and store.lru_keys() == ["a", "d", "c"]
+    assert sorted(p.name for p in root.iterdir()) == ["a", "c", "d"]
+
+
+def test_oversize_item_is_kept_and_evicts_everything_else(tmp_path, caplog):
+    root = tmp_path / "s"
+    size = item_nbytes(make_store(tmp_path / "x"), 4)
+    store = make_store(root, capacity=2 * size)
+    store.put("a", ec_for(1, 4), (1, 2, 8))
+    store.put("b", ec_for(2, 4), (1, 2, 8))
+
+    with caplog.at_level("WARNING", logger="service.store"):
+        big = store.put("big", ec_for(3, 40), (1, 2, 80))
+    assert "more than the whole capacity" in caplog.text
+    assert big.nbytes > store.capacity_bytes
+    assert store.lru_keys() == ["big"] and store.bytes_used == big.nbytes and store.evictions == 2
+    assert store.lookup("big") == big
+    assert torch.equal(read_embeddings(root, "big").main, parts_for(3, 40)[0])
+
+    store.put("c", ec_for(4, 4), (1, 2, 8))  # the next put evicts the oversize one
+    assert store.lru_keys() == ["c"] and store.bytes_used == size
+
+
+def test_externally_deleted_file_is_a_miss(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root)
+    item = store.put("a", ec_for(1, 4), (1, 2, 8))
+    (root / item.path).unlink()
+    assert store.lookup("a") is None
+    assert len(store) == 0 and store.bytes_used == 0
+
+
+# ---- concurrency -----------------------------------------------------------------------------------
+def test_eviction_while_readers_read(tmp_path):
+    """Two writers put random keys out of 16 into a store that holds 6 (constant evictions, and puts
+    of keys that the other writer is evicting) while 4 readers read random keys: a read is KeyError
+    or exactly that key's tensor, never a torn one or another error."""
+    root = tmp_path / "s"
+    n_keys, tokens = 16, 16
+    size = item_nbytes(make_store(tmp_path / "x"), tokens)
+    store = make_store(root, capacity=6 * size)
+    expected = {f"k{i}": ec_for(i, tokens) for i in range(n_keys)}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    hits = misses = puts = 0
+    count_lock = threading.Lock()
+
+    def writer(seed: int):
+        nonlocal puts
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                key = f"k{rng.randrange(n_keys)}"
+                store.put(key, expected[key], (1, 4, 4 * tokens // 4))
+                with count_lock:
+                    puts += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def reader(seed: int):
+        nonlocal hits, misses
+        rng = random.Random(100 + seed)
+        try:
+            while not stop.is_set():
+                key = f"k{rng.randrange(n_keys)}"
+                try:
+                    got = read_embeddings(root, key, mmap=rng.random() < 0.5)
+                except KeyError:
+                    with count_lock:
+                        misses += 1
+                    continue
+                full = torch.cat([got.main, *got.deepstack], dim=1)
+                assert torch.equal(full, expected[key]), f"wrong tensor for {key}"
+                with count_lock:
+                    hits += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(2)]
+    threads += [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, so the interleavings the locks guard happen
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+
+    assert errors == [], errors[:3]
+    assert hits > 20 and misses > 20 and store.evictions > 50, (hits, misses, store.evictions, puts)
+    # the index and the disk agree, and no temp file or empty directory is left behind
+    on_disk = {p.parent.name: p.stat().st_size for p in root.glob(f"*/{FILE_NAME}")}
+    assert set(on_disk) == set(store.lru_keys())
+    assert sum(on_disk.values()) == store.bytes_used <= store.capacity_bytes
+    assert tmp_files(root) == []
+    assert sorted(p.name for p in root.iterdir()) == sorted(on_disk)
+
+
+def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
+    """Deterministic version of the race: key k is evicted while a new put of k is mid-write."""
+    root = tmp_path / "s"
+    size = item_nbytes(make_store(tmp_path / "x"), 4)
+    store = make_store(root, capacity=2 * size)
+    store.put("k", ec_for(1, 4), (1, 2, 8))  # old version of k, soon the LRU entry
+    store.put("other", ec_for(2, 4), (1, 2, 8))
+
+    writing, release = threading.Event(), threading.Event()
+    real_save = store_mod.save_file
+
+    def slow_save(tensors, filename, metadata=None):
+        if Path(filename).parent.name == "k":
+            writing.set()
+            assert release.wait(5)
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(store_mod, "save_file", slow_save)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(store.put("k", ec_for(3, 4), (1, 2, 8))))
+    t.start()
+    assert writing.wait(5)
+    store.put("evicts-k", ec_for(4, 4), (1, 2, 8))  # evicts the old k while the new k is being written
+    assert "k" not in store.lru_keys() and store.evictions == 1
+    release.set()
+    t.join()
+
+    assert store.lookup("k") == result[0]
+    assert torch.equal(read_embeddings(root, "k").main, parts_for(3, 4)[0])
+    on_disk = {p.parent.name for p in root.glob(f"*/{FILE_NAME}")}
+    assert on_disk == set(store.lru_keys()) and tmp_files(root) == []
+
+
+# ---- restart ---------------------------------------------------------------------------------------
+def test_restart_rebuilds_index_in_mtime_order(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root)
+    items = {k: store.put(k, ec_for(i, 4 + i), (1, 2, 2 * (4 + i))) for i, k in enumerate("abcd")}
+    # recency on disk: d oldest ... a newest (lookups touch mtime, so this is what a restart sees)
+    for age, k in enumerate("dcba"):
+        t = 1_700_000_000 + age
+        os.utime(root / items[k].path, (t, t))
+    # leftovers of a crash: temp files, an empty key directory; and things not ours
+    (root / "a" / ".tmp-deadbeef").write_bytes(b"partial")
+    (root / "b" / ".tmpXyZ123").write_bytes(b"partial")  # safetensors' own temp name
+    (root / ".tmp-cafe").write_bytes(b"partial")
+    (root / "empty").mkdir()
+    (root / "README").write_text("not a store entry")
+
+    store2 = make_store(root)
+    assert len(store2) == 4 and store2.bytes_used == sum(it.nbytes for it in items.values())
+    assert store2.lru_keys() == ["d", "c", "b", "a"]
+    for k, it in items.items():
+        assert store2.lookup(k) == it
+    assert tmp_files(root) == [] and not (root / "empty").exists()
+    assert (root / "README").exists()
+
+    # a smaller capacity at start evicts the oldest down to fit (lookups above refreshed a..d in order)
+    keep = items["c"].nbytes + items["d"].nbytes
+    store3 = make_store(root, capacity=keep)
+    assert store3.lru_keys() == ["c", "d"] and store3.evictions == 2 and store3.bytes_used == keep
+    assert not (root / "a").exists() and not (root / "b").exists()
+
+
+def test_restart_lookup_refreshes_recency_persistently(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root)
+    for i, k in enumerate("abc"):
+        it = store.put(k, ec_for(i, 4), (1, 2, 8))
+        t = 1_700_000_000 + i
+        os.utime(root / it.path, (t, t))
+    store.lookup("a")
+    assert make_store(root).lru_keys() == ["b", "c", "a"]
+
+
+def test_other_model_is_indexed_but_not_a_hit(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root, model="model-A")
+    a = store.put("shared", ec_for(1, 4), (1, 2, 8))
+    store.put("only-a", ec_for(2, 4), (1, 2, 8))
+
+    other = make_store(root, model="model-B")
+    assert len(other) == 2 and other.bytes_used == 2 * a.nbytes  # counted against capacity
+    assert other.lookup("shared") is None and other.lookup("only-a") is None
+    # different deepstack layout or dtype of the same model name: not a hit either
+    layout = EmbeddingStore(root, 1 << 30, model_id="model-A", out_hidden_size=2 * D, deepstack_levels=1)
+    assert layout.lookup("shared") is None
+    assert make_store(root, model="model-A", dtype="bfloat16").lookup("shared") is None
+    assert make_store(root, model="model-A", dtype="float32").lookup("shared") == a
+
+    b = other.put("shared", ec_for(3, 4), (1, 2, 8))  # overwrite with this model's embeddings
+    assert other.lookup("shared") == b and read_embeddings(root, "shared").metadata["model"] == "model-B"
+    # the other model's entries are evictable like any other
+    small = make_store(root, capacity=b.nbytes, model="model-B")
+    assert small.lru_keys() == ["shared"] and not (root / "only-a").exists()
+
+
+def test_malformed_file_at_start_is_counted_not_a_hit(tmp_path):
+    root = tmp_path / "s"
+    (root / "junk").mkdir(parents=True)
+    (root / "junk" / FILE_NAME).write_bytes(b"not safetensors at all")
+    store = make_store(root)
+    assert len(store) == 1 and store.bytes_used == 22 and store.lookup("junk") is None
+
+
+# ---- keys ------------------------------------------------------------------------------------------
+BAD_KEYS = ["../x", "/abs", "", "a" * 129, ".hidden", "a/b", "a\x00b", "ключ", "é", ".", "..",
+            "abc\n", "a b", "a\\b", "~x", None, 12]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_invalid_keys_rejected_and_nothing_created(tmp_path, key):
+    root = tmp_path / "s"
+    store = make_store(root)
+    store.put("ok", ec_for(1, 4), (1, 2, 8))
+    before = files_under(tmp_path)
+    with pytest.raises(InvalidKey, match="invalid key"):
+        validate_key(key)
+    with pytest.raises(InvalidKey):
+        store.put(key, ec_for(2, 4), (1, 2, 8))
+    with pytest.raises(InvalidKey):
+        store.lookup(key)
+    with pytest.raises(InvalidKey):
+        read_embeddings(root, key)
+    assert files_under(tmp_path) == before and len(store) == 1
+
+
+def test_valid_keys(tmp_path):
+    for key in ["a", "A-b_c.d", "_x", "-x", "0" * 128, "f" * 64, "x..y"]:
+        assert validate_key(key) == key
+    store = make_store(tmp_path / "s")
+    store.put("x..y", ec_for(1, 4), (1, 2, 8))
+    assert (tmp_path / "s" / "x..y" / FILE_NAME).exists()
+
+
+def test_symlinked_key_dir_outside_root_is_refused(tmp_path):
+    root = tmp_path / "s"
+    store = make_store(root)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "evil").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InvalidKey, match="outside the store root"):
+        store.put("evil", ec_for(1, 4), (1, 2, 8))
+    with pytest.raises(InvalidKey, match="outside the store root"):
+        read_embeddings(root, "evil")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
