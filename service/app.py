@@ -377,15 +377,20 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         keys.append(validate_key(inp.uuid) if inp.uuid is not None else await asyncio.to_thread(_content_key, rt, inp.data))
 
     results: list[EncodedItem | None] = [None] * len(inputs)
-    todo: dict[str, int] = {}  # key -> first index needing an encode (a key twice in one request encodes once)
+    tickets: dict[str, object] = {}  # key -> Ticket, one per distinct key still to be encoded
+    todo: dict[str, int] = {}  # key -> first index needing a decode (a key twice in one request encodes once)
     for i, key in enumerate(keys):
         hit = rt.store.lookup(key)
         if hit is not None:
             results[i] = _item(hit, cached=True)
             rt.metrics.cache_hits.inc()
             rt.metrics.images.labels(outcome="cached").inc()
-        elif key not in todo:
-            todo[key] = i
+        elif key not in todo and key not in tickets:
+            joined = rt.batcher.join(key)  # an identical image already queued or running: no decode
+            if joined is not None:
+                tickets[key] = joined
+            else:
+                todo[key] = i
 
     loop = asyncio.get_running_loop()
     limits = rt.settings.image_limits
@@ -396,31 +401,40 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
     for i, p in zip(todo.values(), prepared):
         if isinstance(p, ImageError):
             p.message = f"images[{i}]: {p.message}"
+            for t in tickets.values():
+                t.cancel()
             raise _at(p, i)
         if isinstance(p, BaseException):
+            for t in tickets.values():
+                t.cancel()
             raise p
 
-    tickets = []
     try:
         for (key, i), prep in zip(todo.items(), prepared):
-            tickets.append((key, rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)))
+            hit = rt.store.lookup(key)  # it may have landed while we decoded
+            if hit is not None:
+                results[i] = _item(hit, cached=True)
+                rt.metrics.cache_hits.inc()
+                rt.metrics.images.labels(outcome="cached").inc()
+                continue
+            tickets[key] = rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)
     except Overloaded:
-        for _, t in tickets:
+        for t in tickets.values():
             t.cancel()  # give back what this request queued: it is answered 429 as a whole
         raise
-    for _, t in tickets:
+    for t in tickets.values():
         if t.coalesced:
             rt.metrics.coalesced.inc()
-    futures = [asyncio.wrap_future(t.future) for _, t in tickets]
+    futures = [asyncio.wrap_future(t.future) for t in tickets.values()]
     if not await _wait_or_disconnect(request, futures):
-        for _, t in tickets:
+        for t in tickets.values():
             t.cancel()
         return None
     by_key = {}
-    for (key, t), fut in zip(tickets, futures):
+    for (key, t), fut in zip(tickets.items(), futures):
         by_key[key] = _item(fut.result(), cached=False)
         rt.metrics.images.labels(outcome="coalesced" if t.coalesced else "encoded").inc()
     for i, key in enumerate(keys):
         if results[i] is None:
-            results[i] = by_key[key]
+            results[i] = by_key.get(key) or next(r for r, k in zip(results, keys) if k == key and r is not None)
     return results

@@ -188,6 +188,23 @@ class Batcher:
         ticket._attach()
         return ticket
 
+    def join(self, key: str) -> Ticket | None:
+        """Join the queued or in-flight item for `key`, if there is one (no payload needed).
+
+        Lets the front end skip decoding an image whose identical twin is already being encoded.
+        Returns None when there is nothing to join (or after `close()`): the caller then submits.
+        """
+        with self._cond:
+            item = None if self._closed else (self._queued.get(key) or self._in_flight.get(key))
+            if item is None:
+                return None
+            item.waiters += 1
+            self._stats.coalesced += 1
+            self._stats.submitted += 1
+            ticket = Ticket(self, item, coalesced=True)
+        ticket._attach()
+        return ticket
+
     def _release(self, item: WorkItem) -> None:
         """One waiter of `item` has gone; drop the item if it was the last and it has not run."""
         with self._cond:

@@ -1,0 +1,190 @@
+"""Recycled pinned-host staging buffers, each slot fenced by its own CUDA event.
+
+The step loop writes a step's inputs (uint8 pixels, the image table, ...) into host memory and the
+GPU reads them later, asynchronously: by an H2D copy or in place through unified addressing. The host
+runs ahead of the GPU, so a buffer the host is about to overwrite may still be queued for reading.
+vLLM's encoder-only path crashed exactly there (pinned inputs recycled while the GPU still read
+them). Here every slot carries one event, recorded right after the last device work that reads the
+slot, and `acquire` waits on it before handing the slot back to the host for writing.
+
+Use, once per step, from the one thread that owns the pool (it is not thread-safe):
+
+    slot = pool.acquire()                      # fence: waits until the GPU is done with this slot
+    n = stage(slot.buffers["pixels"])          # host writes; slice, never reallocate
+    launch_preprocess(slot.buffers["pixels"][:n], ...)   # GPU reads the slot (UVA or H2D)
+    slot.release(keepalive=(images_table,))    # record the event after that last read
+
+Call `release` even when the step fails after `acquire` (try/finally): recording the event then is
+still correct, since it orders after whatever was already enqueued.
+
+On CPU the same code runs with no-op events: CPU ops are synchronous, so by the time `release` is
+called the work that read the slot has finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class EventLike(Protocol):
+    """What the pool needs from an event (torch.cuda.Event fits; tests inject fakes)."""
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class NullEvent:
+    """The CPU event: work is synchronous, so every recorded point has already been reached."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One host buffer of every slot, at its maximum size (steps slice it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class PoolStats:
+    acquires: int = 0
+    waits_blocked: int = 0  # acquires whose slot event had not fired yet when checked with query()
+    wait_seconds: float = 0.0  # host time spent blocked in those waits
+
+
+class Slot:
+    """One set of staging buffers plus the event that says when the GPU is done reading them."""
+
+    __slots__ = ("index", "buffers", "_event", "_keepalive", "_state")
+
+    _FREE, _HELD, _IN_FLIGHT = "free", "held", "in_flight"
+
+    def __init__(self, index: int, buffers: dict[str, torch.Tensor], event: EventLike):
+        self.index = index
+        self.buffers = buffers  # name -> host tensor at max size, pinned on CUDA; allocated once
+        self._event = event
+        self._keepalive: tuple[Any, ...] = ()
+        self._state = Slot._FREE
+
+    def release(self, stream: Any = None, keepalive: Iterable[Any] = ()) -> None:
+        """Mark the end of this slot's use by the current step.
+
+        Call right after enqueuing the last device work that reads this slot's buffers. Records the
+        slot's event on `stream` (None: the current stream), so the event fires once that work has
+        run. `keepalive` holds objects the queued work still uses (device tensors it reads or writes,
+        views of these buffers handed to a kernel by pointer): the caching allocators would otherwise
+        hand their memory to someone else while the GPU still uses it, since a raw-pointer read (a
+        CuPy kernel through data_ptr()) is invisible to them. They are dropped at the next `acquire`
+        of this slot, after the event fired.
+        """
+        assert self._state == Slot._HELD, f"This is a bug: slot {self.index} released while {self._state}"
+        self._event.record(stream)
+        self._keepalive = tuple(keepalive)
+        self._state = Slot._IN_FLIGHT
+
+
+class StagingPool:
+    """A ring of host staging slots, handed out round robin, each reused only after its event fired.
+
+    Invariant: num_slots >= steps in flight + 1. The step loop holds one slot while it writes the
+    next step's inputs, and every step the GPU has not finished still owns the slot it reads. With
+    fewer slots `acquire` still stays correct (it waits), but the host then waits for the GPU on every
+    step and the loop loses its overlap; with more, it only costs host memory. Correctness never
+    depends on the depth: a slot is handed back to the host only after its event fired.
+
+    `fence=False` skips the wait. It exists for tests only, to show that without the fence the host
+    overwrites buffers the device has not read yet; never turn it off in the service.
+    """
+
+    def __init__(
+        self,
+        specs: dict[str, BufferSpec],
+        num_slots: int,
+        device: torch.device,
+        fence: bool = True,
+        event_factory: Callable[[], EventLike] | None = None,
+    ):
+        assert num_slots >= 1, f"This is a bug: num_slots must be >= 1, got {num_slots}"
+        assert specs, "This is a bug: a staging pool needs at least one buffer"
+        device = torch.device(device)
+        on_cuda = device.type == "cuda"
+        if event_factory is None:
+            # NOTE: blocking=False (the default) makes synchronize() spin; it releases the GIL, and a
+            # spin wakes sooner than a blocking-sync event, which matters on a ~ms step.
+            event_factory = torch.cuda.Event if on_cuda else NullEvent
+        self.device = device
+        self.specs = dict(specs)
+        self.fence = fence
+        self.stats = PoolStats()
+        # Pinned memory: H2D copies run asynchronously at full speed, and kernels can read it in
+        # place through unified addressing. Allocated here once; steps only slice.
+        self._slots = [
+            Slot(
+                i,
+                {
+                    name: torch.empty(spec.shape, dtype=spec.dtype, pin_memory=on_cuda)
+                    for name, spec in self.specs.items()
+                },
+                event_factory(),
+            )
+            for i in range(num_slots)
+        ]
+        self._next = 0
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def slot(self, index: int) -> Slot:
+        """Slot `index`, for set-up only (e.g. making numpy views of its buffers once); steps use acquire()."""
+        return self._slots[index]
+
+    def acquire(self) -> Slot:
+        """Return the next slot (round robin), once the device has finished reading it."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        assert slot._state != Slot._HELD, (
+            f"This is a bug: slot {slot.index} acquired again before release() "
+            f"(release it in a finally block, even when the step fails)"
+        )
+        if slot._state == Slot._IN_FLIGHT and self.fence:
+            self._wait(slot)
+        # The event fired (or the fence is off, in tests): the device no longer uses what the
+        # previous step kept alive, so the references can go.
+        slot._keepalive = ()
+        slot._state = Slot._HELD
+        self.stats.acquires += 1
+        return slot
+
+    def drain(self) -> None:
+        """Wait for every in-flight slot and drop its references (at shutdown, before freeing)."""
+        for slot in self._slots:
+            if slot._state == Slot._IN_FLIGHT:
+                self._wait(slot)
+                slot._keepalive = ()
+                slot._state = Slot._FREE
+
+    def _wait(self, slot: Slot) -> None:
+        if slot._event.query():
+            return
+        self.stats.waits_blocked += 1
+        t0 = time.perf_counter()
+        slot._event.synchronize()
+        self.stats.wait_seconds += time.perf_counter() - t0

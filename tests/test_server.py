@@ -1,0 +1,178 @@
+"""The real server as its own process (python -m service serve ... on a loopback port)."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image, ImageOps
+from transformers import Qwen3VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from service.store import read_embeddings
+from tests import imagedata as data
+from tests.live import free_port, json_body, metric
+
+ROOT = Path(__file__).resolve().parents[1]
+
+IMAGES = [  # real photographs first, then modes / formats / shapes
+    "astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png", "page.png", "retina.jpg@360",
+    "hubble_deep_field.jpg@400", "rgba.png", "palette_transparent.png", "gray.png", "cmyk.jpg", "exif6.jpg",
+    "noise.webp.lossy", "noise.gif.animated", "wide_4000x40.png",
+]
+
+
+class Server:
+    def __init__(self, ckpt, store, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = store.parent / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "service", "serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32",
+               "--store", str(store), "--host", "127.0.0.1", "--port", str(self.port), "--decode-workers", "2", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"server exited early:\n{self.log.read_text()}"
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server not ready:\n{self.log.read_text()}"
+            time.sleep(0.1)
+
+    def listening_addresses(self) -> set[str]:
+        """Local addresses with a LISTEN socket on our port (from /proc/net/tcp{,6})."""
+        found = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, port = local.split(":")
+                if int(port, 16) == self.port and state == "0A":
+                    found.add(addr)
+        return found
+
+    def stop(self, timeout=60) -> bool:
+        """SIGTERM; True if the server shut down gracefully. uvicorn re-raises the signal after its
+        graceful shutdown, so the exit status is -SIGTERM (or 0): the log tells how it went."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        log = self.log.read_text()
+        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in log and "Traceback" not in log
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """transformers' processor + vision tower for every test image: name -> (grid_thw, [tokens, 48*3])."""
+    blobs = [data.valid_images()[n] for n in IMAGES]
+    pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
+    inputs = Qwen2VLImageProcessorPil.from_pretrained(tiny_checkpoint)(images=pil, return_tensors="pt")
+    visual = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).model.visual.eval()
+    with torch.no_grad():
+        out = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    full = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+    refs, offset = {}, 0
+    for name, grid in zip(IMAGES, inputs["image_grid_thw"].tolist()):
+        n = grid[0] * grid[1] * grid[2] // 4
+        refs[name] = (grid, full[offset : offset + n])
+        offset += n
+    return refs
+
+
+def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, reference):
+    store = tmp_path / "store"
+    server = Server(tiny_checkpoint, store, "--max-wait-ms", "20")
+    try:
+        assert server.listening_addresses() == {"0100007F"}  # 127.0.0.1 only, nothing else advertised
+        blobs = data.valid_images()
+
+        def client(c: int):
+            # each client sends two images; odd clients use multipart, even ones JSON
+            names = [IMAGES[c % len(IMAGES)], IMAGES[(c * 7 + 3) % len(IMAGES)]]
+            if c % 2:
+                files = [("image", (n, blobs[n], "application/octet-stream")) for n in names]
+                r = httpx.post(server.url + "/encode", files=files, timeout=120)
+            else:
+                r = httpx.post(server.url + "/encode", json=json_body(*(blobs[n] for n in names)), timeout=120)
+            return names, r
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(client, range(32)))
+        checked = set()
+        for names, r in results:
+            assert r.status_code == 200, r.text
+            items = r.json()["items"]
+            assert len(items) == 2
+            for name, item in zip(names, items):
+                grid, ref = reference[name]
+                stored = read_embeddings(store, item["key"])
+                ec = torch.cat([stored.main, *stored.deepstack], dim=1)
+                # every response field against the stored tensor
+                assert item["grid_thw"] == list(stored.grid_thw) == grid, name
+                assert item["shape"] == list(ec.shape) and item["num_tokens"] == ec.shape[0], name
+                assert item["dtype"] == "float32" and ec.dtype == torch.float32
+                assert item["path"] == f"{item['key']}/encoder_cache.safetensors"
+                assert (store / item["path"]).is_file()
+                # and the stored tensor against transformers
+                diff = (ec - ref).abs().max().item()
+                assert diff <= 1e-5, f"{name}: max abs diff {diff}"
+                checked.add(name)
+        assert checked == set(IMAGES)
+        m = httpx.get(server.url + "/metrics").text
+        assert metric(m, "qve_requests_total", 'status="200"') == 32
+        assert metric(m, "qve_images_total", 'outcome="encoded"') == len(IMAGES)  # each distinct image once
+        assert metric(m, "qve_store_items") == len(IMAGES)
+    finally:
+        assert server.stop()
+
+
+def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tiny_checkpoint):
+    store = tmp_path / "store"
+    # One image per step and a long queue: when SIGTERM lands, most images are still queued.
+    server = Server(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0")
+    blobs = [data.encode(data.textured_rgb(300, 280, seed=900 + i), "PNG") for i in range(12)]
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
+        deadline = time.monotonic() + 30
+        while metric(httpx.get(server.url + "/metrics").text, "qve_queue_depth") < 3:
+            assert time.monotonic() < deadline, "requests never queued up"
+            time.sleep(0.01)
+        assert server.stop()  # SIGTERM, then a graceful exit
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 12
+    keys = [r.json()["items"][0]["key"] for r in responses]
+    assert all((store / k / "encoder_cache.safetensors").is_file() for k in keys)
+    log = server.log.read_text()
+    assert "Waiting for connections to close" in log or "Shutting down" in log
+
+    # restart on the existing store: the index is rebuilt from disk and every image is a cache hit
+    again = Server(tiny_checkpoint, store)
+    try:
+        m = httpx.get(again.url + "/metrics").text
+        assert metric(m, "qve_store_items") == 12
+        r = httpx.post(again.url + "/encode", json=json_body(*blobs[:4]), timeout=60)
+        assert [it["cached"] for it in r.json()["items"]] == [True] * 4
+        assert [it["key"] for it in r.json()["items"]] == keys[:4]
+    finally:
+        assert again.stop()
+
+
+def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--model", str(tmp_path / "nope"), "--device", "cpu", "--port", str(port)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "neither a preset" in proc.stderr and "nope" in proc.stderr
