@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLVisionModel
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+try:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as PilProcessor
+except ImportError:  # transformers before the PIL/torchvision backend split: the plain class is the PIL one
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as PilProcessor
 
 from service.presets import preset_vision_config
 
@@ -28,9 +31,9 @@ def tiny_config() -> Qwen3VLConfig:
     )
 
 
-def image_processor(min_pixels: int = TEST_MIN_PIXELS, max_pixels: int = TEST_MAX_PIXELS) -> Qwen2VLImageProcessorPil:
+def image_processor(min_pixels: int = TEST_MIN_PIXELS, max_pixels: int = TEST_MAX_PIXELS) -> PilProcessor:
     """transformers' PIL-backend processor with Qwen3-VL's values (never its Qwen2-VL defaults)."""
-    return Qwen2VLImageProcessorPil(
+    return PilProcessor(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
         patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
     )

@@ -286,7 +286,7 @@ def bad_images() -> dict[str, tuple[bytes, type[ImageError], str]]:
 @functools.cache
 def qwen3vl_processor(params: PreprocessParams = PreprocessParams()):
     """transformers' PIL-backend Qwen2-VL processor with Qwen3-VL's values (never its Qwen2-VL defaults)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from tests.checkpoints import PilProcessor as Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
         patch_size=params.patch_size,

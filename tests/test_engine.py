@@ -8,7 +8,6 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from service.__main__ import build_parser
 from service.config import Settings
@@ -17,6 +16,7 @@ from service.images import prepare_image
 from service.loader import load_model
 from service.metrics import Metrics
 from tests import imagedata as data
+from tests.checkpoints import PilProcessor
 from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS
 
 PHOTOS = [  # real photographs shipped by scikit-image
@@ -39,7 +39,7 @@ def _settings_from_cli(ckpt) -> Settings:
 def _reference(ckpt, blobs):
     """transformers: load_image-style decode (EXIF applied, mode kept), PIL processor, vision tower."""
     pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
-    proc = Qwen2VLImageProcessorPil.from_pretrained(ckpt)
+    proc = PilProcessor.from_pretrained(ckpt)
     assert proc.size["longest_edge"] == TEST_MAX_PIXELS  # the checkpoint's limits, not the defaults
     inputs = proc(images=pil, return_tensors="pt")
     visual = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).model.visual.eval()

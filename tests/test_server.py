@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from service.store import read_embeddings
 from tests import imagedata as data
+from tests.checkpoints import PilProcessor
 from tests.live import free_port, json_body, metric
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def reference(tiny_checkpoint):
     """transformers' processor + vision tower for every test image: name -> (grid_thw, [tokens, 48*3])."""
     blobs = [data.valid_images()[n] for n in IMAGES]
     pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
-    inputs = Qwen2VLImageProcessorPil.from_pretrained(tiny_checkpoint)(images=pil, return_tensors="pt")
+    inputs = PilProcessor.from_pretrained(tiny_checkpoint)(images=pil, return_tensors="pt")
     visual = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).model.visual.eval()
     with torch.no_grad():
         out = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])

@@ -1,0 +1,396 @@
+"""Deployment files, checked by parsing (no Docker engine runs where the tests do).
+
+docker/Dockerfile, docker/docker-compose.yml and .dockerignore must agree with each other and with the
+code: every CLI flag and QVE_* variable they use is a real setting with a valid value, the store path
+and port are the same everywhere, the store is shared RAM that the consumer can only read, and the
+service is published on the host's loopback only. The Makefile and .ci/run are checked the same way.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from service.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+COMPOSE = ROOT / "docker" / "docker-compose.yml"
+
+
+# ---- parsing helpers -------------------------------------------------------------------------------
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.strip().startswith("#") or (not buf and not line.strip()):
+            continue
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        full = (buf + line).strip()
+        buf = ""
+        instr, _, args = full.partition(" ")
+        out.append((instr.upper(), args.strip()))
+    return out
+
+
+def instr(name: str) -> list[str]:
+    return [args for i, args in dockerfile() if i == name]
+
+
+def exec_form(name: str) -> list[str]:
+    (args,) = instr(name)[-1:]  # the last one is the one in force
+    assert args.startswith("["), f"{name} should use the exec (JSON) form so signals reach python"
+    return json.loads(args)
+
+
+def arg_default(name: str) -> str:
+    for a in instr("ARG"):
+        key, _, value = a.partition("=")
+        if key == name:
+            return value
+    raise AssertionError(f"no ARG {name} in the Dockerfile")
+
+
+def interpolate(value):
+    """Compose's ${VAR:-default} with VAR unset, as on a machine with no .env file."""
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        assert m.group(2) is not None, f"${{{m.group(1)}}} has no default: the file does not work without a .env"
+        return m.group(2)
+
+    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", sub, value)
+
+
+def flag_pairs(argv: list[str]) -> dict[str, str | None]:
+    """--name value / --name=value / bare --name -> {name: value or None}."""
+    out, i = {}, 0
+    while i < len(argv):
+        tok = argv[i]
+        assert tok.startswith("--"), f"unexpected positional argument {tok!r} in {argv}"
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = None
+        out[name] = value
+        i += 1
+    return out
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(e.partition("=")[::2] for e in env)
+    return {k: str(interpolate(v)) for k, v in env.items()}
+
+
+def mounts(service: dict) -> list[dict]:
+    """Volume mounts in compose's long syntax, whichever syntax the file uses."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, str):
+            parts = v.split(":")
+            v = {"type": "volume", "source": parts[0], "target": parts[1], "read_only": "ro" in parts[2:]}
+        out.append(v)
+    return out
+
+
+def size_bytes(text: str) -> int:
+    m = re.fullmatch(r"(\d+)([kmg]?)b?", text.strip().lower())
+    assert m, f"cannot read size {text!r}"
+    return int(m.group(1)) * 1024 ** "_kmg".index(m.group(2) or "_")
+
+
+def healthcheck_code(test: list[str]) -> str:
+    """The Python source of a healthcheck `python -c CODE`; asserts that it is one."""
+    assert test[:2] == ["python", "-c"], f"healthchecks use the image's python (no curl in it), got {test}"
+    compile(test[2], "<healthcheck>", "exec")
+    return test[2]
+
+
+def url_in(code: str) -> str:
+    (url,) = re.findall(r"https?://[^'\"\s]+", code)
+    return url
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("QVE_"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def encoder_argv(services) -> list[str]:
+    enc = services["encoder"]
+    assert enc.get("entrypoint") in (None, exec_form("ENTRYPOINT"))
+    return [interpolate(a) for a in enc.get("command", exec_form("CMD"))]
+
+
+def store_path() -> str:
+    return flag_pairs(exec_form("CMD"))["store"]
+
+
+def container_port() -> int:
+    (expose,) = instr("EXPOSE")
+    return int(expose.split("/")[0])
+
+
+# ---- the Dockerfile --------------------------------------------------------------------------------
+def test_dockerfile_base_is_cuda12_with_python():
+    (base,) = instr("FROM")
+    image = arg_default("BASE_IMAGE") if base == "${BASE_IMAGE}" else base
+    assert re.search(r"cuda12\.\d+", image), image
+    assert image.startswith("pytorch/pytorch:") or "cudnn-runtime" in image, image
+
+
+def test_dockerfile_installs_gpu_extra_and_keeps_the_base_torch():
+    runs = " ".join(instr("RUN"))
+    assert re.search(r"pip install [^&]*\"\.\[gpu\]\"", runs), "the image must install the project with .[gpu]"
+    # The pin that stops pip from replacing the base image's CUDA torch applies to every install.
+    for m in re.finditer(r"pip install ([^&]*)", runs):
+        assert "--constraint" in m.group(1), m.group(0)
+
+
+def test_dockerfile_copies_what_the_package_needs_and_dockerignore_keeps_it():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    copied = set()
+    for c in instr("COPY"):
+        args = [a for a in c.split() if not a.startswith("--")]
+        copied.update(a.rstrip("/") for a in args[:-1])
+    needed = {"pyproject.toml"}
+    needed |= {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    if "readme" in project["project"]:
+        needed.add(project["project"]["readme"])
+    assert needed <= copied, f"the Dockerfile does not COPY {sorted(needed - copied)}"
+    for path in needed:
+        assert (ROOT / path).exists(), f"{path} is copied into the image but missing from the repository"
+
+    ignore = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()]
+    ignore = [p.lstrip("/") for p in ignore if p and not p.startswith("#")]
+    assert {".venv", ".git"} <= set(ignore)
+    for path in needed:
+        for pat in ignore:
+            pat = pat.removeprefix("**/")
+            assert not (fnmatch.fnmatch(path, pat) or path.startswith(pat + "/")), f".dockerignore {pat!r} drops {path}"
+
+
+def test_dockerfile_runs_as_a_non_root_user_matching_the_store_volume(compose):
+    user = instr("USER")[-1]
+    assert user.split(":")[0] not in ("root", "0"), user
+    uid = arg_default("APP_UID")
+    assert any(f"--uid ${{APP_UID}}" in r and user in r for r in instr("RUN")), "USER must be the user created with APP_UID"
+    (opts,) = [v["driver_opts"]["o"] for v in compose["volumes"].values()]
+    assert f"uid={uid}" in opts.split(","), "the tmpfs store volume must be writable by the image's user"
+
+
+def test_dockerfile_entrypoint_cmd_use_real_settings(clean_env):
+    assert exec_form("ENTRYPOINT") == ["python", "-m", "service", "serve"]
+    flags = flag_pairs(exec_form("CMD"))
+    assert flags["host"] == "0.0.0.0"  # inside the container only ...
+    assert Settings.model_fields["host"].default == "127.0.0.1"  # ... the service's own default stays loopback
+    check_settings_flags(flags)
+
+
+def test_dockerfile_port_and_healthcheck_agree():
+    port = container_port()
+    assert int(flag_pairs(exec_form("CMD"))["port"]) == port
+    (hc,) = instr("HEALTHCHECK")
+    options, _, cmd = hc.partition(" CMD ")
+    assert "--start-period" in options, "loading the model takes a while; give it a start period"
+    url = url_in(healthcheck_code(json.loads(cmd)))
+    assert urlsplit(url).port == port and urlsplit(url).path == "/health"
+
+
+def test_dockerfile_env_names_settings(clean_env):
+    for env in instr("ENV"):
+        for name in re.findall(r"\b(QVE_\w+)=", env):
+            assert name.removeprefix("QVE_").lower() in Settings.model_fields, name
+
+
+# ---- docker-compose.yml ----------------------------------------------------------------------------
+def check_settings_flags(flags: dict[str, str | None]) -> None:
+    """Every flag is a Settings field (bool flags may be --no-x), and the values validate together."""
+    values = {}
+    for name, value in flags.items():
+        field = name.replace("-", "_")
+        if value is None:  # a boolean switch
+            field, value = (field[3:], False) if field.startswith("no_") else (field, True)
+        assert field in Settings.model_fields, f"--{name} is not a setting (service/config.py)"
+        values[field] = value
+    Settings(**values)
+
+
+def test_compose_has_encoder_and_consumer(services):
+    assert {"encoder", "consumer"} <= set(services)
+    for svc in ("encoder", "consumer"):
+        build = services[svc].get("build")
+        assert build and (COMPOSE.parent / build["context"]).resolve() == ROOT
+        assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+    assert services["encoder"]["image"] == services["consumer"]["image"], "the consumer runs the encoder's image"
+
+
+def test_compose_store_is_one_tmpfs_volume_shared_read_only(compose, services):
+    store = store_path()
+    (enc,) = [m for m in mounts(services["encoder"]) if m["target"] == store]
+    (con,) = [m for m in mounts(services["consumer"]) if m["target"] == store]
+    assert enc["type"] == con["type"] == "volume" and enc["source"] == con["source"]
+    assert not enc.get("read_only") and con.get("read_only") is True
+    opts = compose["volumes"][enc["source"]]["driver_opts"]
+    assert opts["type"] == "tmpfs" and opts["device"] == "tmpfs"
+    tmpfs_size = size_bytes(dict(o.partition("=")[::2] for o in opts["o"].split(","))["size"])
+    capacity = int(environment(services["encoder"])["QVE_STORE_CAPACITY_BYTES"])
+    assert capacity < tmpfs_size, "the store's LRU capacity must fit in its tmpfs, or writes fail before eviction"
+
+
+def test_compose_encoder_reserves_a_gpu(services):
+    devices = services["encoder"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(
+        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) and (d.get("count") == "all" or d.get("count", 0) >= 1)
+        for d in devices
+    )
+    assert environment(services["encoder"]).get("QVE_DEVICE", "auto").startswith(("cuda", "auto"))
+    assert size_bytes(services["encoder"]["shm_size"]) >= 1024**3
+
+
+def test_compose_publishes_on_host_loopback_only(services):
+    published = []
+    for name, svc in services.items():
+        for p in svc.get("ports", []):
+            if isinstance(p, dict):
+                host_ip, target = p.get("host_ip"), int(p["target"])
+            else:
+                parts = str(p).split(":")
+                assert len(parts) == 3, f"{name}: {p!r} binds every interface; use 127.0.0.1:HOST:CONTAINER"
+                host_ip, target = parts[0], int(parts[2].split("/")[0])
+            assert host_ip == "127.0.0.1", f"{name} publishes {p!r} beyond loopback"
+            published.append((name, target))
+    assert published == [("encoder", container_port())]
+
+
+def test_compose_consumer_waits_for_a_healthy_encoder(services):
+    enc, con = services["encoder"], services["consumer"]
+    assert con["depends_on"]["encoder"]["condition"] == "service_healthy"
+    test = enc["healthcheck"]["test"]
+    assert test[0] == "CMD" and not enc["healthcheck"].get("disable")
+    url = url_in(healthcheck_code(test[1:]))
+    assert urlsplit(url).port == container_port() and urlsplit(url).path in ("/health", "/ready")
+    # The image's HEALTHCHECK probes an HTTP server; the consumer is none and would show as unhealthy.
+    assert con["healthcheck"].get("disable") is True
+
+
+def test_compose_encoder_settings_are_real(services, clean_env):
+    check_settings_flags(flag_pairs(encoder_argv(services)))
+    env = environment(services["encoder"])
+    for name, value in env.items():
+        if name.startswith("QVE_"):
+            assert name.removeprefix("QVE_").lower() in Settings.model_fields, f"{name} is not a setting"
+            clean_env.setenv(name, value)
+    s = Settings()  # the values validate as the service would read them
+    assert str(s.store_capacity_bytes) == env["QVE_STORE_CAPACITY_BYTES"]
+
+
+def test_compose_consumer_command_matches_its_cli_and_the_encoder(services):
+    from service.consumer import build_parser
+
+    con = services["consumer"]
+    assert con["entrypoint"] == ["python", "-m", "service.consumer"]
+    args = build_parser().parse_args([interpolate(a) for a in con["command"]])
+    url = urlsplit(args.url)
+    assert url.hostname == "encoder" and url.port == container_port()
+    assert str(args.store) == store_path()
+    assert args.wait_ready > 0
+
+
+# ---- Makefile and .ci/run --------------------------------------------------------------------------
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def make_dry_run(*targets: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    r = subprocess.run(["make", "-n", "-B", *targets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+@needs_make
+def test_make_test_installs_pinned_torch_first_then_runs_pytest():
+    lines = make_dry_run("test")
+    torch_line = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
+    project_line = next(i for i, line in enumerate(lines) if '-e ".[dev]"' in line)
+    assert torch_line < project_line, "torch must be installed before the project, or pip fetches a CUDA build"
+    assert "-m pytest" in lines[-1]
+
+
+@needs_make
+def test_make_run_and_serve_tiny_use_the_real_cli():
+    (run,) = [line for line in make_dry_run("run") if "-m service" in line]
+    assert run.split("-m service", 1)[1].split()[0] == "serve"
+    (tiny,) = [line for line in make_dry_run("serve-tiny") if "-m service" in line]
+    check_settings_flags(flag_pairs(tiny.split("-m service serve", 1)[1].split()))
+
+
+@needs_make
+def test_make_install_is_a_stamp_that_follows_pyproject(tmp_path):
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    stamp = tmp_path / ".venv" / ".installed"
+    stamp.write_text("")
+    os.utime(tmp_path / "pyproject.toml", (1_000_000, 1_000_000))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+
+    def up_to_date() -> bool:
+        return subprocess.run(["make", "-q", "install"], cwd=tmp_path, env=env, timeout=60).returncode == 0
+
+    assert up_to_date()
+    os.utime(stamp, (500_000, 500_000))  # pyproject.toml changed after the last install
+    assert not up_to_date()
+
+
+def test_ci_run_is_the_readme_test_command_and_propagates_failure(tmp_path):
+    ci = ROOT / ".ci" / "run"
+    text = ci.read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+    assert [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")][-1].strip() == "make test"
+    assert os.access(ci, os.X_OK), ".ci/run must be executable (git update-index --chmod=+x .ci/run)"
+
+    # Run a copy with a `make` that fails: the script must run it from the repo root and fail too.
+    (tmp_path / "repo" / ".ci").mkdir(parents=True)
+    shutil.copy(ci, tmp_path / "repo" / ".ci" / "run")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "make").write_text('#!/bin/sh\necho "$PWD $*" > "$FAKE_LOG"\nexit 3\n')
+    (fake / "make").chmod(0o755)
+    log = tmp_path / "make.log"
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    r = subprocess.run(["bash", str(tmp_path / "repo" / ".ci" / "run")], cwd=tmp_path, env=env, timeout=60)
+    assert r.returncode != 0
+    assert log.read_text().split() == [str((tmp_path / "repo").resolve()), "test"]
+
