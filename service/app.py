@@ -104,7 +104,7 @@ class Runtime:
             max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
         ))
         self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
-        workers = settings.decode_workers or min(8, os.cpu_count() or 1)
+        workers = self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
         # NOTE: processes, not threads: PIL decode + bicubic resize hold the GIL for most of their time.
         # forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -119,7 +119,13 @@ class Runtime:
         def warm_then_run():
             try:
                 if self.settings.warmup:
-                    self.engine.encode_sync([_warmup_image(self.model)])
+                    image = _warmup_image(self.model)
+                    self.engine.encode_sync([image])
+                    # Start every decode worker now (imports, forkserver) rather than on the first requests.
+                    blob = _warmup_png()
+                    list(self.decoders.map(prepare_image, [blob] * self.decode_workers,
+                                           [self.model.params] * self.decode_workers,
+                                           [self.settings.image_limits] * self.decode_workers))
                 self.engine.start()
                 self.started = True
                 self.ready.set()
@@ -145,8 +151,8 @@ class Runtime:
         self.metrics.dropped.set(self.batcher.stats.dropped)
 
 
-def _warmup_image(model: LoadedModel) -> PreparedImage:
-    """A synthetic image of the minimum size, prepared like any request."""
+def _warmup_png() -> bytes:
+    """A synthetic image of Qwen3-VL's minimum size (256x256 = 65536 pixels)."""
     import io
 
     from PIL import Image
@@ -154,7 +160,11 @@ def _warmup_image(model: LoadedModel) -> PreparedImage:
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return prepare_image(buf.getvalue(), model.params, ImageLimits())
+    return buf.getvalue()
+
+
+def _warmup_image(model: LoadedModel) -> PreparedImage:
+    return prepare_image(_warmup_png(), model.params, ImageLimits())
 
 
 def _at(err: ImageError, index: int) -> ImageError:

@@ -214,7 +214,7 @@ def test_dockerfile_entrypoint_cmd_use_real_settings(clean_env):
     flags = flag_pairs(exec_form("CMD"))
     assert flags["host"] == "0.0.0.0"  # inside the container only ...
     assert Settings.model_fields["host"].default == "127.0.0.1"  # ... the service's own default stays loopback
-    check_settings_flags(flags)
+    check_serve_argv(exec_form("CMD"))
 
 
 def test_dockerfile_port_and_healthcheck_agree():
@@ -227,13 +227,28 @@ def test_dockerfile_port_and_healthcheck_agree():
     assert urlsplit(url).port == port and urlsplit(url).path == "/health"
 
 
-def test_dockerfile_env_names_settings(clean_env):
-    for env in instr("ENV"):
-        for name in re.findall(r"\b(QVE_\w+)=", env):
-            assert name.removeprefix("QVE_").lower() in Settings.model_fields, name
+def test_dockerfile_env_names_settings_and_agrees_with_cmd(clean_env):
+    env = {}
+    for line in instr("ENV"):
+        env.update(re.findall(r"\b(QVE_\w+)=(\S+)", line))
+    for name, value in env.items():
+        assert name.removeprefix("QVE_").lower() in Settings.model_fields, name
+        clean_env.setenv(name, value)
+    Settings()  # valid values
+    # `docker run IMAGE --flags` replaces CMD: the environment must then say what CMD said.
+    for flag, value in flag_pairs(exec_form("CMD")).items():
+        assert env.get("QVE_" + flag.replace("-", "_").upper()) == value, f"ENV and CMD disagree on --{flag}"
 
 
 # ---- docker-compose.yml ----------------------------------------------------------------------------
+def check_serve_argv(argv: list[str]) -> None:
+    """`serve` accepts these arguments, each is a Settings field, and the values validate together."""
+    from service.__main__ import build_parser
+
+    build_parser().parse_args(["serve", *argv])  # exits (fails the test) on an unknown flag or bad choice
+    check_settings_flags(flag_pairs(argv))
+
+
 def check_settings_flags(flags: dict[str, str | None]) -> None:
     """Every flag is a Settings field (bool flags may be --no-x), and the values validate together."""
     values = {}
@@ -305,7 +320,7 @@ def test_compose_consumer_waits_for_a_healthy_encoder(services):
 
 
 def test_compose_encoder_settings_are_real(services, clean_env):
-    check_settings_flags(flag_pairs(encoder_argv(services)))
+    check_serve_argv(encoder_argv(services))
     env = environment(services["encoder"])
     for name, value in env.items():
         if name.startswith("QVE_"):
@@ -352,7 +367,7 @@ def test_make_run_and_serve_tiny_use_the_real_cli():
     (run,) = [line for line in make_dry_run("run") if "-m service" in line]
     assert run.split("-m service", 1)[1].split()[0] == "serve"
     (tiny,) = [line for line in make_dry_run("serve-tiny") if "-m service" in line]
-    check_settings_flags(flag_pairs(tiny.split("-m service serve", 1)[1].split()))
+    check_serve_argv(tiny.split("-m service serve", 1)[1].split())
 
 
 @needs_make

@@ -15,6 +15,7 @@ from service.engine import Engine
 from service.images import prepare_image
 from service.loader import load_model
 from service.metrics import Metrics
+from service.preprocess import to_rgb
 from service.store import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
@@ -28,7 +29,9 @@ NAMES = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png
 
 
 def _reference(ckpt, blobs, device="cpu", dtype=torch.float32):
-    pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
+    # NOTE: RGB conversion is done here with ours (tested against the installed transformers on the
+    # CPU): the GPU machine's older transformers drops alpha instead of compositing it on white.
+    pil = [to_rgb(ImageOps.exif_transpose(Image.open(io.BytesIO(b)))) for b in blobs]
     inputs = PilProcessor.from_pretrained(ckpt)(images=pil, return_tensors="pt")
     visual = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=dtype).model.visual.eval().to(device)
     with torch.no_grad():
