@@ -1,0 +1,53 @@
+"""One config object: CLI flags and QVE_* environment variables, a flag winning, validated."""
+
+import pytest
+from pydantic import ValidationError
+
+from service.__main__ import build_parser, main
+from service.config import Settings
+
+
+def _from_cli(*argv):
+    args = vars(build_parser().parse_args(["serve", *argv]))
+    args.pop("command"), args.pop("log_level")
+    return Settings(**args)
+
+
+def test_every_setting_is_a_flag_and_an_env_var(monkeypatch):
+    monkeypatch.setenv("QVE_MAX_BATCH_TOKENS", "1234")
+    monkeypatch.setenv("QVE_ALLOWED_URL_HOSTS", "Images.Example.com, cdn.example.org")
+    monkeypatch.setenv("QVE_PORT", "9001")
+    monkeypatch.setenv("QVE_WARMUP", "false")
+    s = _from_cli("--port", "9002", "--model", "tiny", "--max-wait-ms", "2.5")
+    assert s.port == 9002  # the flag wins over QVE_PORT
+    assert s.max_batch_tokens == 1234 and s.warmup is False
+    assert s.allowed_url_hosts == ["images.example.com", "cdn.example.org"]
+    assert s.model == "tiny" and s.max_wait_ms == 2.5
+    flags = {a.option_strings[0] for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+             if a.option_strings and a.option_strings[0] != "-h"}
+    assert {"--" + f.replace("_", "-") for f in Settings.model_fields} <= flags
+    assert _from_cli("--no-warmup").warmup is False
+
+
+def test_defaults_work_out_of_the_box(monkeypatch):
+    for k in list(__import__("os").environ):
+        if k.startswith("QVE_"):
+            monkeypatch.delenv(k)
+    s = Settings()
+    assert s.host == "127.0.0.1" and s.model == "qwen3-vl-2b" and s.device == "auto"
+    assert str(s.store).endswith("qwen3vl-encoder-cache")
+    assert s.resolved_dtype() in ("float32", "bfloat16")
+
+
+@pytest.mark.parametrize("bad", [
+    {"device": "tpu"}, {"device": "cuda:x"}, {"dtype": "float16"}, {"port": 70000}, {"pool_slots": 1},
+    {"max_batch_tokens": 0}, {"min_pixels": 10, "max_pixels": 5}, {"no_such_setting": 1},
+])
+def test_invalid_settings_are_refused(bad):
+    with pytest.raises(ValidationError):
+        Settings(**bad)
+
+
+def test_cli_reports_invalid_settings(capsys):
+    assert main(["serve", "--device", "tpu"]) == 2
+    assert "device must be cpu, cuda, cuda:N or auto" in capsys.readouterr().err
