@@ -58,7 +58,7 @@ def is_loopback_url(url: str) -> bool:
     host = urlsplit(url).hostname
     if host is None:
         return False
-    if host.startswith("localhost"):
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
