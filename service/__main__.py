@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as e:
         print(f"cannot load model: {e}", file=sys.stderr)
         return 2
+    # NOTE: several threads share the GIL (event loop, step loop, store writers); each blocking call
+    # (file I/O, event waits) can cost a whole switch interval to get the GIL back. 5 ms (the default)
+    # stalls the pipeline; 1 ms keeps the hand-offs short at negligible switching cost.
+    sys.setswitchinterval(0.001)
     app = create_app(settings, model)
     # NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose
     # images are queued or running), then runs the app's shutdown, which drains the step loop.

@@ -13,6 +13,7 @@ On CPU the same code runs: events are trivial and the "device" work is synchrono
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -115,6 +116,7 @@ class Engine:
             for i in range(len(self.out_bufs)):
                 self.out_free.put(i)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="store-put")
         self._step_no = 0
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
@@ -257,31 +259,37 @@ class Engine:
         while True:
             job = self._writer_q.get()
             if job is None:
+                self._put_pool.shutdown()
                 return
-            finished = 0  # items already answered: a later failure must not answer them twice
             try:
                 if job.done is not None:
                     job.done.synchronize()  # the writer's one device wait: this step's D2H copy
-                for i, item in enumerate(job.items):
-                    a, b = job.token_offsets[i], job.token_offsets[i + 1]
-                    try:
-                        stored = self.store.put(item.key, job.host_out[a:b], job.grids[i])
-                    except Exception as e:
-                        log.error("store write for %s failed: %r", item.key, e)
-                        self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
-                    else:
-                        self.batcher.finish(item, result=stored)
-                    finished = i + 1
-            except Exception as e:  # e.g. a device fault surfaced by synchronize()
-                log.error("writer failed on a step of %d images: %r", len(job.items), e)
-                for item in job.items[finished:]:
+            except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
+                log.error("step of %d images failed on the device: %r", len(job.items), e)
+                for item in job.items:
                     self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+            else:
+                offs = job.token_offsets
+                rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(len(job.items))]
+                # NOTE: a few threads: each put is mostly a memcpy into /dev/shm with the GIL released,
+                # and one thread alone falls behind the GPU at large batches.
+                list(self._put_pool.map(self._store_one, job.items, rows, job.grids))
             finally:
                 if job.out_index is not None:
-                    self.out_free.put(job.out_index)
+                    self.out_free.put(job.out_index)  # every put above has returned: the buffer is free
             self.metrics.store_bytes.set(self.store.bytes_used)
             self.metrics.store_items.set(len(self.store))
             self.metrics.store_evictions.set(self.store.evictions)
+
+    def _store_one(self, item: WorkItem, rows: torch.Tensor, grid: tuple[int, int, int]) -> None:
+        """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
+        try:
+            stored = self.store.put(item.key, rows, grid)
+        except Exception as e:
+            log.error("store write for %s failed: %r", item.key, e)
+            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
+        else:
+            self.batcher.finish(item, result=stored)
 
     # ---- synchronous path (warm-up, tests, benchmarks) ----------------------------------------------
     def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:

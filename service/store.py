@@ -18,6 +18,12 @@ Two sides, two APIs:
 - `read_embeddings` is the consumer (reader) side. It shares nothing with `EmbeddingStore` but the
   format, so another process (the LM server) can call it while the writer evicts and replaces files.
 
+The files are plain safetensors (vLLM reads them with `safetensors.torch.load_file`), but the writer
+is our own (`_encode_header` + `_write_ec_file`): it produces the bytes `safetensors.torch.save` does
+(see `_encode_header` for the one liberty) from a zero-copy view of the tensor, with one `writev`
+that releases the GIL, writing the temp file in place. `safetensors.torch.save_file` (0.8) writes a
+second temp file of its own and renames it, and holds the GIL for part of each call.
+
 Why this is safe for concurrent readers: a file is written under a temp name in its key directory and
 `os.replace`d onto the final name, and never modified in place afterwards. A reader that opens the
 final name holds either the old or the new inode, both complete; eviction only unlinks, and an
@@ -27,12 +33,14 @@ everything from that handle, and checks the size against the header.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap as _mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -40,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from service.errors import InvalidKey
 
@@ -49,7 +56,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
-TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (safetensors' own too)
+TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (older versions'
+# files were written by safetensors' save_file, whose 0.8 writes a ".tmpXXXXXX" of its own)
 FILE_MODE = 0o644
 
 KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
@@ -196,6 +204,72 @@ def _read_header(fd: int, where: str) -> _Header:
     if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
         raise StoreFormatError(f"{where}: not a valid {FILE_NAME} (header length {header_len} is impossible)")
     return _parse_header(prefix, _read_bytes(fd, header_len, where), file_size, where)
+
+
+def _encode_header(dtype_code: str, shape: tuple[int, ...], data_nbytes: int, metadata: dict[str, str]) -> bytes:
+    """The 8-byte length prefix and the JSON header of a file holding one tensor `ec_cache`, byte for byte
+    as safetensors 0.8 (Rust serde_json) writes them:
+
+        u64 little-endian N, then N bytes {"__metadata__":{...},"ec_cache":{"dtype":..,"shape":[..],
+        "data_offsets":[0,nbytes]}} -- compact separators, non-ASCII as raw UTF-8, control characters
+        escaped as \\n \\t ... or \\u00xx (lowercase hex) -- padded with spaces to N % 8 == 0, so the data
+        starts 8-byte aligned. The raw little-endian tensor bytes follow.
+
+    The one liberty: safetensors 0.8 emits the `__metadata__` entries in Rust HashMap order, which is
+    randomized per call (its own output is not reproducible); we emit them in `metadata`'s order. Given
+    the same order the bytes are identical (tests/test_store.py checks it), and no reader depends on it.
+    """
+    for k, v in metadata.items():
+        if type(k) is not str or type(v) is not str:  # safetensors raises too; json would write a number
+            raise TypeError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+    info = {"dtype": dtype_code, "shape": list(shape), "data_offsets": [0, data_nbytes]}  # serde's field order
+    body = json.dumps(
+        {"__metadata__": metadata, TENSOR_NAME: info}, ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy, flat byte view of a contiguous CPU tensor's data (little-endian, like every host we
+    run on), valid while `t` is alive. Works for a view into a larger (e.g. pinned) buffer: data_ptr()
+    includes the storage offset.
+
+    NOTE: built from the data pointer with ctypes (as safetensors' own writer passes pointers), not as
+    `t.reshape(-1).view(torch.uint8).numpy()`: every torch op call releases and retakes the GIL, and
+    while another Python thread is busy each retake can wait a whole switch interval (5 ms); measured,
+    that reshape alone cost ~10 ms under contention. This takes no torch op and never drops the GIL."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    """Write all `bufs` (bytes / memoryviews) in order with as few writev calls as the kernel allows.
+    os.writev releases the GIL for the copy; partial writes (> 2 GiB, signals) are resumed."""
+    pending = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while pending:
+        written = os.writev(fd, pending)
+        if written <= 0:
+            raise OSError(f"writev wrote {written} bytes")
+        while pending and written >= len(pending[0]):
+            written -= len(pending[0])
+            pending.pop(0)
+        if written:
+            pending[0] = pending[0][written:]
+
+
+def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool) -> int:
+    """Write header + tensor data to the new, empty file open as `fd`, make it mode FILE_MODE (exactly,
+    whatever the umask: the consumer may run as another user); return the file size. The caller closes
+    `fd`. Only the store's temp files are written this way; `put` renames them onto the final name."""
+    data = _tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
+    os.fchmod(fd, FILE_MODE)
+    _write_all(fd, [header, data])
+    if fsync:
+        os.fsync(fd)
+    return len(header) + len(data)
 
 
 # ---- the consumer side -----------------------------------------------------------------------------
@@ -380,11 +454,13 @@ class EmbeddingStore:
     def put(self, key: str, ec_cache: torch.Tensor, grid_thw) -> StoredItem:
         """Write `ec_cache` for `key` atomically, then evict LRU entries (never this one) to fit.
 
-        `ec_cache`: [num_tokens, out_hidden*(1+deepstack_levels)], CPU, contiguous, float32|bfloat16.
+        `ec_cache`: [num_tokens, out_hidden*(1+deepstack_levels)], CPU, contiguous, float32|bfloat16;
+        it may be a row slice of a larger (pinned) buffer. It is read in place (not copied) without
+        the GIL, so the caller must not overwrite it until put returns.
         Overwrites an existing entry of the same key. On failure nothing new is visible and the
         previous version (if any) is untouched.
         """
-        key_dir = _key_dir(self.root, key, self._real_root)
+        key_dir = self._key_dir(key)
         grid = tuple(int(g) for g in grid_thw)
         self._check_tensor(ec_cache, grid)
         n, width = ec_cache.shape
@@ -396,23 +472,27 @@ class EmbeddingStore:
             "grid_thw": json.dumps(list(grid)),
             "num_tokens": str(n),
         }
+        code = _CODE_OF[ec_cache.dtype]
+        header = _encode_header(code, (n, width), ec_cache.numel() * ec_cache.element_size(), metadata)
         final = key_dir / FILE_NAME
 
         # The temp file is created (empty) under the lock together with the mkdir: from then on the
         # directory is non-empty, so a concurrent eviction of this key cannot rmdir it from under us.
+        # NOTE (GIL): every os.* call here releases the GIL, and while another Python thread is busy
+        # each retake can cost a switch interval (5 ms); so put keeps its syscalls few (one open,
+        # written through that fd) and uses no torch op on the tensor (see _tensor_bytes).
         tmp = key_dir / f"{TMP_PREFIX}{secrets.token_hex(8)}"
         with self._lock:
             key_dir.mkdir(exist_ok=True)
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, FILE_MODE))
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, FILE_MODE)
         try:
-            # NOTE: safetensors 0.8 itself writes a `.tmpXXXXXX` sibling (mode 0600) and renames it onto
-            # `tmp`; older versions write `tmp` in place. Either way only `tmp` is ever renamed onto the
-            # final name, and the chmod lets a consumer running as another user read it.
-            save_file({TENSOR_NAME: ec_cache}, tmp, metadata=metadata)
-            os.chmod(tmp, FILE_MODE)
-            if self.fsync:
-                _fsync_path(tmp)
-            nbytes = tmp.stat().st_size
+            # Outside the lock, and the bulk copy releases the GIL: lookups, other puts and the service's
+            # Python threads run meanwhile. `tmp` is written in place (no further temp file) and only it
+            # is renamed onto the final name.
+            try:
+                nbytes = _write_ec_file(fd, header, ec_cache, fsync=self.fsync)
+            finally:
+                os.close(fd)
         except BaseException:
             with self._lock:
                 tmp.unlink(missing_ok=True)
@@ -426,7 +506,7 @@ class EmbeddingStore:
             num_tokens=n,
             grid_thw=grid,  # type: ignore[arg-type]
             shape=(n, width),
-            dtype=_DTYPES[_CODE_OF[ec_cache.dtype]][1],
+            dtype=_DTYPES[code][1],
             nbytes=nbytes,
         )
         with self._lock:
@@ -451,6 +531,21 @@ class EmbeddingStore:
         return item
 
     # ---- internals ---------------------------------------------------------------------------------
+    def _key_dir(self, key: str) -> Path:
+        """`_key_dir(root, key)`, with one lstat in the common case instead of realpath's one per path
+        component (each a chance to lose the GIL, see put): an entry of root that is not a symlink (or
+        no entry yet) resolves to real_root/key; a symlink gets the full check."""
+        validate_key(key)
+        d = self.root / key
+        try:
+            if not stat.S_ISLNK(os.lstat(d).st_mode):
+                return d
+        except FileNotFoundError:
+            return d
+        except OSError:
+            pass
+        return _key_dir(self.root, key, self._real_root)
+
     def _check_tensor(self, t: torch.Tensor, grid: tuple[int, ...]) -> None:
         # The caller is our own step loop, so these are contract checks, kept as exceptions (not
         # asserts) because they guard what a separate consumer process will read.

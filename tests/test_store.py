@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save, save_file
 
 import service.store as store_mod
 from service.errors import InvalidKey
@@ -144,17 +146,182 @@ def test_read_rejects_malformed_files(tmp_path):
         read_embeddings(root, "never-written")
 
 
+# ---- byte identity with safetensors ---------------------------------------------------------------
+# NOTE: safetensors 0.8 writes the __metadata__ entries in Rust HashMap order, randomized per call, so
+# its own output is not reproducible; our writer uses the metadata dict's order. Byte identity is
+# checked (a) for any metadata by encoding it in the order safetensors chose, and (b) for put's own
+# files by calling safetensors until it happens to choose our order (~1 in 6! = 720 calls).
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def st_header(data: bytes) -> tuple[int, dict]:
+    """(header length, header dict in the file's key order) of safetensors bytes."""
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8:8 + n])
+
+
+def our_bytes(t: torch.Tensor, metadata: dict[str, str], path: Path) -> bytes:
+    """What the store's writer produces for `t` (through the real file write)."""
+    code = {torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype]
+    header = store_mod._encode_header(code, tuple(t.shape), t.numel() * t.element_size(), metadata)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        nbytes = store_mod._write_ec_file(fd, header, t, fsync=False)
+    finally:
+        os.close(fd)
+    assert path.stat().st_mode & 0o777 == 0o644
+    data = path.read_bytes()
+    assert nbytes == len(data)
+    return data
+
+
+def tensor_cases(dtype):
+    big = torch.randn(20, 5 * W, generator=torch.Generator().manual_seed(3)).to(dtype)
+    return {
+        "1x1": torch.tensor([[1.5]], dtype=dtype),
+        "3x5": torch.randn(3, 5).to(dtype),  # odd byte count in bf16: padding is only before the data
+        "0x8": torch.empty(0, 8, dtype=dtype),
+        "2x3x4": torch.randn(2, 3, 4).to(dtype),
+        "rows 3:10 of 20": big[3:10],  # a row slice of a bigger buffer (storage offset != 0)
+        "196x10240": torch.randn(196, 10240).to(dtype),  # the real size, 4 MB in bf16
+    }
+
+
+METADATA_CASES = {
+    "put": {"format_version": "1", "model": "qwen3-vl-4b", "out_hidden_size": "2560", "deepstack_levels": "3",
+            "grid_thw": "[1, 28, 28]", "num_tokens": "196"},
+    "one": {"model": "a"},
+    "empty": {},
+    "escapes": {"model": "/ckpt/Модель é ☃ \U0001F600 \u2028 \x7f \"q\" \\ </", "ctl": "".join(map(chr, range(32)))},
+}
+
+
+@pytest.mark.parametrize("meta_name", list(METADATA_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_writer_bytes_identical_to_safetensors(tmp_path, dtype, meta_name):
+    metadata = METADATA_CASES[meta_name]
+    for name, t in tensor_cases(dtype).items():
+        ref = save({"ec_cache": t}, metadata=metadata)
+        _, ref_header = st_header(ref)
+        in_ref_order = ref_header["__metadata__"]  # json.loads keeps the file's order
+        assert in_ref_order == metadata
+        ours = our_bytes(t, in_ref_order, tmp_path / f"{name}.safetensors")
+        assert ours == ref, f"{name}: {ours[:200]!r} != {ref[:200]!r}"
+        loaded = load_file(tmp_path / f"{name}.safetensors")
+        assert list(loaded) == ["ec_cache"] and loaded["ec_cache"].dtype == dtype
+        assert torch.equal(as_bits(loaded["ec_cache"]), as_bits(t))
+        # and in the caller's order (what put does): same length, same bytes apart from the entry order
+        ours = our_bytes(t, metadata, tmp_path / f"{name}.2.safetensors")
+        assert len(ours) == len(ref) and ours[:8] == ref[:8] and st_header(ours) == st_header(ref)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_put_file_is_byte_identical_to_safetensors_save(tmp_path, dtype, name):
+    root = tmp_path / "s"
+    store = make_store(root, dtype=name)
+    big = ec_for(9, 20, dtype)
+    cases = {"one row": ec_for(1, 1, dtype), "5 rows": ec_for(2, 5, dtype), "rows 3:10 of 20": big[3:10],
+             "last row of 20": big[19:]}
+    for i, (case, t) in enumerate(cases.items()):
+        item = store.put(f"k{i}", t, (1, 2, 2 * t.shape[0]))
+        got = (root / item.path).read_bytes()
+        assert item.nbytes == len(got)
+        _, header = st_header(got)
+        metadata = header["__metadata__"]
+        assert list(metadata) == ["format_version", "model", "out_hidden_size", "deepstack_levels", "grid_thw",
+                                  "num_tokens"]
+        for _ in range(50_000):  # until safetensors' random metadata order is ours (p = 1/720 per call)
+            ref = save({"ec_cache": t}, metadata=metadata)
+            if ref == got:
+                break
+            assert len(ref) == len(got) and st_header(ref) == st_header(got), case
+        else:
+            pytest.fail(f"{case}: no safetensors.save output equals the put's file")
+        loaded = load_file(root / item.path)["ec_cache"]
+        assert loaded.dtype == dtype and torch.equal(as_bits(loaded), as_bits(t)), case
+
+
+def test_tensor_bytes_is_a_zero_copy_view():
+    buf = torch.zeros(4, 6, dtype=torch.bfloat16)  # like the engine's host buffer; put gets row slices
+    mv = store_mod._tensor_bytes(buf[1:3])
+    assert mv.format == "B" and len(mv) == 2 * 6 * 2
+    mv[2:4] = torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert buf[1, 1] == 1.5 and int(buf.ne(0).sum()) == 1  # the same memory, at the slice's offset
+    assert len(store_mod._tensor_bytes(buf[2:2])) == 0
+
+
+def test_put_file_mode_and_fsync(tmp_path):
+    store = make_store(tmp_path / "s", fsync=True)
+    old_umask = os.umask(0o077)  # the file is 0644 whatever the writer's umask
+    try:
+        item = store.put("a", ec_for(1, 4), (1, 2, 8))
+    finally:
+        os.umask(old_umask)
+    path = tmp_path / "s" / item.path
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert torch.equal(load_file(path)["ec_cache"], ec_for(1, 4)) and tmp_files(tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="the save_file baseline needs /proc/self/fd")
+def test_put_benchmark_4mb_bf16(tmp_path, monkeypatch):
+    """Not an assertion on time: prints put's latency for one real-size item (196 x 10240 bf16 = 4 MB) with
+    the store's writer and with safetensors.save_file (the previous writer), on /dev/shm if there is one."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    n, d, levels = 196, 2560, 3
+    buf = torch.randn(8 * n, d * (1 + levels)).to(torch.bfloat16)  # row slices of one buffer, like the engine
+
+    def save_file_writer(fd, header, ec_cache, *, fsync):  # what put did before: save_file onto the temp name
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        metadata = json.loads(header[8:])["__metadata__"]
+        save_file({"ec_cache": ec_cache}, path, metadata=metadata)
+        os.chmod(path, 0o644)
+        return os.stat(path).st_size
+
+    def bench(samples: list[float]) -> None:
+        root = Path(tempfile.mkdtemp(prefix="ec-store-bench-", dir=base))
+        try:
+            store = EmbeddingStore(root, 8 * 5 << 20, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels)
+            for i in range(50):  # 8 items fit: from the 9th put on, every put also evicts one
+                t = buf[(i % 8) * n:(i % 8 + 1) * n]
+                t0 = time.perf_counter()
+                store.put(f"k{i % 12}", t, (1, 14, 14))
+                if i >= 10:
+                    samples.append(time.perf_counter() - t0)
+            assert read_embeddings(root, f"k{49 % 12}").main.shape == (n, d)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    ours: list[float] = []
+    before: list[float] = []
+    for _ in range(3):  # interleaved rounds, so both see the same machine noise
+        bench(ours)
+        with monkeypatch.context() as m:
+            m.setattr(store_mod, "_write_ec_file", save_file_writer)
+            bench(before)
+    ms = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in {"before": before, "ours": ours}.items()}
+    print(f"\n[bench] put of 4 MB bf16 on {base}, median of {len(ours)} (incl. eviction): "
+          f"safetensors.save_file {ms['before']:.2f} ms, store writer {ms['ours']:.2f} ms")
+
+
 # ---- atomicity -------------------------------------------------------------------------------------
-def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["_write_ec_file", "_write_all"])
+def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
     root = tmp_path / "s"
     store = make_store(root)
     old = store.put("kept", ec_for(1, 4), (1, 4, 4))
 
-    def half_write(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"\x00" * 100)  # partial bytes, then the "disk" fails
-        raise OSError(28, "No space left on device")
+    if where == "_write_ec_file":  # the whole file write fails
+        def half_write(fd, header, ec_cache, *, fsync):
+            os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
+            raise OSError(28, "No space left on device")
+    else:  # the real writer (fchmod) runs, and its data write fails half way
+        def half_write(fd, bufs):
+            os.write(fd, b"\x00" * 100)
+            raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "save_file", half_write)
+    monkeypatch.setattr(store_mod, where, half_write)
     with pytest.raises(OSError, match="No space"):
         store.put("new", ec_for(2, 4), (1, 4, 4))
     with pytest.raises(OSError, match="No space"):
@@ -335,17 +502,18 @@ def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
     store.put("other", ec_for(2, 4), (1, 2, 8))
 
     writing, release = threading.Event(), threading.Event()
-    real_save = store_mod.save_file
+    real_write = store_mod._write_ec_file
+    new_k = ec_for(3, 4)
 
-    def slow_save(tensors, filename, metadata=None):
-        if Path(filename).parent.name == "k":
+    def slow_write(fd, header, ec_cache, *, fsync):
+        if ec_cache is new_k:  # the put of k
             writing.set()
             assert release.wait(5)
-        real_save(tensors, filename, metadata=metadata)
+        return real_write(fd, header, ec_cache, fsync=fsync)
 
-    monkeypatch.setattr(store_mod, "save_file", slow_save)
+    monkeypatch.setattr(store_mod, "_write_ec_file", slow_write)
     result: list = []
-    t = threading.Thread(target=lambda: result.append(store.put("k", ec_for(3, 4), (1, 2, 8))))
+    t = threading.Thread(target=lambda: result.append(store.put("k", new_k, (1, 2, 8))))
     t.start()
     assert writing.wait(5)
     store.put("evicts-k", ec_for(4, 4), (1, 2, 8))  # evicts the old k while the new k is being written
@@ -370,7 +538,7 @@ def test_restart_rebuilds_index_in_mtime_order(tmp_path):
         os.utime(root / items[k].path, (t, t))
     # leftovers of a crash: temp files, an empty key directory; and things not ours
     (root / "a" / ".tmp-deadbeef").write_bytes(b"partial")
-    (root / "b" / ".tmpXyZ123").write_bytes(b"partial")  # safetensors' own temp name
+    (root / "b" / ".tmpXyZ123").write_bytes(b"partial")  # safetensors' own temp name (older writers)
     (root / ".tmp-cafe").write_bytes(b"partial")
     (root / "empty").mkdir()
     (root / "README").write_text("not a store entry")
