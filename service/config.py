@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     # step loop
     pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
     warmup: bool = Field(True, description="run one step before /ready says ready")
+    cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
 
     @field_validator("device")
     @classmethod

@@ -32,6 +32,8 @@ from .metrics import Metrics
 from .pool import BufferSpec, Slot, StagingPool
 from .preprocess import normalize_lut, patchify
 from .store import EmbeddingStore
+from . import tower as tower_module
+from .graphs import StaticInputs, TowerGraphs, graph_buckets, pad_segments, padded_cu_seqlens
 from .tower import TowerBatch, grid_geometry
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class Staged:
     items: list[WorkItem]
     num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
     num_patches: int
+    bucket: int  # patches the tower runs on: num_patches, or the CUDA graph bucket holding them
     seq_lens: tuple[int, ...]  # patches per image
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]
@@ -83,13 +86,20 @@ class Engine:
         # A step holds up to the token budget, or one image above it (such an image runs alone).
         self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
         self.max_images = settings.max_batch_images
+        # CUDA graphs need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the tower runs eagerly.
+        use_graphs = (settings.cuda_graphs and self.cuda and model.dtype in (torch.bfloat16, torch.float16)
+                      and tower_module.varlen_available())
+        self.buckets = graph_buckets(self.max_patches) if use_graphs else None
+        # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
+        gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
+        self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
         specs = {
             "pixels": BufferSpec((self.max_patches * pp * 3,), torch.uint8),  # images back to back, [H, W, 3] each
             "images": BufferSpec((self.max_images, 4), torch.int32),  # (byte offset, H, W, first patch row)
             "pos_hw": BufferSpec((self.max_patches, 2), torch.int64),
             "interp_idx": BufferSpec((self.max_patches, 4), torch.int64),
             "interp_w": BufferSpec((self.max_patches, 4), torch.float32),
-            "cu_seqlens": BufferSpec((self.max_images + 1,), torch.int32),
+            "cu_seqlens": BufferSpec((self.cu_length,), torch.int32),  # padded layout, see graphs.py
         }
         self.pool = StagingPool(specs, settings.pool_slots, self.device)
         # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
@@ -101,8 +111,9 @@ class Engine:
 
             self._patchify_cuda = patchify_cuda
             # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
-            self.dev = {k: torch.empty(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
-            self.patches = torch.empty(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+            # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
+            self.dev = {k: torch.zeros(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
+            self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
             # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
@@ -115,6 +126,12 @@ class Engine:
             self.out_free: queue.Queue[int] = queue.Queue()
             for i in range(len(self.out_bufs)):
                 self.out_free.put(i)
+        self.graphs = None
+        if self.buckets:
+            d = self.dev
+            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
+                                                                d["interp_w"], d["cu_seqlens"]),
+                                      self.buckets, self.compute_stream)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
         self._put_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="store-put")
         self._step_no = 0
@@ -197,8 +214,9 @@ class Engine:
             seq_lens.append(n_patches)
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
-        bufs["cu_seqlens"][: len(seq_lens) + 1] = np.concatenate([[0], np.cumsum(seq_lens)])
-        return Staged(slot, batch.items, off, row, tuple(seq_lens), token_offsets, grids)
+        bucket = self.graphs.bucket_for(row) if self.graphs else row
+        bufs["cu_seqlens"][:] = padded_cu_seqlens(seq_lens, bucket, self.cu_length)
+        return Staged(slot, batch.items, off, row, bucket, tuple(seq_lens), token_offsets, grids)
 
     def run(self, st: Staged) -> Launched:
         """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
@@ -229,7 +247,7 @@ class Engine:
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             try:
                 for name, count in (("pixels", nbytes), ("images", nb), ("pos_hw", n), ("interp_idx", n),
-                                    ("interp_w", n), ("cu_seqlens", nb + 1)):
+                                    ("interp_w", n), ("cu_seqlens", self.cu_length)):
                     d[name][:count].copy_(slot.buffers[name][:count], non_blocking=True)
             finally:
                 # The H2D copies above are the last device work that reads slot k: fence it here.
@@ -237,10 +255,15 @@ class Engine:
             patches = self.patches[:n]
             self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
                                 patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
-            batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                               d["cu_seqlens"][: nb + 1], st.seq_lens)
-            out = self.model.tower(batch)
-        tokens = st.token_offsets[-1]
+            tokens = st.token_offsets[-1]
+            if self.graphs:
+                # One launch for the whole tower. The graph's output is static and the next replay
+                # overwrites it: take a device copy (cheap) for the D2H to read.
+                out = self.graphs.run(st.bucket)[:tokens].clone()
+            else:
+                batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
+                                   d["cu_seqlens"][: nb + 1], st.seq_lens)
+                out = self.model.tower(batch)
         k = self.out_free.get()  # back-pressure: only blocks when the writer is pool_slots steps behind
         host, done = self.out_bufs[k][:tokens], self.out_events[k]
         self.copy_stream.wait_stream(self.compute_stream)

@@ -128,6 +128,7 @@ class TowerBatch:
     interp_w: torch.Tensor  # [N, 4] float32
     cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image
     seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
+    max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,6 +240,10 @@ class VisionTower(nn.Module):
         return torch.cat([self.merger(x), *taps], dim=1)
 
 
+def varlen_available() -> bool:
+    return _varlen_attn is not None
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -258,7 +263,7 @@ def _packed_attention(q, k, v, b: TowerBatch, scale: float) -> torch.Tensor:
     """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
     lens = b.seq_lens
     if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        m = max(lens)
+        m = b.max_seqlen or max(lens)
         return _varlen_attn(q, k, v, b.cu_seqlens, b.cu_seqlens, m, m, scale=scale)
     if all(n == lens[0] for n in lens):
         # Equal lengths: one batched SDPA call, no Python loop.

@@ -1,0 +1,59 @@
+"""The padding scheme that lets one CUDA graph serve any step up to its bucket, checked on the CPU:
+padded rows in their own attention segments never change the real images' outputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from service.config import Settings
+from service.graphs import PAD_SEGMENT, graph_buckets, pad_segments, padded_cu_seqlens
+from service.loader import load_model
+from service.tower import TowerBatch, build_batch
+
+
+def test_buckets_cover_every_step_size():
+    b = graph_buckets(65536)
+    assert b[0] == 1024 and b[-1] == 65536 and b == sorted(set(b))
+    gaps = [y - x for x, y in zip([0, *b], b)]
+    assert max(gaps[:16]) == 1024 and max(gaps) == 7168 and len(b) == 29
+    assert pad_segments(max(gaps)) == 7
+    assert graph_buckets(3000) == [1024, 2048, 3000]
+    for n in [1, 784, 1024, 1025, 9000, 40000, 65536, *range(8193, 65536, 997)]:
+        bucket = next(x for x in b if x >= n)
+        assert bucket - n < max(1024, n // 8 + 1)  # padding waste stays small
+
+
+def test_padded_cu_seqlens_layout():
+    cu = padded_cu_seqlens([784, 400], bucket=3072, length=10)
+    assert cu == [0, 784, 1184, 2208, 3072, 3072, 3072, 3072, 3072, 3072]
+    assert padded_cu_seqlens([1024], 1024, 4) == [0, 1024, 1024, 1024]
+    segs = np.diff(cu)
+    assert segs.max() <= max(784, PAD_SEGMENT) and (segs >= 0).all()
+    with pytest.raises(AssertionError):
+        padded_cu_seqlens([2000], 1024, 8)
+
+
+def test_padding_rows_never_change_real_outputs():
+    m = load_model(Settings(model="tiny", device="cpu"))
+    spec = m.spec
+    grids = [(1, 16, 20), (1, 8, 12), (1, 10, 10)]
+    lens = [t * h * w for t, h, w in grids]
+    n = sum(lens)
+    bucket = 1024
+    arr = build_batch(grids, spec)
+    g = torch.Generator().manual_seed(0)
+    patches = torch.randn(bucket, spec.frame_patch_dim, generator=g)
+    real = TowerBatch(patches[:n], *(torch.from_numpy(arr[k]) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
+                      seq_lens=tuple(lens))
+    # Padding rows hold stale-but-valid values, as in the engine's static buffers.
+    pos = torch.cat([torch.from_numpy(arr["pos_hw"]), torch.randint(0, 40, (bucket - n, 2), generator=g)])
+    idx = torch.cat([torch.from_numpy(arr["interp_idx"]), torch.randint(0, 2304, (bucket - n, 4), generator=g)])
+    wts = torch.cat([torch.from_numpy(arr["interp_w"]), torch.rand(bucket - n, 4, generator=g)])
+    cu = padded_cu_seqlens(lens, bucket, length=12)
+    padded = TowerBatch(patches, pos, idx, wts, torch.tensor(cu, dtype=torch.int32),
+                        seq_lens=tuple(int(x) for x in np.diff(cu)), max_seqlen=bucket)
+    with torch.no_grad():
+        a = m.tower(real)
+        b = m.tower(padded)
+    assert b.shape == (bucket // 4, spec.out_width)
+    assert (a - b[: n // 4]).abs().max().item() <= 1e-6
