@@ -21,5 +21,6 @@ if command -v py-spy >/dev/null; then
   echo "== profile (py-spy --gil: who holds the GIL, 12 s) under 1 image/request, 64 clients"
   py-spy record -p $SRV -d 12 -r 100 --gil -f raw -o "$OUT/pyspy_gil.txt" --nonblocking > "$OUT/pyspy.log" 2>&1 & P=$!
   lt --concurrency 64 --requests 1500 --duration-s 12 --out "$OUT/lt_prof.json" | tail -n 4; wait $P || true
+  python3 bench/pyspy_top.py "$OUT/pyspy_gil.txt" > "$OUT/pyspy_gil_top.txt" || true
 fi
 curl -s localhost:$PORT/metrics | grep -E "^qve_(steps_total|step_images_(sum|count)|step_seconds_(sum|count)|fence_waits|images_total)" | tee "$OUT/http_metrics.txt"
