@@ -14,10 +14,10 @@ lt() { python3 bench/loadtest.py --url http://127.0.0.1:$PORT --sizes 448x448 --
 echo "== 1 image/request, 64 clients"; lt --concurrency 64 --requests 768 --out "$OUT/lt_1x64.json" | tail -n 4
 curl -s localhost:$PORT/metrics | grep -E "^qve_(step_images_(sum|count)|step_seconds_(sum|count))"
 echo "== 8 images/request, 16 clients"; lt --concurrency 16 --images-per-request 8 --requests 128 --out "$OUT/lt_8x16.json" | tail -n 4
-echo "== two client processes, 1 image/request, 32 clients each"
-lt --concurrency 32 --requests 384 --out "$OUT/lt_2a.json" > "$OUT/lt_2a.txt" & A=$!
-lt --concurrency 32 --requests 384 --out "$OUT/lt_2b.json" > "$OUT/lt_2b.txt"; wait $A; tail -n 4 "$OUT/lt_2a.txt" "$OUT/lt_2b.txt"
-if command -v py-spy >/dev/null; then
+echo "== three client processes, 1 image/request, 32 clients each"
+for c in a b c; do lt --concurrency 32 --requests 512 --out "$OUT/lt_3$c.json" > "$OUT/lt_3$c.txt" & done; wait
+tail -n 4 "$OUT"/lt_3?.txt
+if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
   echo "== profile (py-spy --gil: who holds the GIL, 12 s) under 1 image/request, 64 clients"
   py-spy record -p $SRV -d 12 -r 100 --gil -f raw -o "$OUT/pyspy_gil.txt" --nonblocking > "$OUT/pyspy.log" 2>&1 & P=$!
   lt --concurrency 64 --requests 1500 --duration-s 12 --out "$OUT/lt_prof.json" | tail -n 4; wait $P || true

@@ -214,7 +214,7 @@ class Engine:
             seq_lens.append(n_patches)
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
-        bucket = self.graphs.bucket_for(row) if self.graphs else row
+        bucket = (self.graphs.bucket_for(row) if self.graphs else None) or row
         bufs["cu_seqlens"][:] = padded_cu_seqlens(seq_lens, bucket, self.cu_length)
         return Staged(slot, batch.items, off, row, bucket, tuple(seq_lens), token_offsets, grids)
 
@@ -256,7 +256,7 @@ class Engine:
             self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
                                 patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
             tokens = st.token_offsets[-1]
-            if self.graphs:
+            if self.graphs and st.bucket in self.graphs.buckets:
                 # One launch for the whole tower. The graph's output is static and the next replay
                 # overwrites it: take a device copy (cheap) for the D2H to read.
                 out = self.graphs.run(st.bucket)[:tokens].clone()

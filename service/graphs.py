@@ -26,17 +26,19 @@ from .tower import TowerBatch, VisionTower
 log = logging.getLogger(__name__)
 
 PAD_SEGMENT = 1024  # rows per padding segment
+# NOTE: measured on an H200 with the 4B tower (bench/RESULTS.md, bench_graphs): a replay beats the
+# eager tower up to ~4 images of 448x448 (1 image: 4.3 vs 16.0 ms, launch-bound), and loses from ~8
+# images on (padding rows and empty attention blocks cost more than the launches saved). Larger steps
+# run eagerly, where ~15 ms of launching is small next to the GPU time.
+GRAPH_MAX_PATCHES = 6144
 
 
-def graph_buckets(max_patches: int) -> list[int]:
-    """Patch counts to capture: every 1024 patches up to 8k, then steps of an eighth (rounded down
-    to 1024s), so padding wastes at most one 1024-row segment or 12.5% of a step."""
-    out, n = [], 1024
-    while n < max_patches:
-        out.append(n)
-        n += max(1024, n // 8 // 1024 * 1024)
-    out.append(max_patches)
-    return out
+def graph_buckets(max_patches: int, limit: int = GRAPH_MAX_PATCHES) -> list[int]:
+    """Patch counts to capture: every PAD_SEGMENT patches up to min(limit, max_patches), so a step
+    that fits a graph wastes less than one padding segment."""
+    top = min(limit, max_patches)
+    out = list(range(PAD_SEGMENT, top, PAD_SEGMENT))
+    return [*out, top]
 
 
 def pad_segments(max_bucket_gap: int) -> int:
@@ -79,7 +81,7 @@ class TowerGraphs:
         with torch.inference_mode():
             inputs.interp_idx.zero_()  # padding rows must index the position table validly
             for bucket in sorted(buckets, reverse=True):
-                cu = padded_cu_seqlens([], bucket, self.cu_length)
+                cu = [0] + [bucket] * (self.cu_length - 1)  # any valid layout: capture records shapes
                 inputs.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
                 batch = self._batch(bucket)
                 with torch.cuda.stream(stream):
@@ -97,11 +99,12 @@ class TowerGraphs:
         return TowerBatch(i.patches[:bucket], i.pos_hw[:bucket], i.interp_idx[:bucket], i.interp_w[:bucket],
                           i.cu_seqlens, seq_lens=(bucket,), max_seqlen=bucket)
 
-    def bucket_for(self, num_patches: int) -> int:
+    def bucket_for(self, num_patches: int) -> int | None:
+        """The smallest captured bucket holding `num_patches`, or None: run the tower eagerly."""
         for b in self.buckets:
             if b >= num_patches:
                 return b
-        raise AssertionError(f"{num_patches} patches exceed the largest bucket {self.buckets[-1]}: this is a bug")
+        return None
 
     def run(self, bucket: int) -> torch.Tensor:
         graph, out = self._graphs[bucket]
