@@ -15,7 +15,8 @@ echo "== 1 image/request, 64 clients"; lt --concurrency 64 --requests 768 --out 
 curl -s localhost:$PORT/metrics | grep -E "^qve_(step_images_(sum|count)|step_seconds_(sum|count))"
 echo "== 8 images/request, 16 clients"; lt --concurrency 16 --images-per-request 8 --requests 128 --out "$OUT/lt_8x16.json" | tail -n 4
 echo "== three client processes, 1 image/request, 32 clients each"
-for c in a b c; do lt --concurrency 32 --requests 512 --out "$OUT/lt_3$c.json" > "$OUT/lt_3$c.txt" & done; wait
+PIDS=(); for c in a b c; do lt --concurrency 32 --requests 512 --out "$OUT/lt_3$c.json" > "$OUT/lt_3$c.txt" & PIDS+=($!); done
+wait "${PIDS[@]}"
 tail -n 4 "$OUT"/lt_3?.txt
 if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
   echo "== profile (py-spy --gil: who holds the GIL, 12 s) under 1 image/request, 64 clients"
