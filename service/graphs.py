@@ -26,11 +26,11 @@ from .tower import TowerBatch, VisionTower
 log = logging.getLogger(__name__)
 
 PAD_SEGMENT = 1024  # rows per padding segment
-# NOTE: measured on an H200 with the 4B tower (bench/RESULTS.md, bench_graphs): a replay beats the
-# eager tower up to ~4 images of 448x448 (1 image: 4.3 vs 16.0 ms, launch-bound), and loses from ~8
-# images on (padding rows and empty attention blocks cost more than the launches saved). Larger steps
-# run eagerly, where ~15 ms of launching is small next to the GPU time.
-GRAPH_MAX_PATCHES = 6144
+# NOTE: measured on H200s with the 4B tower (bench/RESULTS.md, bench/bench_graphs.py): a replay beats
+# the eager tower for steps of 1-2 images of 448x448 (1 image: 4.3 ms vs 9.6-16.0 ms, launch-bound),
+# ties at 3 and loses from 4 on (padding rows and empty attention blocks cost more than the launches
+# saved). Larger steps run eagerly, where ~10-20 ms of launching overlaps the GPU work.
+GRAPH_MAX_PATCHES = 3072
 
 
 def graph_buckets(max_patches: int, limit: int = GRAPH_MAX_PATCHES) -> list[int]:

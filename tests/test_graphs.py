@@ -13,8 +13,9 @@ from service.tower import TowerBatch, build_batch
 
 def test_buckets_cover_small_steps_only():
     b = graph_buckets(65536)
-    assert b == [1024, 2048, 3072, 4096, 5120, 6144] == graph_buckets(65536, limit=GRAPH_MAX_PATCHES)
+    assert b == [1024, 2048, 3072] == graph_buckets(65536, limit=GRAPH_MAX_PATCHES)
     assert graph_buckets(3000) == [1024, 2048, 3000]
+    assert graph_buckets(65536, limit=6144) == [1024, 2048, 3072, 4096, 5120, 6144]
     gaps = [y - x for x, y in zip([0, *b], b)]
     assert max(gaps) == PAD_SEGMENT and pad_segments(max(gaps)) == 1
 
