@@ -37,27 +37,8 @@ from kernels.preprocess import patch_rows, patchify_cuda  # noqa: E402
 P, M = 16, 2
 
 
-# ---- reference and inputs (kept independent of the service's own CPU patchify) ------------------------
-def reference(pixels: torch.Tensor, lut: torch.Tensor, temporal: bool = False) -> torch.Tensor:
-    h, w, _ = pixels.shape
-    vals = torch.stack([lut[c][pixels[..., c].long()] for c in range(3)])  # [3, H, W]
-    gh, gw = h // P, w // P
-    x = vals.reshape(3, gh // M, M, P, gw // M, M, P).permute(1, 4, 2, 5, 0, 3, 6)  # bh bw mh mw c py px
-    x = x.reshape(gh * gw, 3, 1, P * P)
-    if temporal:
-        x = x.expand(-1, -1, 2, -1)
-    return x.reshape(gh * gw, -1)
-
-
-def make_lut(seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    lut = torch.randn(3, 256, generator=g)
-    bits = lut.view(torch.int32)
-    hi = torch.randint(0x3C00, 0x4100, (32,), generator=g, dtype=torch.int32)
-    bits[2, :32] = (hi << 16) | 0x8000  # bf16 ties
-    edges = [0x3F7FFFFF, 0x3F7F8000, 0x3F7F7FFF, 0xBF7FFFFF, 0x00000001, 0x80008000, 0x7F7F7FFF, 0x7F7FFFFF, 0x3F808000]
-    bits[2, 32 : 32 + len(edges)] = torch.tensor([e - (1 << 32) if e >= 1 << 31 else e for e in edges], dtype=torch.int32)
-    return lut
+# ---- reference and inputs: the GPU tests' own oracle (independent of the service's CPU patchify) ----------
+from tests.test_kernels import make_lut, reference  # noqa: E402
 
 
 def make_batch(sizes, seed: int = 0, pad: int = 0):

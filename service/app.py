@@ -30,10 +30,11 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
-from .batcher import BatchLimits, Batcher
+from .batcher import BatchLimits, Batcher, Ticket
 from .config import ImageLimits, Settings
 from .engine import EncodeJob, Engine
 from .errors import (
+    BackendError,
     BadRequest,
     EmptyImage,
     ImageError,
@@ -379,6 +380,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
 
 
 async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
+    """Answer one item per input image, in order; None if the client went away first."""
     inputs = await _parse_inputs(rt, request)
     keys = []
     for i, inp in enumerate(inputs):
@@ -386,21 +388,30 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
             raise _at(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
         keys.append(validate_key(inp.uuid) if inp.uuid is not None else await asyncio.to_thread(_content_key, rt, inp.data))
 
-    results: list[EncodedItem | None] = [None] * len(inputs)
-    tickets: dict[str, object] = {}  # key -> Ticket, one per distinct key still to be encoded
-    todo: dict[str, int] = {}  # key -> first index needing a decode (a key twice in one request encodes once)
-    for i, key in enumerate(keys):
+    answers: dict[str, EncodedItem] = {}  # key -> answer; a key twice in one request is handled once
+    tickets: dict[str, Ticket] = {}  # key -> this request's claim on an encode (queued or running)
+    todo: dict[str, int] = {}  # key -> index of the image to decode for it
+
+    def cache_hit(key: str) -> bool:
         hit = rt.store.lookup(key)
         if hit is not None:
-            results[i] = _item(hit, cached=True)
+            answers[key] = _item(hit, cached=True)
             rt.metrics.cache_hits.inc()
             rt.metrics.images.labels(outcome="cached").inc()
-        elif key not in todo and key not in tickets:
-            joined = rt.batcher.join(key)  # an identical image already queued or running: no decode
-            if joined is not None:
-                tickets[key] = joined
-            else:
-                todo[key] = i
+        return hit is not None
+
+    for i, key in enumerate(keys):
+        if key in answers or key in tickets or key in todo or cache_hit(key):
+            continue
+        joined = rt.batcher.join(key)  # an identical image already queued or running: no decode
+        if joined is not None:
+            tickets[key] = joined
+        else:
+            todo[key] = i
+
+    def give_back() -> None:
+        for t in tickets.values():
+            t.cancel()
 
     loop = asyncio.get_running_loop()
     limits = rt.settings.image_limits
@@ -409,42 +420,26 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         return_exceptions=True,
     )
     for i, p in zip(todo.values(), prepared):
-        if isinstance(p, ImageError):
-            p.message = f"images[{i}]: {p.message}"
-            for t in tickets.values():
-                t.cancel()
-            raise _at(p, i)
         if isinstance(p, BaseException):
-            for t in tickets.values():
-                t.cancel()
-            raise p
+            give_back()
+            if isinstance(p, ImageError):
+                p.message = f"images[{i}]: {p.message}"
+                raise _at(p, i)
+            raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p
 
     try:
         for (key, i), prep in zip(todo.items(), prepared):
-            hit = rt.store.lookup(key)  # it may have landed while we decoded
-            if hit is not None:
-                results[i] = _item(hit, cached=True)
-                rt.metrics.cache_hits.inc()
-                rt.metrics.images.labels(outcome="cached").inc()
-                continue
-            tickets[key] = rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)
+            if not cache_hit(key):  # it may have landed while we decoded
+                tickets[key] = rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)
     except Overloaded:
-        for t in tickets.values():
-            t.cancel()  # give back what this request queued: it is answered 429 as a whole
+        give_back()  # the request is answered 429 as a whole: nothing of it stays queued
         raise
-    for t in tickets.values():
-        if t.coalesced:
-            rt.metrics.coalesced.inc()
+    rt.metrics.coalesced.inc(sum(t.coalesced for t in tickets.values()))
     futures = [asyncio.wrap_future(t.future) for t in tickets.values()]
     if not await _wait_or_disconnect(request, futures):
-        for t in tickets.values():
-            t.cancel()
+        give_back()
         return None
-    by_key = {}
     for (key, t), fut in zip(tickets.items(), futures):
-        by_key[key] = _item(fut.result(), cached=False)
+        answers[key] = _item(fut.result(), cached=False)
         rt.metrics.images.labels(outcome="coalesced" if t.coalesced else "encoded").inc()
-    for i, key in enumerate(keys):
-        if results[i] is None:
-            results[i] = by_key.get(key) or next(r for r, k in zip(results, keys) if k == key and r is not None)
-    return results
+    return [answers[key] for key in keys]

@@ -252,3 +252,25 @@ def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
         _wait_for(lambda: not app.state.rt.engine.alive())
         r = httpx.get(url + "/health")
         assert r.status_code == 503
+
+
+def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path, max_wait_ms=200), tiny_model) as (url, app):
+        store = app.state.rt.store
+        real_put, bad = store.put, {}
+
+        def put(key, ec_cache, grid_thw):
+            if key == bad.get("key"):
+                raise OSError(28, "No space left on device")
+            return real_put(key, ec_cache, grid_thw)
+
+        store.put = put
+        bad["key"] = "doomed"
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(httpx.post, url + "/encode", json=json_body(_png(900), uuids=["doomed"]), timeout=30)
+            b = pool.submit(httpx.post, url + "/encode", json=json_body(_png(901), uuids=["fine"]), timeout=30)
+            ra, rb = a.result(), b.result()
+        assert ra.status_code == 500 and ra.json()["error"]["code"] == "backend_error"
+        assert "No space left on device" in ra.json()["error"]["message"]
+        assert rb.status_code == 200 and rb.json()["items"][0]["key"] == "fine"
+        assert httpx.get(url + "/health").status_code == 200
