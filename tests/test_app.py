@@ -227,7 +227,7 @@ def test_metrics_move_as_requests_are_served(tmp_path, tiny_model):
         assert tokens > 0 and metric(m1, "qve_step_tokens_sum") == tokens
         assert metric(m1, "qve_step_tokens_count") == 3
         assert metric(m1, "qve_store_items") == 3 and metric(m1, "qve_store_bytes") > tokens * 144 * 4
-        assert metric(m1, "qve_queue_depth") == 0
+        assert metric(m1, "qve_queue_depth") == 0 and metric(m1, "qve_in_flight") == 0
 
 
 def test_eviction_at_capacity_through_http(tmp_path, tiny_model):
@@ -274,3 +274,45 @@ def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
         assert "No space left on device" in ra.json()["error"]["message"]
         assert rb.status_code == 200 and rb.json()["items"][0]["key"] == "fine"
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
+    import http.server
+    import socketserver
+
+    blob = _png(950)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000}.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Handler) as images:
+        threading.Thread(target=images.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{images.server_address[1]}"
+        s = _settings(tmp_path, allowed_url_hosts="127.0.0.1", max_image_bytes=2_000_000)
+        with live_server(s, tiny_model) as (url, app):
+            def post(image_url):
+                return httpx.post(url + "/encode", timeout=30,
+                                  json={"images": [{"type": "image_url", "image_url": {"url": image_url}}]})
+
+            ok = post(base + "/ok.png")
+            assert ok.status_code == 200, ok.text
+            direct = httpx.post(url + "/encode", json=json_body(blob), timeout=30).json()["items"][0]
+            assert direct["cached"] is True and direct["key"] == ok.json()["items"][0]["key"]  # same bytes, same key
+            big = post(base + "/big.png")
+            assert big.status_code == 413 and big.json()["error"]["code"] == "image_too_large"
+            missing = post(base + "/nope.png")
+            assert missing.status_code == 422 and "answered 404" in missing.json()["error"]["message"]
+            other = post(f"http://localhost:{images.server_address[1]}/ok.png")  # not on the allow-list
+            assert other.status_code == 422 and "not allowed" in other.json()["error"]["message"]
+        images.shutdown()
