@@ -113,6 +113,7 @@ class Runtime:
         self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
         self.ready = threading.Event()
         self.started = False
+        self.warmup_failed = False
         # Part of every content-hash key: the same bytes under another model or preprocessing are another key.
         self.key_salt = f"{model.model_id}|{model.params}|{model.dtype}".encode()
 
@@ -132,7 +133,8 @@ class Runtime:
                 self.ready.set()
                 log.info("ready: %s on %s (%s)", self.model.model_id, self.model.device, self.model.dtype)
             except Exception:
-                log.exception("warm-up failed; the service will report not ready")
+                self.warmup_failed = True
+                log.exception("warm-up failed: /ready and /health will say so")
 
         threading.Thread(target=warm_then_run, name="warmup", daemon=True).start()
 
@@ -355,6 +357,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
     async def health(request: Request):
         """200 while the step loop is alive (or still warming up); 503 once it has died."""
         rt: Runtime = request.app.state.rt
+        if rt.warmup_failed:
+            return JSONResponse({"status": "warm-up failed; see the log"}, status_code=503)
         if rt.started and not rt.engine.alive():
             return JSONResponse({"status": "step loop is not running"}, status_code=503)
         return {"status": "ok"}

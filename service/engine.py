@@ -157,22 +157,20 @@ class Engine:
             self._writer_thread.join(timeout)
 
     def _loop(self) -> None:
-        while True:
-            batch = self.batcher.next_batch(timeout=0.25)
-            if batch is None:
-                if self.batcher.closed:
-                    break
-                continue
-            self.step(batch)
-        self._writer_q.put(None)
+        while self.step():
+            pass
+        self._writer_q.put(None)  # drained: let the writer finish and exit
 
     # ---- the step ----------------------------------------------------------------------------------
-    def step(self, batch: Batch) -> None:
+    def step(self) -> bool:
+        """schedule -> stage -> run -> publish. Returns False once the batcher is closed and drained."""
+        batch = self.batcher.next_batch(timeout=0.25)
+        if batch is None:
+            return not self.batcher.closed
         self._step_no += 1
         t0 = time.perf_counter()
         try:
-            staged = self.stage(batch)
-            launched = self.run(staged)
+            launched = self.run(self.stage(batch))
         except Exception as e:  # a failed step fails only its own requests; the loop lives on
             self.failed_steps += 1
             self.metrics.steps.labels(result="failed").inc()
@@ -181,13 +179,14 @@ class Engine:
             err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
             for item in batch.items:
                 self.batcher.finish(item, error=err)
-            return
+            return True
         self.publish(launched)
         self.metrics.steps.labels(result="ok").inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.step_tokens.observe(launched.token_offsets[-1])
         self.metrics.step_images.observe(len(batch.items))
         self.metrics.fence_waits.set(self.pool.stats.waits_blocked)
+        return True
 
     def stage(self, batch: Batch) -> Staged:
         """Host: write the batch's pixels and geometry into the next pinned slot (after its fence)."""

@@ -316,3 +316,19 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
             other = post(f"http://localhost:{images.server_address[1]}/ok.png")  # not on the allow-list
             assert other.status_code == 422 and "not allowed" in other.json()["error"]["message"]
         images.shutdown()
+
+
+def test_failed_warmup_is_reported_by_health(tmp_path, tiny_model, monkeypatch):
+    from service import engine as engine_module
+
+    def broken(self, images):
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(engine_module.Engine, "encode_sync", broken)
+    from service.app import create_app
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(_settings(tmp_path), tiny_model)) as client:
+        _wait_for(lambda: client.get("/health").status_code == 503)
+        assert client.get("/ready").status_code == 503
+        assert "warm-up failed" in client.get("/health").json()["status"]
