@@ -42,7 +42,6 @@ from .errors import (
     ImageTooLarge,
     Overloaded,
     ServiceError,
-    Unavailable,
     http_status,
 )
 from .images import PreparedImage, prepare_image
@@ -432,7 +431,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
             raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p
 
     try:
-        for (key, i), prep in zip(todo.items(), prepared):
+        for key, prep in zip(todo, prepared):
             if not cache_hit(key):  # it may have landed while we decoded
                 tickets[key] = rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)
     except Overloaded:

@@ -20,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .batcher import Batch, Batcher, WorkItem

@@ -204,7 +204,7 @@ def test_dockerfile_runs_as_a_non_root_user_matching_the_store_volume(compose):
     user = instr("USER")[-1]
     assert user.split(":")[0] not in ("root", "0"), user
     uid = arg_default("APP_UID")
-    assert any(f"--uid ${{APP_UID}}" in r and user in r for r in instr("RUN")), "USER must be the user created with APP_UID"
+    assert any("--uid ${APP_UID}" in r and user in r for r in instr("RUN")), "USER must be the user created with APP_UID"
     (opts,) = [v["driver_opts"]["o"] for v in compose["volumes"].values()]
     assert f"uid={uid}" in opts.split(","), "the tmpfs store volume must be writable by the image's user"
 
