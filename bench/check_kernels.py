@@ -32,29 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import torch  # noqa: E402
 
-from kernels.preprocess import patch_rows, patchify_cuda  # noqa: E402
+from kernels.preprocess import patchify_cuda  # noqa: E402
 
 P, M = 16, 2
 
 
 # ---- reference and inputs: the GPU tests' own oracle (independent of the service's CPU patchify) ----------
-from tests.test_kernels import make_lut, reference  # noqa: E402
+from tests.test_kernels import make_batch, make_lut, reference  # noqa: E402
 
 
-def make_batch(sizes, seed: int = 0, pad: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    pixels, chunks, table, off, row = [], [], [], 0, 0
-    for h, w in sizes:
-        if pad:
-            chunks.append(torch.randint(1, 256, (pad,), generator=g, dtype=torch.uint8))
-            off += pad
-        px = torch.randint(1, 256, (h, w, 3), generator=g, dtype=torch.uint8)
-        pixels.append(px)
-        chunks.append(px.reshape(-1))
-        table.append((off, h, w, row))
-        off += px.numel()
-        row += patch_rows(h, w, P)
-    return torch.cat(chunks), torch.tensor(table, dtype=torch.int32), pixels, row
 
 
 # ---- checks -------------------------------------------------------------------------------------------
