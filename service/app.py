@@ -92,6 +92,7 @@ class Runtime:
     """Everything one app instance owns. Built in the lifespan; torn down gracefully on shutdown."""
 
     def __init__(self, settings: Settings, model: LoadedModel):
+        self.created_at = time.perf_counter()
         self.settings, self.model = settings, model
         self.metrics = Metrics()
         self.store = EmbeddingStore(
@@ -104,6 +105,8 @@ class Runtime:
             max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
         ))
         self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
+        # Seconds per start-up phase: load, compile, graph capture (in Engine), warm-up (in start()).
+        self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.startup}
         workers = self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
         # NOTE: processes, not threads: PIL decode + bicubic resize hold the GIL for most of their time.
         # forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
@@ -119,6 +122,7 @@ class Runtime:
     def start(self) -> None:
         def warm_then_run():
             try:
+                t0 = time.perf_counter()
                 if self.settings.warmup:
                     image = _warmup_image(self.model)
                     self.engine.encode_sync([image])
@@ -127,10 +131,13 @@ class Runtime:
                     list(self.decoders.map(prepare_image, [blob] * self.decode_workers,
                                            [self.model.params] * self.decode_workers,
                                            [self.settings.image_limits] * self.decode_workers))
+                self.startup["warmup_s"] = round(time.perf_counter() - t0, 2)
+                self.startup["total_s"] = round(time.perf_counter() - self.created_at + self.model.load_s, 2)
                 self.engine.start()
                 self.started = True
                 self.ready.set()
-                log.info("ready: %s on %s (%s)", self.model.model_id, self.model.device, self.model.dtype)
+                log.info("ready: %s on %s (%s); start-up %s", self.model.model_id, self.model.device,
+                         self.model.dtype, ", ".join(f"{k} {v}" for k, v in self.startup.items()))
             except Exception:
                 self.warmup_failed = True
                 log.exception("warm-up failed: /ready and /health will say so")
@@ -371,7 +378,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
         m = rt.model
         return {"ready": True, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
                 "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
-                "deepstack_levels": m.spec.deepstack_levels}
+                "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
+                "cuda_graphs": len(rt.engine.buckets or []), "startup_s": rt.startup}
 
     @app.get("/metrics")
     async def metrics(request: Request):

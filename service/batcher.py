@@ -15,8 +15,9 @@ Life of an item::
   existing item (`waiters += 1`) instead of adding work, so they also bypass admission.
 - Admission: at most `max_queue_images` items wait unscheduled; beyond that `submit` raises
   `Overloaded` (429). In-flight items are bounded by the step loop, not here.
-- A batch closes on the token budget, the image limit, `max_wait_s` after its oldest item was
-  enqueued, or at once while draining after `close()`.
+- A batch closes on the token budget, the image limit, at once when the step loop says the device
+  is idle (continuous batching: nothing would be gained by waiting), `max_wait_s` after its oldest
+  item was enqueued while the device is busy, or at once while draining after `close()`.
 
 Threading: all state lives behind one `threading.Condition`. Future callbacks (which may run user
 code such as asyncio's `call_soon_threadsafe`) are always fired *outside* that lock.
@@ -38,7 +39,7 @@ from service.errors import Overloaded, Unavailable
 # predict when room frees up; one second is several steps at any realistic load.
 RETRY_AFTER_S = 1
 
-CloseReason = Literal["tokens", "images", "wait", "drain"]
+CloseReason = Literal["tokens", "images", "idle", "wait", "drain"]
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,14 @@ class Batcher:
             item.future.cancel()  # outside the lock: its callbacks take the lock (see Ticket)
 
     # ---- consumer side (step loop) ---------------------------------------------------------------
-    def next_batch(self, timeout: float | None = None) -> Batch | None:
+    def next_batch(self, timeout: float | None = None, busy: Callable[[], bool] | None = None) -> Batch | None:
         """Block until a batch closes and return it, its items now in flight.
+
+        `busy` (from the step loop; called under the batcher's lock, so it must be cheap and must not
+        call back into the batcher) says whether the device still runs earlier steps. When it returns
+        False a non-empty batch closes at once; while it returns True the batch waits for company, at
+        most max_wait. Call `wake()` when the device goes idle so a waiting batch re-checks. None:
+        always wait (as if busy).
 
         Returns None when `timeout` seconds pass first (None: wait as long as needed), or once the
         batcher is closed and its queue is empty.
@@ -237,6 +244,8 @@ class Batcher:
                     items, tokens, closed_by = self._plan()
                     if closed_by is None and self._closed:
                         closed_by = "drain"
+                    if closed_by is None and busy is not None and not busy():
+                        closed_by = "idle"
                     if closed_by is None:
                         # The batch closes max_wait after its OLDEST item, the queue's head.
                         wait_s = items[0].enqueued_at + self.limits.max_wait_s - self._clock()
@@ -300,6 +309,11 @@ class Batcher:
                 item.future.set_exception(error)
             else:
                 item.future.set_result(result)
+
+    def wake(self) -> None:
+        """The device went idle (or anything else a waiting `next_batch` should re-check)."""
+        with self._cond:
+            self._cond.notify_all()
 
     # ---- lifecycle and introspection ---------------------------------------------------------------
     def close(self) -> None:

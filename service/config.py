@@ -24,6 +24,12 @@ def default_store_dir() -> Path:
     return base / "qwen3vl-encoder-cache"
 
 
+def default_compile_cache() -> Path:
+    # Under the user's cache directory (XDG), so a restart finds the compiled kernels of the last run.
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "qwen3vl-encoder" / "compile"
+
+
 @dataclass(frozen=True)
 class PreprocessParams:
     """How an image becomes patches: Qwen3-VL's preprocessor_config.json values (never Qwen2-VL's)."""
@@ -95,6 +101,11 @@ class Settings(BaseSettings):
     pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
     warmup: bool = Field(True, description="run one step before /ready says ready")
     cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
+    graph_max_patches: int = Field(12544, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
+                                   "graphs are captured at start for every bucket up to it (12544 = 16 images of 448x448)")
+    compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
+    compile_cache: Path = Field(default_factory=default_compile_cache,
+                                description="persistent torch.compile cache, so a restart does not compile again")
 
     @field_validator("device")
     @classmethod

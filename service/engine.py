@@ -2,6 +2,9 @@
 
     step():  schedule (batcher) -> stage (host, into pinned slot k) -> run (device) -> publish (writer)
 
+Continuous batching: the batcher closes a step at once when the device has nothing in flight, and
+holds it for company (at most max_wait) only while earlier steps still run (`device_busy`).
+
 The loop never waits on the device for its own sake. Its only host waits are
   * the slot fence: before overwriting pinned slot k, wait for the CUDA event recorded after the
     last device work that read slot k (the bug this service exists to avoid: recycling a pinned
@@ -13,8 +16,10 @@ On CPU the same code runs: events are trivial and the "device" work is synchrono
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,7 +38,7 @@ from .preprocess import normalize_lut, patchify
 from .store import EmbeddingStore
 from . import tower as tower_module
 from .graphs import StaticInputs, TowerGraphs, graph_buckets, pad_segments, padded_cu_seqlens
-from .tower import TowerBatch, grid_geometry
+from .tower import TowerBatch, build_batch, grid_geometry
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +90,12 @@ class Engine:
         # A step holds up to the token budget, or one image above it (such an image runs alone).
         self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
         self.max_images = settings.max_batch_images
-        # CUDA graphs need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the tower runs eagerly.
-        use_graphs = (settings.cuda_graphs and self.cuda and model.dtype in (torch.bfloat16, torch.float16)
-                      and tower_module.varlen_available())
-        self.buckets = graph_buckets(self.max_patches) if use_graphs else None
+        # CUDA graphs and torch.compile need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the
+        # tower runs eagerly (CPU float32 stays exactly transformers' arithmetic).
+        fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()
+        smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
+        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest) if (
+            fast and settings.cuda_graphs) else None
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
@@ -125,12 +132,28 @@ class Engine:
             self.out_free: queue.Queue[int] = queue.Queue()
             for i in range(len(self.out_bufs)):
                 self.out_free.put(i)
+            # Launched steps whose device work may still run (loop thread only; see device_busy).
+            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=len(self.out_bufs))
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
+        t0 = time.perf_counter()
+        if fast:
+            model.tower.cudnn_attention = tower_module.cudnn_attention_works(self.device, model.dtype, spec.num_heads,
+                                                                            spec.head_dim)
+        if fast and settings.compile:
+            _use_compile_cache(settings.compile_cache)
+            if not model.tower.compiled:  # several engines may share one loaded model (tests)
+                model.tower.compile()
+            self._warm_compiled(smallest)
+            self.startup["compile_s"] = round(time.perf_counter() - t0, 2)
         self.graphs = None
         if self.buckets:
+            t0 = time.perf_counter()
             d = self.dev
             self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
                                                                 d["interp_w"], d["cu_seqlens"]),
                                       self.buckets, self.compute_stream)
+            self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+            self.startup["graphs"] = len(self.buckets)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
         self._put_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="store-put")
         self._step_no = 0
@@ -148,6 +171,37 @@ class Engine:
     def alive(self) -> bool:
         return bool(self._loop_thread and self._loop_thread.is_alive() and self._writer_thread.is_alive())
 
+    def device_busy(self) -> bool:
+        """Whether a launched step may still run on the device (the batcher's continuous-batching test).
+        Loop thread only. CPU steps are synchronous: never busy."""
+        if not self.cuda:
+            return False
+        q = self._in_flight
+        while q and q[0].query():
+            q.popleft()
+        return bool(q)
+
+    def _warm_compiled(self, smallest: int) -> None:
+        """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what
+        CUDA graphs capture) and batched (equal-size images). A first compile in the middle of
+        serving would stall the loop for seconds."""
+        side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
+        spec = self.model.spec
+        for count in (1, 2):
+            grids = [(1, side, side)] * count
+            arr = build_batch(grids, spec)
+            n = side * side * count
+            d = self.dev
+            for name in ("pos_hw", "interp_idx", "interp_w"):
+                d[name][:n].copy_(torch.from_numpy(arr[name]))
+            d["cu_seqlens"][: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
+            self.patches[:n].normal_()
+            batch = TowerBatch(self.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
+                               d["cu_seqlens"][: count + 1], tuple([side * side] * count))
+            with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+                self.model.tower(batch)
+        self.compute_stream.synchronize()
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the loop to drain (after batcher.close()) and the writer to finish."""
         if self._loop_thread:
@@ -163,7 +217,7 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> bool:
         """schedule -> stage -> run -> publish. Returns False once the batcher is closed and drained."""
-        batch = self.batcher.next_batch(timeout=0.25)
+        batch = self.batcher.next_batch(timeout=0.25, busy=self.device_busy)
         if batch is None:
             return not self.batcher.closed
         self._step_no += 1
@@ -268,6 +322,7 @@ class Engine:
         with torch.cuda.stream(self.copy_stream):
             host.copy_(out, non_blocking=True)
             done.record(self.copy_stream)
+        self._in_flight.append(done)
         # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
         out.record_stream(self.copy_stream)
         return Launched(st.items, host, done, k, st.token_offsets, st.grids)
@@ -285,6 +340,7 @@ class Engine:
             try:
                 if job.done is not None:
                     job.done.synchronize()  # the writer's one device wait: this step's D2H copy
+                    self.batcher.wake()  # the device may be idle now: a waiting batch can close
             except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
                 log.error("step of %d images failed on the device: %r", len(job.items), e)
                 for item in job.items:
@@ -330,3 +386,12 @@ class Engine:
         finally:
             if launched.out_index is not None:
                 self.out_free.put(launched.out_index)
+
+
+def _use_compile_cache(path) -> None:
+    """Point Inductor's and Triton's on-disk caches at `path` (unless the user set them), so a restart
+    loads compiled kernels instead of compiling again. Must run before the first compile."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))

@@ -1,8 +1,8 @@
 """CUDA graphs of the vision tower: one per patch-count bucket, all sharing one memory pool.
 
-Why: launching the tower eagerly is ~500 kernel launches from Python, ~15-25 ms of host time per
-step whatever the batch size. That holds the GIL the event loop and the store writers need, so under
-HTTP load steps stay small and the service is host-bound (bench/RESULTS.md). A replay is one launch.
+Why: launching the tower from Python costs milliseconds of host time per step whatever its size
+(~10 ms eager on an H200, a few ms compiled), holding the GIL the other threads need, and a lone
+image's step would be launch-bound. A replay is one launch.
 
 How a packed step of n patches fits a graph captured for N >= n patches:
   * inputs live in static device buffers (the engine's, allocated once); rows n..N-1 hold stale but
@@ -12,6 +12,9 @@ How a packed step of n patches fits a graph captured for N >= n patches:
     quadratic cost stays small), then zero-length segments up to the fixed length;
   * varlen attention takes max_seqlen = N, an upper bound it only uses to size its grid.
 Output rows of the real images are exactly the first n/4 rows of the graph's output.
+
+Buckets are close together (a sixteenth of the size apart, see graph_buckets) so padding wastes at
+most ~6% of a step: padding to 1024-patch buckets measured 20-30% slower than exact sizes.
 """
 
 from __future__ import annotations
@@ -25,20 +28,20 @@ from .tower import TowerBatch, VisionTower
 
 log = logging.getLogger(__name__)
 
-PAD_SEGMENT = 1024  # rows per padding segment
-# NOTE: measured on H200s with the 4B tower (bench/RESULTS.md, bench/bench_graphs.py): a replay beats
-# the eager tower for steps of 1-2 images of 448x448 (1 image: 4.3 ms vs 9.6-16.0 ms, launch-bound),
-# ties at 3 and loses from 4 on (padding rows and empty attention blocks cost more than the launches
-# saved). Larger steps run eagerly, where ~10-20 ms of launching overlaps the GPU work.
-GRAPH_MAX_PATCHES = 3072
+PAD_SEGMENT = 1024  # rows per padding segment (at most; bucket gaps are smaller, see graph_buckets)
+MIN_BUCKET_STEP = 64  # patches; every image's patch count is a multiple of 4 (the 2x2 merge)
 
 
-def graph_buckets(max_patches: int, limit: int = GRAPH_MAX_PATCHES) -> list[int]:
-    """Patch counts to capture: every PAD_SEGMENT patches up to min(limit, max_patches), so a step
-    that fits a graph wastes less than one padding segment."""
+def graph_buckets(max_patches: int, limit: int, smallest: int = 256) -> list[int]:
+    """Patch counts to capture, from `smallest` to min(limit, max_patches), each a sixteenth or less
+    above the previous one (steps of 64 patches up to 2048, then 128, 256, ... per octave).
+    `smallest` is the fewest patches a step can have (one image of the minimum size)."""
     top = min(limit, max_patches)
-    out = list(range(PAD_SEGMENT, top, PAD_SEGMENT))
-    return [*out, top]
+    out, n = [], max(MIN_BUCKET_STEP, smallest - smallest % MIN_BUCKET_STEP)
+    while n < top:
+        out.append(n)
+        n += max(MIN_BUCKET_STEP, 1 << max(0, n.bit_length() - 5))
+    return [*out, top] if top > 0 else []
 
 
 def pad_segments(max_bucket_gap: int) -> int:
@@ -69,13 +72,17 @@ class StaticInputs:
 
 
 class TowerGraphs:
-    """Captured replays of `tower` for every bucket. `run(bucket)` returns the bucket's static output
-    ([bucket/4, out_width]); it is overwritten by the next replay, so copy what you need first."""
+    """Captured replays of `tower` for every bucket. `run(bucket)` returns a view of the one static
+    output buffer ([bucket/4, out_width]); the next replay overwrites it, so copy what you need first."""
 
     def __init__(self, tower: VisionTower, inputs: StaticInputs, buckets: list[int], stream: torch.cuda.Stream):
         self.tower, self.inputs, self.buckets, self.stream = tower, inputs, buckets, stream
         self.cu_length = inputs.cu_seqlens.shape[0]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # NOTE: every graph writes its result into this one buffer (a copy inside the graph), so the
+        # pool keeps one output, not one per bucket: with ~70 buckets that is gigabytes saved.
+        top = max(buckets)
+        self.out = torch.empty(top // 4, tower.spec.out_width, dtype=inputs.patches.dtype, device=inputs.patches.device)
         pool = torch.cuda.graph_pool_handle()
         # Largest first: later (smaller) captures reuse the pool's blocks instead of growing it.
         with torch.inference_mode():
@@ -89,24 +96,23 @@ class TowerGraphs:
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = tower(batch)
-                self._graphs[bucket] = (graph, out)
+                    self.out[: bucket // 4].copy_(tower(batch))
+                self._graphs[bucket] = graph
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs of the tower (buckets %d..%d patches)", len(buckets), buckets[0], buckets[-1])
 
     def _batch(self, bucket: int) -> TowerBatch:
         i = self.inputs
         return TowerBatch(i.patches[:bucket], i.pos_hw[:bucket], i.interp_idx[:bucket], i.interp_w[:bucket],
-                          i.cu_seqlens, seq_lens=(bucket,), max_seqlen=bucket)
+                          i.cu_seqlens, seq_lens=(bucket,), max_seqlen=bucket, batched=False)
 
     def bucket_for(self, num_patches: int) -> int | None:
-        """The smallest captured bucket holding `num_patches`, or None: run the tower eagerly."""
+        """The smallest captured bucket holding `num_patches`, or None: run the tower without a graph."""
         for b in self.buckets:
             if b >= num_patches:
                 return b
         return None
 
     def run(self, bucket: int) -> torch.Tensor:
-        graph, out = self._graphs[bucket]
-        graph.replay()  # on the stream it was captured on
-        return out
+        self._graphs[bucket].replay()  # on the stream it was captured on
+        return self.out[: bucket // 4]

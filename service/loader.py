@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,9 +43,11 @@ class LoadedModel:
     random_weights: bool
     device: torch.device
     dtype: torch.dtype
+    load_s: float = 0.0  # seconds load_model took (reported in the start-up log line and /ready)
 
 
 def load_model(settings: Settings) -> LoadedModel:
+    t0 = time.perf_counter()
     device = torch.device(settings.resolved_device())
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.resolved_dtype()]
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -70,7 +73,8 @@ def load_model(settings: Settings) -> LoadedModel:
         raise ModelLoadError(f"min_pixels {params.min_pixels} exceeds max_pixels {params.max_pixels}")
     tower.fuse_patch_embed()
     tower.eval().requires_grad_(False)
-    return LoadedModel(tower, spec, params, model_id, random_weights, device, dtype)
+    return LoadedModel(tower, spec, params, model_id, random_weights, device, dtype,
+                       load_s=round(time.perf_counter() - t0, 2))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,8 +8,14 @@ step loop:
     host syncs inside the forward;
   * the patch embedding is a Linear over one frame (768 wide) with the Conv3d weights summed over
     t: both temporal frames of an image are equal, so this is the same function on half the input;
-  * attention runs over the packed batch: `varlen_attn` on CUDA in bf16/fp16, one batched SDPA when
-    all images have the same length, else a loop whose split sizes are host integers.
+  * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
+    model-dtype in/out: one fused kernel once compiled (the eager chain was a third of the tower's
+    time on an H200);
+  * attention is chosen per step on the host, from host integers (no device sync): one batched SDPA
+    call when every image has the same length, `varlen_attn` over the packed batch otherwise (CUDA,
+    bf16/fp16), a per-image loop elsewhere;
+  * `compile()` wraps the forward in torch.compile with dynamic shapes, so one compiled graph per
+    attention kind serves every step size (and the CUDA graphs captured from it).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -126,9 +133,28 @@ class TowerBatch:
     pos_hw: torch.Tensor  # [N, 2] int64
     interp_idx: torch.Tensor  # [N, 4] int64
     interp_w: torch.Tensor  # [N, 4] float32
-    cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image
+    cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image (graphs: padded, see graphs.py)
     seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
     max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
+    batched: bool = True  # allow one batched SDPA call when all lengths are equal (graphs pass False)
+
+
+# Attention kinds, decided on the host per step (see attention_kind).
+VARLEN, BATCHED, LOOP = "varlen", "batched", "loop"
+
+
+def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> str:
+    """Pick the attention call for a step from host integers only (never a device sync).
+
+    NOTE: a single image goes through varlen, not a batch of one: under torch.compile a batch size
+    of 1 would be specialised into a third compiled graph (compiled at the first such step, seconds
+    of stall on a live server); varlen of one segment is the same flash kernel."""
+    lens = b.seq_lens
+    fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
+    equal = len(lens) >= 2 and all(n == lens[0] for n in lens)
+    if equal and (b.batched or not fast):
+        return BATCHED
+    return VARLEN if fast else LOOP
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,6 +167,18 @@ class _PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(3, spec.hidden_size, kernel_size=k, stride=k, bias=True)
 
 
+class _Attn(NamedTuple):
+    """How this step's attention runs; plain host values, passed down the blocks. (A NamedTuple: built
+    inside the compiled forward, which torch.compile traces without a graph break.)"""
+
+    kind: str  # VARLEN | BATCHED | LOOP
+    cu_seqlens: torch.Tensor  # [B+1] int32 (VARLEN)
+    max_seqlen: int  # VARLEN: upper bound on a segment's length
+    batch: int  # BATCHED: number of (equal-length) images
+    seq_lens: tuple[int, ...] | None  # LOOP only (never under torch.compile)
+    cudnn: bool  # BATCHED: call cuDNN's attention directly
+
+
 class _Attention(nn.Module):
     def __init__(self, spec: TowerSpec):
         super().__init__()
@@ -150,11 +188,11 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: TowerBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: _Attn) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
-        q, k = _rotary(q, k, cos, sin)
-        out = _packed_attention(q, k, v, b, self.scale)  # [N, H, D]
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        q, k = _rotary(qkv[:, :2], cos, sin).unbind(1)  # [N, H, D] each
+        out = _attention(q, k, qkv[:, 2], attn, self.scale)  # [N, H, D]
         return self.proj(out.reshape(n, -1))
 
 
@@ -176,8 +214,8 @@ class _Block(nn.Module):
         self.attn = _Attention(spec)
         self.mlp = _MLP(spec)
 
-    def forward(self, x, cos, sin, b: TowerBatch):
-        x = x + self.attn(self.norm1(x), cos, sin, b)
+    def forward(self, x, cos, sin, attn: _Attn):
+        x = x + self.attn(self.norm1(x), cos, sin, attn)
         return x + self.mlp(self.norm2(x))
 
 
@@ -214,6 +252,10 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
         self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
+        self._compiled = None  # torch.compile'd _forward, once compile() was called
+        # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
+        # the engine after a probe on the device (use_cudnn_attention); never on the CPU.
+        self.cudnn_attention = False
 
     @torch.no_grad()
     def fuse_patch_embed(self) -> None:
@@ -222,57 +264,101 @@ class VisionTower(nn.Module):
         w = self.patch_embed.proj.weight  # [hidden, 3, T, P, P]
         self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
 
+    def compile(self) -> None:
+        """Run the forward through torch.compile (Inductor) from now on.
+
+        dynamic=True: the step's patch count, segment count, batch size and max_seqlen are symbolic,
+        so each attention kind compiles once and serves every step size; fullgraph=True: a graph
+        break would silently leave part of the tower eager, so it is an error instead."""
+        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
     def forward(self, b: TowerBatch) -> torch.Tensor:
         assert self.frame_proj_weight.numel() > 0, "fuse_patch_embed() was not called after loading: this is a bug"
-        x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
-        pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
+        kind = attention_kind(b, b.patches.device, b.patches.dtype)
+        # Arguments a kind does not use are fixed at 0 / None: torch.compile specialises on them, and a
+        # varying unused value (or a 1) would compile another graph.
+        max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == VARLEN else 0
+        batch = len(b.seq_lens) if kind == BATCHED else 0
+        fn = self._compiled if (self._compiled is not None and kind != LOOP) else self._forward
+        return fn(b.patches, b.pos_hw, b.interp_idx, b.interp_w, b.cu_seqlens, max_seqlen, batch, kind,
+                  b.seq_lens if kind == LOOP else None)
+
+    def _forward(self, patches, pos_hw, interp_idx, interp_w, cu_seqlens, max_seqlen: int, batch: int, kind: str,
+                 seq_lens: tuple[int, ...] | None) -> torch.Tensor:
+        # NOTE: flat arguments, not a TowerBatch: torch.compile treats tensor sizes and plain int
+        # arguments as symbolic (dynamic=True), while attributes of an object would be guarded as constants.
+        attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, self.cudnn_attention)
+        x = F.linear(patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        pos = (self.pos_embed(interp_idx) * interp_w[:, :, None]).sum(1)  # [N, hidden] float32
         x = x + pos.to(x.dtype)
-        freqs = b.pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
+        freqs = pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
         half = freqs.flatten(1)  # [N, D/2]: row freqs then column freqs
-        emb = torch.cat([half, half], dim=-1)  # [N, D]
-        cos, sin = emb.cos(), emb.sin()
+        cos = torch.cat([half, half], dim=-1).cos()  # [N, D] float32
+        s = half.sin()
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign folded into sin once per step
+        # (exactly equal in IEEE arithmetic) instead of a negation per block.
+        sin = torch.cat([-s, s], dim=-1)  # [N, D] float32
 
         taps = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, b)
+            x = block(x, cos, sin, attn)
             if i in self.spec.deepstack_indexes:
                 taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *taps], dim=1)
+
+
+def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
+    """Probe cuDNN's fused attention for the tower's batched layout on `device`: it must run and agree
+    with SDPA's math kernel. Some cuDNN / GPU / head-size combinations are unsupported: then SDPA."""
+    if device.type != "cuda":
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2 * 256, num_heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
+    qs, ks, vs = (t.view(2, 256, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    try:
+        with torch.inference_mode():
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False)[0]
+            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float())
+        torch.cuda.synchronize(device)
+    except RuntimeError:  # not supported by this build / device / shape
+        return False
+    return bool(((out.float() - ref).norm() / ref.norm()).item() < 2e-2)
 
 
 def varlen_available() -> bool:
     return _varlen_attn is not None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of q and k at once. qk: [N, 2, H, D] (a view of qkv) -> [N, 2, H, D]
+    in qk's dtype; math in float32 like the reference (bf16 rotary loses precision on large grids).
+    `sin` carries rotate_half's sign: [-sin, sin]."""
+    x = qk.float()
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    out = x * cos[:, None, None, :] + torch.cat((x2, x1), dim=-1) * sin[:, None, None, :]
+    return out.to(qk.dtype)
 
 
-def _rotary(q, k, cos, sin):
-    # In float32 like the reference: bf16 rotary loses visible precision on large grids.
-    dtype = q.dtype
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    qf, kf = q.float(), k.float()
-    q = qf * cos + _rotate_half(qf) * sin
-    k = kf * cos + _rotate_half(kf) * sin
-    return q.to(dtype), k.to(dtype)
-
-
-def _packed_attention(q, k, v, b: TowerBatch, scale: float) -> torch.Tensor:
+def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
     """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
-    lens = b.seq_lens
-    if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        m = b.max_seqlen or max(lens)
-        return _varlen_attn(q, k, v, b.cu_seqlens, b.cu_seqlens, m, m, scale=scale)
-    if all(n == lens[0] for n in lens):
-        # Equal lengths: one batched SDPA call, no Python loop.
-        bsz, n = len(lens), lens[0]
-        qs, ks, vs = (t.view(bsz, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        return out.transpose(1, 2).reshape(q.shape)
+    if attn.kind == VARLEN:
+        return _varlen_attn(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, scale=scale)
+    if attn.kind == BATCHED:
+        # Equal lengths: one batched SDPA call, no Python loop. On CUDA it picks the flash / cuDNN kernels.
+        n, h, d = q.shape
+        bsz = attn.batch
+        qs, ks, vs = (t.reshape(bsz, n // bsz, h, d).transpose(1, 2) for t in (q, k, v))
+        if attn.cudnn:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False, scale=scale)[0]
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        return out.transpose(1, 2).reshape(n, h, d)
     outs = []
-    for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
+    for qi, ki, vi in zip(q.split(attn.seq_lens), k.split(attn.seq_lens), v.split(attn.seq_lens)):
         o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)

@@ -143,6 +143,40 @@ def test_blocked_next_batch_wakes_on_arrival():
     assert keys(batch) == ["a"] and batch.closed_by == "tokens"
 
 
+def test_idle_device_closes_a_batch_at_once_busy_device_waits_for_company():
+    # Continuous batching: nothing is gained by holding a lone image while the device has nothing to do.
+    clock = FakeClock()
+    b = make(max_batch_tokens=100, max_wait_s=1.0, clock=clock)
+    device = {"busy": True}
+    b.submit("a", None, 10)
+    assert b.next_batch(timeout=0, busy=lambda: device["busy"]) is None  # busy: "a" waits for company
+    b.submit("b", None, 10)
+    device["busy"] = False
+    batch = b.next_batch(timeout=0, busy=lambda: device["busy"])
+    assert keys(batch) == ["a", "b"] and batch.closed_by == "idle"
+    # Busy all along: max_wait still bounds the wait.
+    device["busy"] = True
+    b.submit("c", None, 10)
+    clock.advance(1.0)
+    batch = b.next_batch(timeout=0, busy=lambda: device["busy"])
+    assert keys(batch) == ["c"] and batch.closed_by == "wait"
+
+
+def test_wake_ends_a_wait_when_the_device_goes_idle():
+    # max_wait is huge: only wake() (what the writer calls once a step is done) can end the wait in time.
+    b = make(max_batch_tokens=100, max_wait_s=60.0, clock=time.monotonic)
+    device = {"busy": True}
+    b.submit("a", None, 10)
+    get = run_in_thread(b.next_batch, 10.0, lambda: device["busy"])
+    time.sleep(0.05)
+    device["busy"] = False
+    t0 = time.monotonic()
+    b.wake()
+    batch = get()
+    assert time.monotonic() - t0 < 2.0
+    assert keys(batch) == ["a"] and batch.closed_by == "idle"
+
+
 def test_next_batch_timeout_returns_none():
     b = make(clock=time.monotonic)
     t0 = time.monotonic()

@@ -6,18 +6,25 @@ import pytest
 import torch
 
 from service.config import Settings
-from service.graphs import GRAPH_MAX_PATCHES, PAD_SEGMENT, graph_buckets, pad_segments, padded_cu_seqlens
+from service.graphs import MIN_BUCKET_STEP, PAD_SEGMENT, graph_buckets, pad_segments, padded_cu_seqlens
 from service.loader import load_model
 from service.tower import TowerBatch, build_batch
 
 
-def test_buckets_cover_small_steps_only():
-    b = graph_buckets(65536)
-    assert b == [1024, 2048, 3072] == graph_buckets(65536, limit=GRAPH_MAX_PATCHES)
-    assert graph_buckets(3000) == [1024, 2048, 3000]
-    assert graph_buckets(65536, limit=6144) == [1024, 2048, 3072, 4096, 5120, 6144]
+def test_buckets_are_dense_so_padding_wastes_little():
+    b = graph_buckets(65536, limit=12544, smallest=256)
+    assert b[0] == 256 and b[-1] == 12544 and b == sorted(set(b))
+    assert all(x % 4 == 0 for x in b)  # every image's patch count is a multiple of 4
+    # Any step of n patches (n >= 256, a multiple of 4) pads to a bucket at most 64 patches or 1/16 larger.
+    for n in range(256, 12545, 4):
+        bucket = next(x for x in b if x >= n)
+        assert bucket - n < max(MIN_BUCKET_STEP, n / 16), (n, bucket)
+    assert len(b) <= 80  # a bounded number of graphs to capture at start
+    assert [x for x in b if x <= 1024] == list(range(256, 1025, 64))
+    assert graph_buckets(3000, limit=12544, smallest=256)[-1] == 3000  # never beyond a step's capacity
+    assert graph_buckets(65536, limit=12544, smallest=64)[0] == 64  # small min_pixels: small buckets
     gaps = [y - x for x, y in zip([0, *b], b)]
-    assert max(gaps) == PAD_SEGMENT and pad_segments(max(gaps)) == 1
+    assert pad_segments(max(gaps[1:])) == 1
 
 
 def test_padded_cu_seqlens_layout():

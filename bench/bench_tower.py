@@ -1,0 +1,314 @@
+"""The tower at the GPU's speed (issue 6): every figure against transformers and the bf16 matmul
+ceiling measured in the same run, on the same GPU, with the same weights.
+
+    python bench/bench_tower.py --out DIR [--preset qwen3-vl-4b] [--sections tower,graphs,accuracy,loop,one,startup]
+
+Sections (all written to DIR/bench_tower.json as they finish; a table is printed last):
+  ceiling   bf16 8192^3 matmul TFLOP/s
+  tower     img/s of transformers' tower, ours eager (--no-compile) and ours compiled (cuDNN and SDPA
+            batched attention) at 448px batch 1/8/64, 1024px batch 16 and a mixed-size step of 8
+  graphs    ms per step of a CUDA-graph replay of the compiled tower, 1..16 images of 448px
+  accuracy  bf16 relative L2 error against a float32 transformers run on 8 real photographs:
+            transformers bf16, ours eager, ours compiled + graphs (the service's path)
+  loop      step loop + /dev/shm store with pre-decoded 448px images, steps of 64
+  one       one 448px image on an idle step loop: submit -> stored, median of 50
+  startup   `python -m service serve` of the preset twice on one compile cache: cold, then warm
+            (needs the serving dependencies: fastapi, uvicorn, pydantic-settings, python-multipart)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E402
+from service.batcher import BatchLimits, Batcher  # noqa: E402
+from service.config import Settings  # noqa: E402
+from service.engine import EncodeJob, Engine  # noqa: E402
+from service.graphs import padded_cu_seqlens  # noqa: E402
+from service.images import prepare_image  # noqa: E402
+from service.loader import load_model  # noqa: E402
+from service.metrics import Metrics  # noqa: E402
+from service.store import EmbeddingStore  # noqa: E402
+from service.tower import TowerBatch, build_batch  # noqa: E402
+
+ALL = "ceiling,tower,graphs,accuracy,loop,one,startup"
+
+
+def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0):
+    """A TowerBatch of random patch rows for `grids`, plus the transformers inputs of the same rows."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    frames = torch.randn(n, 768, device=device, dtype=dtype, generator=g)
+    arr = build_batch(grids, spec)
+    tb = TowerBatch(frames, *(torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
+                    seq_lens=tuple(t * h * w for t, h, w in grids))
+    pv = frames.view(n, 3, 1, 256).expand(-1, -1, 2, -1).reshape(n, 1536).contiguous()  # both frames equal
+    return tb, pv, torch.tensor(grids, device=device)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="qwen3-vl-4b")
+    ap.add_argument("--sections", default=ALL)
+    ap.add_argument("--loop-images", type=int, default=2048)
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    from transformers import Qwen3VLVisionModel
+    from transformers import __version__ as tf_version
+
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": tf_version,
+                 "python": platform.python_version(), "preset": args.preset}
+    print(json.dumps(res), flush=True)
+
+    def save():
+        (args.out / "bench_tower.json").write_text(json.dumps(res, indent=2))
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    res["ceiling_bf16_tflops"] = round(2 * 8192**3 / cuda_time(lambda: a @ b, reps=10) / 1e12, 1)
+    del a, b
+    print("ceiling", res["ceiling_bf16_tflops"], flush=True)
+
+    cache = Path(tempfile.mkdtemp(prefix="qve-compile-"))
+    settings = Settings(model=args.preset, device="cuda", dtype="bfloat16", max_batch_tokens=16384,
+                        max_batch_images=64, pool_slots=3, compile_cache=cache)
+    model = load_model(settings)
+    spec, tower = model.spec, model.tower
+    from service.presets import preset_vision_config
+
+    hf = Qwen3VLVisionModel._from_config(preset_vision_config(args.preset), attn_implementation="sdpa",
+                                         dtype=torch.bfloat16).cuda().eval()
+    missing = hf.load_state_dict(tower.state_dict(), strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+
+    shapes = {"448 b1": [(1, 28, 28)], "448 b8": [(1, 28, 28)] * 8, "448 b64": [(1, 28, 28)] * 64,
+              "1024 b16": [(1, 64, 64)] * 16,
+              "mixed 8": [(1, 28, 28), (1, 64, 64), (1, 16, 16), (1, 36, 48), (1, 48, 36), (1, 20, 60), (1, 40, 40),
+                          (1, 32, 24)]}
+
+    def time_tower(fn, grids):
+        tb, pv, grid = synthetic_batch(spec, grids)
+        with torch.inference_mode():
+            return cuda_time(lambda: fn(tb, pv, grid), reps=10 if len(grids) >= 16 else 20)
+
+    ours = lambda tb, pv, grid: tower(tb)  # noqa: E731
+    theirs = lambda tb, pv, grid: hf(pv, grid_thw=grid)  # noqa: E731
+
+    # ---- eager numbers first (before compile() changes the tower's forward) ----------------------
+    rows: dict[str, dict] = {}
+    if "tower" in sections:
+        for name, grids in shapes.items():
+            fl = tower_flops(spec, [t * h * w for t, h, w in grids], frame_only=False)
+            t_hf = time_tower(theirs, grids)
+            t_eager = time_tower(ours, grids)
+            rows[name] = {"images": len(grids), "patches": sum(t * h * w for t, h, w in grids), "tflop": round(fl / 1e12, 3),
+                          "hf_ms": round(t_hf * 1e3, 2), "eager_ms": round(t_eager * 1e3, 2),
+                          "hf_img_s": round(len(grids) / t_hf, 1), "eager_img_s": round(len(grids) / t_eager, 1)}
+            print("tower", name, rows[name], flush=True)
+        res["tower"] = rows
+        save()
+
+    acc: dict = {}
+    blobs = photos()
+    prepared = [prepare_image(b, model.params, settings.image_limits) for b in blobs]
+    eager_engine = Engine(model, store=None, batcher=None, metrics=Metrics(),
+                          settings=settings.model_copy(update={"compile": False, "cuda_graphs": False}))
+    if "accuracy" in sections and blobs:
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        proc = Qwen2VLImageProcessorPil(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16,
+                                        temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        inp = proc(images=[Image.open(io.BytesIO(b)) for b in blobs], return_tensors="pt")
+        pv, grid = inp["pixel_values"].cuda(), inp["image_grid_thw"].cuda()
+        with torch.inference_mode():
+            o = hf(pv.bfloat16(), grid_thw=grid)
+            hf_bf16 = torch.cat([o.pooler_output, *o.deepstack_features], 1).float().cpu()
+            hf.float()
+            o32 = hf(pv.float(), grid_thw=grid)
+            ref = torch.cat([o32.pooler_output, *o32.deepstack_features], 1).float().cpu()
+            hf.to(torch.bfloat16)
+        eager_out = torch.cat(eager_engine.encode_sync(prepared)).float()
+        rel = lambda x: float((x - ref).norm() / ref.norm())  # noqa: E731
+        acc = {"images": len(blobs), "tokens": int(ref.shape[0]), "patches": int(grid.prod(-1).sum()),
+               "transformers_bf16": rel(hf_bf16), "ours_eager_bf16": rel(eager_out)}
+        res["accuracy"] = acc
+        print("accuracy", acc, flush=True)
+        save()
+
+    # ---- the service's engine: compile + CUDA graphs (what `serve` builds) ------------------------
+    t0 = time.perf_counter()
+    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    res["engine_startup"] = {**engine.startup, "wall_s": round(time.perf_counter() - t0, 2),
+                             "cudnn_attention": tower.cudnn_attention}
+    print("engine startup", res["engine_startup"], flush=True)
+    save()
+
+    if "accuracy" in sections and blobs:
+        out = torch.cat(engine.encode_sync(prepared)).float()
+        acc["ours_compiled_bf16"] = float((out - ref).norm() / ref.norm())
+        # the same photos one at a time: every step then replays a CUDA graph
+        one = torch.cat([engine.encode_sync([p])[0] for p in prepared]).float()
+        acc["ours_graphs_bf16"] = float((one - ref).norm() / ref.norm())
+        print("accuracy", acc, flush=True)
+        save()
+
+    if "tower" in sections:
+        cudnn_ok = tower.cudnn_attention
+        for name, grids in shapes.items():
+            r = rows[name]
+            tower.cudnn_attention = cudnn_ok
+            t_c = time_tower(ours, grids)
+            r["compiled_ms"], r["compiled_img_s"] = round(t_c * 1e3, 2), round(len(grids) / t_c, 1)
+            r["compiled_tflops"] = round(r["tflop"] / t_c, 1)
+            r["compiled_pct_ceiling"] = round(100 * r["tflop"] / t_c / res["ceiling_bf16_tflops"], 1)
+            if cudnn_ok and len(set(grids)) == 1 and len(grids) > 1:  # batched attention: SDPA's own pick too
+                tower.cudnn_attention = False
+                t_s = time_tower(ours, grids)
+                r["compiled_sdpa_ms"], r["compiled_sdpa_img_s"] = round(t_s * 1e3, 2), round(len(grids) / t_s, 1)
+            print("tower compiled", name, r, flush=True)
+        tower.cudnn_attention = cudnn_ok
+        save()
+
+    if "graphs" in sections:
+        d, grows = engine.dev, []
+        for k in (1, 2, 4, 8, 12, 16):
+            n = 784 * k
+            bucket = engine.graphs.bucket_for(n)
+            if bucket is None:
+                break
+            arr = build_batch([(1, 28, 28)] * k, spec)
+            engine.patches[:n].normal_()
+            for nm in ("pos_hw", "interp_idx", "interp_w"):
+                d[nm][:n].copy_(torch.from_numpy(arr[nm]))
+            d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, engine.cu_length), dtype=torch.int32))
+            with torch.inference_mode(), torch.cuda.stream(engine.compute_stream):
+                t_g = cuda_time(lambda: engine.graphs.run(bucket), reps=50)
+            grows.append({"images": k, "patches": n, "bucket": bucket, "graph_ms": round(t_g * 1e3, 3),
+                          "img_s": round(k / t_g, 1)})
+            print("graph", grows[-1], flush=True)
+        res["graphs"] = grows
+        save()
+
+    if "loop" in sections or "one" in sections:
+        imgs = [prepare_image(noise_png(10_000 + i, 448, 448), model.params, settings.image_limits) for i in range(64)]
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as sd:
+            store = EmbeddingStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
+            batcher = Batcher(BatchLimits(16384, 64, settings.max_wait_ms / 1000, 100_000))
+            engine.store, engine.batcher = store, batcher
+            engine.start()
+            try:
+                if "one" in sections:
+                    lat = []
+                    for i in range(60):
+                        key = f"one{i}"
+                        t0 = time.perf_counter()
+                        tk = batcher.submit(key, EncodeJob(key, imgs[i % 64]), imgs[i % 64].num_tokens)
+                        tk.future.result(timeout=60)
+                        lat.append(time.perf_counter() - t0)
+                    lat = lat[10:]
+                    res["one_image_step"] = {"p50_ms": round(1e3 * statistics.median(lat), 3),
+                                             "p90_ms": round(1e3 * sorted(lat)[int(0.9 * len(lat))], 3), "n": len(lat)}
+                    print("one image step", res["one_image_step"], flush=True)
+                    save()
+                if "loop" in sections:
+                    n = args.loop_images
+                    steps0 = batcher.stats.batches
+                    t0 = time.perf_counter()
+                    tickets = [batcher.submit(f"k{i}", EncodeJob(f"k{i}", imgs[i % 64]), imgs[i % 64].num_tokens)
+                               for i in range(n)]
+                    for tk in tickets:
+                        tk.future.result(timeout=600)
+                    dt = time.perf_counter() - t0
+                    res["loop"] = {"images": n, "img_s": round(n / dt, 1), "steps": batcher.stats.batches - steps0,
+                                   "fence_waits": engine.pool.stats.waits_blocked}
+                    print("loop", res["loop"], flush=True)
+                    save()
+            finally:
+                batcher.close()
+                engine.join(60)
+
+    if "startup" in sections:
+        del hf, engine, eager_engine, model, tower
+        torch.cuda.empty_cache()
+        res["startup"] = []
+        scache = Path(tempfile.mkdtemp(prefix="qve-serve-compile-"))
+        for run in ("cold", "warm"):
+            res["startup"].append(serve_startup(args.preset, scache, run, args.out / f"serve_{run}.log"))
+            print("startup", res["startup"][-1], flush=True)
+            save()
+
+    print_table(res)
+    save()
+    return 0
+
+
+def serve_startup(preset: str, cache: Path, run: str, log_path: Path) -> dict:
+    """Seconds from `python -m service serve` to the first /ready 200, and the phases /ready reports."""
+    import httpx
+
+    port = 18000 + (1 if run == "warm" else 0)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as sd, open(log_path, "w") as log:
+        t0 = time.perf_counter()
+        srv = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", preset, "--device", "cuda",
+                                "--store", sd, "--port", str(port), "--compile-cache", str(cache)],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline and srv.poll() is None:
+                try:
+                    r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1)
+                    if r.status_code == 200:
+                        return {"run": run, "to_ready_s": round(time.perf_counter() - t0, 1), **r.json()}
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+            return {"run": run, "error": f"not ready (exit code {srv.poll()}); see {log_path.name}"}
+        finally:
+            srv.terminate()
+            try:
+                srv.wait(60)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['date']}  {res['gpu']}  torch {res['torch']}  transformers {res['transformers']}  preset {res['preset']}")
+    print(f"bf16 matmul ceiling: {res['ceiling_bf16_tflops']} TFLOP/s")
+    if "tower" in res:
+        print("step       | transformers img/s | ours eager img/s | ours compiled img/s (TFLOP/s, % ceiling) | SDPA-batched img/s")
+        for name, r in res["tower"].items():
+            print(f"{name:10s} | {r['hf_img_s']:18.1f} | {r['eager_img_s']:16.1f} | {r.get('compiled_img_s', float('nan')):8.1f} "
+                  f"({r.get('compiled_tflops', float('nan'))}, {r.get('compiled_pct_ceiling', float('nan'))}%) "
+                  f"| {r.get('compiled_sdpa_img_s', '')}")
+    for g in res.get("graphs", []):
+        print(f"graph replay {g['images']:2d} images ({g['bucket']} patches): {g['graph_ms']} ms ({g['img_s']} img/s)")
+    if "accuracy" in res:
+        print("accuracy (rel L2 vs float32 transformers):", {k: v for k, v in res["accuracy"].items()})
+    for k in ("engine_startup", "one_image_step", "loop"):
+        if k in res:
+            print(k, res[k])
+    for s in res.get("startup", []):
+        print("serve start-up", {k: s.get(k) for k in ("run", "to_ready_s", "startup_s", "error")})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
