@@ -46,7 +46,7 @@ from service.metrics import Metrics  # noqa: E402
 from service.store import EmbeddingStore  # noqa: E402
 from service.tower import TowerBatch, build_batch  # noqa: E402
 
-ALL = "ceiling,tower,graphs,accuracy,loop,one,startup"
+ALL = "ceiling,tower,profile,graphs,accuracy,loop,one,startup"
 
 
 def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0):
@@ -186,6 +186,22 @@ def main() -> int:
                 r["compiled_sdpa_ms"], r["compiled_sdpa_img_s"] = round(t_s * 1e3, 2), round(len(grids) / t_s, 1)
             print("tower compiled", name, r, flush=True)
         tower.cudnn_attention = cudnn_ok
+        save()
+
+    if "profile" in sections:  # where a compiled batch-64 forward spends its GPU time, by kernel
+        tb, _, _ = synthetic_batch(spec, shapes["448 b64"])
+        with torch.inference_mode():
+            tower(tb)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                tower(tb)
+                torch.cuda.synchronize()
+        ka = prof.key_averages()
+        top = sorted(ka, key=lambda e: -e.device_time_total)[:25]
+        res["profile_b64"] = [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1e3, 2), "calls": e.count}
+                              for e in top]
+        for r in res["profile_b64"]:
+            print("profile", r, flush=True)
         save()
 
     if "graphs" in sections:

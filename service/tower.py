@@ -168,32 +168,63 @@ class _PatchEmbed(nn.Module):
 
 
 class _Attn(NamedTuple):
-    """How this step's attention runs; plain host values, passed down the blocks. (A NamedTuple: built
-    inside the compiled forward, which torch.compile traces without a graph break.)"""
+    """How this step's attention runs: host values, fixed for the whole step."""
 
     kind: str  # VARLEN | BATCHED | LOOP
     cu_seqlens: torch.Tensor  # [B+1] int32 (VARLEN)
-    max_seqlen: int  # VARLEN: upper bound on a segment's length
-    batch: int  # BATCHED: number of (equal-length) images
+    max_seqlen: int  # VARLEN: upper bound on a segment's length; else 0
+    batch: int  # BATCHED: number of (equal-length) images; else 0
     seq_lens: tuple[int, ...] | None  # LOOP only (never under torch.compile)
     cudnn: bool  # BATCHED: call cuDNN's attention directly
+
+
+class _BlockWeights(NamedTuple):
+    """One block's tensors, handed to the block function as inputs (see _make_block_fn)."""
+
+    norm1_w: torch.Tensor
+    norm1_b: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor
+    norm2_w: torch.Tensor
+    norm2_b: torch.Tensor
+    fc1_w: torch.Tensor
+    fc1_b: torch.Tensor
+    fc2_w: torch.Tensor
+    fc2_b: torch.Tensor
+
+
+def _make_block_fn(num_heads: int, head_dim: int, eps: float):
+    """One vision block as a function of its inputs and its weights.
+
+    NOTE: a function of the weights, not a module method, so torch.compile traces ONE graph that all
+    blocks share (the weights are graph inputs): compiling the 24-27 block tower as a whole took ~2
+    minutes on an H200, one block a few seconds. Head count and eps are closure constants; every int
+    argument is symbolic under dynamic=True."""
+    scale = head_dim**-0.5
+
+    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: str, cudnn: bool,
+              seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
+        n, hidden = x.shape
+        h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
+        qkv = F.linear(h, w.qkv_w, w.qkv_b).view(n, 3, num_heads, head_dim)
+        q, k = _rotary(qkv[:, :2], cos, sin).unbind(1)  # [N, H, D] each
+        attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, cudnn)
+        o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
+        x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
+        h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
+        h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
+        return x + F.linear(h, w.fc2_w, w.fc2_b)
+
+    return block
 
 
 class _Attention(nn.Module):
     def __init__(self, spec: TowerSpec):
         super().__init__()
-        self.num_heads = spec.num_heads
-        self.head_dim = spec.head_dim
-        self.scale = self.head_dim**-0.5
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: _Attn) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        q, k = _rotary(qkv[:, :2], cos, sin).unbind(1)  # [N, H, D] each
-        out = _attention(q, k, qkv[:, 2], attn, self.scale)  # [N, H, D]
-        return self.proj(out.reshape(n, -1))
 
 
 class _MLP(nn.Module):
@@ -202,11 +233,10 @@ class _MLP(nn.Module):
         self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # gelu_pytorch_tanh
-
 
 class _Block(nn.Module):
+    """Holds one block's parameters under transformers' names; the math is _make_block_fn's."""
+
     def __init__(self, spec: TowerSpec):
         super().__init__()
         self.norm1 = nn.LayerNorm(spec.hidden_size, eps=1e-6)
@@ -214,9 +244,11 @@ class _Block(nn.Module):
         self.attn = _Attention(spec)
         self.mlp = _MLP(spec)
 
-    def forward(self, x, cos, sin, attn: _Attn):
-        x = x + self.attn(self.norm1(x), cos, sin, attn)
-        return x + self.mlp(self.norm2(x))
+    def weights(self) -> _BlockWeights:
+        a, m = self.attn, self.mlp
+        return _BlockWeights(self.norm1.weight, self.norm1.bias, a.qkv.weight, a.qkv.bias, a.proj.weight, a.proj.bias,
+                             self.norm2.weight, self.norm2.bias, m.linear_fc1.weight, m.linear_fc1.bias,
+                             m.linear_fc2.weight, m.linear_fc2.bias)
 
 
 class _Merger(nn.Module):
@@ -252,7 +284,9 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
         self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
-        self._compiled = None  # torch.compile'd _forward, once compile() was called
+        self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6)
+        self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
+        self._compiled = None  # torch.compile'd _block_fn, once compile() was called
         # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
         # the engine after a probe on the device (use_cudnn_attention); never on the CPU.
         self.cudnn_attention = False
@@ -260,17 +294,20 @@ class VisionTower(nn.Module):
     @torch.no_grad()
     def fuse_patch_embed(self) -> None:
         """Call after loading weights: Conv3d over (t, p, p) on a frame repeated over t == Linear with
-        the weights summed over t. Summed in float32, then cast to the model dtype."""
+        the weights summed over t. Summed in float32, then cast to the model dtype. Also collects each
+        block's weight tensors for the block function (they never change after loading)."""
         w = self.patch_embed.proj.weight  # [hidden, 3, T, P, P]
         self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
+        self._block_weights = [blk.weights() for blk in self.blocks]
 
     def compile(self) -> None:
-        """Run the forward through torch.compile (Inductor) from now on.
+        """Run the blocks through torch.compile (Inductor) from now on: rotary, layernorms, residuals
+        and GELU become fused kernels around the cuBLAS GEMMs and the attention call.
 
         dynamic=True: the step's patch count, segment count, batch size and max_seqlen are symbolic,
         so each attention kind compiles once and serves every step size; fullgraph=True: a graph
-        break would silently leave part of the tower eager, so it is an error instead."""
-        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        break would silently leave part of the block eager, so it is an error instead."""
+        self._compiled = torch.compile(self._block_fn, dynamic=True, fullgraph=True)
 
     @property
     def compiled(self) -> bool:
@@ -283,19 +320,13 @@ class VisionTower(nn.Module):
         # varying unused value (or a 1) would compile another graph.
         max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == VARLEN else 0
         batch = len(b.seq_lens) if kind == BATCHED else 0
-        fn = self._compiled if (self._compiled is not None and kind != LOOP) else self._forward
-        return fn(b.patches, b.pos_hw, b.interp_idx, b.interp_w, b.cu_seqlens, max_seqlen, batch, kind,
-                  b.seq_lens if kind == LOOP else None)
+        seq_lens = b.seq_lens if kind == LOOP else None
+        block_fn = self._compiled if (self._compiled is not None and kind != LOOP) else self._block_fn
 
-    def _forward(self, patches, pos_hw, interp_idx, interp_w, cu_seqlens, max_seqlen: int, batch: int, kind: str,
-                 seq_lens: tuple[int, ...] | None) -> torch.Tensor:
-        # NOTE: flat arguments, not a TowerBatch: torch.compile treats tensor sizes and plain int
-        # arguments as symbolic (dynamic=True), while attributes of an object would be guarded as constants.
-        attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, self.cudnn_attention)
-        x = F.linear(patches, self.frame_proj_weight, self.patch_embed.proj.bias)
-        pos = (self.pos_embed(interp_idx) * interp_w[:, :, None]).sum(1)  # [N, hidden] float32
+        x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
         x = x + pos.to(x.dtype)
-        freqs = pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
+        freqs = b.pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
         half = freqs.flatten(1)  # [N, D/2]: row freqs then column freqs
         cos = torch.cat([half, half], dim=-1).cos()  # [N, D] float32
         s = half.sin()
@@ -304,8 +335,8 @@ class VisionTower(nn.Module):
         sin = torch.cat([-s, s], dim=-1)  # [N, D] float32
 
         taps = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attn)
+        for i, w in enumerate(self._block_weights):
+            x = block_fn(x, cos, sin, b.cu_seqlens, max_seqlen, batch, kind, self.cudnn_attention, seq_lens, w)
             if i in self.spec.deepstack_indexes:
                 taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *taps], dim=1)
