@@ -90,6 +90,9 @@ class Engine:
         # A step holds up to the token budget, or one image above it (such an image runs alone).
         self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
         self.max_images = settings.max_batch_images
+        if self.max_patches > tower_module.max_block_rows(spec):
+            raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
+                             f"({tower_module.max_block_rows(spec)}); lower --max-batch-tokens or --max-pixels")
         # CUDA graphs and torch.compile need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the
         # tower runs eagerly (CPU float32 stays exactly transformers' arithmetic).
         fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()

@@ -195,7 +195,12 @@ class _BlockWeights(NamedTuple):
     fc2_b: torch.Tensor
 
 
-def _make_block_fn(num_heads: int, head_dim: int, eps: float):
+def max_block_rows(spec: TowerSpec) -> int:
+    """The most patch rows one step may hold: every activation of a block stays under 2**31 elements."""
+    return (2**31 - 1) // max(3 * spec.hidden_size, spec.intermediate_size)
+
+
+def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
     """One vision block as a function of its inputs and its weights.
 
     NOTE: a function of the weights, not a module method, so torch.compile traces ONE graph that all
@@ -207,6 +212,9 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float):
     def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: str, cudnn: bool,
               seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
         n, hidden = x.shape
+        # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
+        # integers (with an unbounded symbolic size it falls back to slower 64-bit index math).
+        torch._check(n <= max_rows)
         h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
         qkv = F.linear(h, w.qkv_w, w.qkv_b).view(n, 3, num_heads, head_dim)
         q, k = _rotary(qkv[:, :2], cos, sin).unbind(1)  # [N, H, D] each
@@ -214,7 +222,12 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float):
         o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
         x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
         h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
-        h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
+        if h.is_cuda:
+            # GELU (tanh, = gelu_pytorch_tanh) in cuBLASLt's GEMM epilogue: one pass over the widest
+            # activation saved. (On the CPU this op's GELU is the erf one, so not there.)
+            h = torch._addmm_activation(w.fc1_b, h, w.fc1_w.t(), use_gelu=True)
+        else:
+            h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
         return x + F.linear(h, w.fc2_w, w.fc2_b)
 
     return block
@@ -284,7 +297,7 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
         self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
-        self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6)
+        self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6, max_rows=max_block_rows(spec))
         self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
         self._compiled = None  # torch.compile'd _block_fn, once compile() was called
         # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
