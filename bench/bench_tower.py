@@ -46,7 +46,7 @@ from service.metrics import Metrics  # noqa: E402
 from service.store import EmbeddingStore  # noqa: E402
 from service.tower import TowerBatch, build_batch  # noqa: E402
 
-ALL = "ceiling,tower,profile,graphs,accuracy,loop,one,startup"
+ALL = "ceiling,tower,profile,profile1,graphs,accuracy,loop,one,startup"
 
 
 def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0):
@@ -188,20 +188,21 @@ def main() -> int:
         tower.cudnn_attention = cudnn_ok
         save()
 
-    if "profile" in sections:  # where a compiled batch-64 forward spends its GPU time, by kernel
-        tb, _, _ = synthetic_batch(spec, shapes["448 b64"])
+    for prof_name, shape in (("profile", "448 b64"), ("profile1", "448 b1")):
+        if prof_name not in sections:  # where a compiled forward spends its GPU time, by kernel
+            continue
+        tb, _, _ = synthetic_batch(spec, shapes[shape])
         with torch.inference_mode():
             tower(tb)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 tower(tb)
                 torch.cuda.synchronize()
-        ka = prof.key_averages()
-        top = sorted(ka, key=lambda e: -e.device_time_total)[:25]
-        res["profile_b64"] = [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1e3, 2), "calls": e.count}
-                              for e in top]
-        for r in res["profile_b64"]:
-            print("profile", r, flush=True)
+        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]
+        rows_p = [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in top]
+        res[f"{prof_name}_{shape.replace(' ', '_')}"] = rows_p
+        for r in rows_p:
+            print(prof_name, r, flush=True)
         save()
 
     if "graphs" in sections:
