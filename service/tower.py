@@ -14,8 +14,9 @@ step loop:
   * attention is chosen per step on the host, from host integers (no device sync): one batched SDPA
     call when every image has the same length, `varlen_attn` over the packed batch otherwise (CUDA,
     bf16/fp16), a per-image loop elsewhere;
-  * `compile()` wraps the forward in torch.compile with dynamic shapes, so one compiled graph per
-    attention kind serves every step size (and the CUDA graphs captured from it).
+  * the block is one function of its weights (`_make_block_fn`): `compile()` wraps it in torch.compile
+    with dynamic shapes, so one compiled graph per attention kind serves every block and every step
+    size (and the CUDA graphs captured from it); GELU runs in the cuBLASLt GEMM epilogue on CUDA.
 """
 
 from __future__ import annotations
