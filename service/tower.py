@@ -356,24 +356,6 @@ class VisionTower(nn.Module):
         return torch.cat([self.merger(x), *taps], dim=1)
 
 
-@torch.library.custom_op("qve::cudnn_attention", mutates_args=())
-def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """cuDNN's fused attention on [B, L, H, D] (strided) inputs -> contiguous [B, L, H, D].
-
-    NOTE: an opaque custom op, not the aten call inside the compiled block: Inductor then keeps the
-    inputs' strides as they are (q and k views of the rotary output, v a view of qkv), instead of
-    making the rotary kernel write them in the attention's [B, H, L, D] order, which profiled at
-    ~1.4 TB/s (10.7 ms of a 84 ms batch-64 forward on an H200)."""
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, False, scale=scale)[0]
-    return out.transpose(1, 2).contiguous()
-
-
-@_cudnn_attention.register_fake
-def _(q, k, v, scale):
-    return q.new_empty(q.shape)  # contiguous, like the real op's output
-
-
 def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """Probe cuDNN's fused attention for the tower's batched layout on `device`: it must run and agree
     with SDPA's math kernel. Some cuDNN / GPU / head-size combinations are unsupported: then SDPA."""
@@ -384,8 +366,8 @@ def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: i
     qs, ks, vs = (t.view(2, 256, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
     try:
         with torch.inference_mode():
-            out = _cudnn_attention(*(t.view(2, 256, num_heads, head_dim) for t in (q, k, v)), head_dim**-0.5)
-            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float()).transpose(1, 2)
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False)[0]
+            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float())
         torch.cuda.synchronize(device)
     except RuntimeError:  # not supported by this build / device / shape
         return False
@@ -414,11 +396,11 @@ def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
         # Equal lengths: one batched SDPA call, no Python loop. On CUDA it picks the flash / cuDNN kernels.
         n, h, d = q.shape
         bsz = attn.batch
-        if attn.cudnn:
-            # [B, L, H, D] views in and out: see _cudnn_attention for why this is an opaque op.
-            return _cudnn_attention(*(t.view(bsz, n // bsz, h, d) for t in (q, k, v)), scale).view(n, h, d)
         qs, ks, vs = (t.reshape(bsz, n // bsz, h, d).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        if attn.cudnn:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False, scale=scale)[0]
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         return out.transpose(1, 2).reshape(n, h, d)
     outs = []
     for qi, ki, vi in zip(q.split(attn.seq_lens), k.split(attn.seq_lens), v.split(attn.seq_lens)):
