@@ -302,7 +302,7 @@ class VisionTower(nn.Module):
         self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
         self._compiled = None  # torch.compile'd _block_fn, once compile() was called
         # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
-        # the engine after a probe on the device (use_cudnn_attention); never on the CPU.
+        # the engine after a probe on the device (cudnn_attention_works); never on the CPU.
         self.cudnn_attention = False
 
     @torch.no_grad()
