@@ -1,4 +1,4 @@
-"""GPU kernels (CuPy). Importing needs no GPU and no CuPy; a kernel compiles on its first launch."""
+"""GPU kernels: CuPy (patchify) and Triton (rotary). Importing needs no GPU, CuPy or Triton; a kernel compiles on its first launch."""
 
 from kernels.preprocess import check_image_table, cupy_available, patchify_cuda
 

@@ -154,7 +154,7 @@ class Engine:
             d = self.dev
             self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
                                                                 d["interp_w"], d["cu_seqlens"]),
-                                      self.buckets, self.compute_stream)
+                                      self.buckets, self.compute_stream, smallest)
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
             self.startup["graphs"] = len(self.buckets)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
@@ -270,7 +270,11 @@ class Engine:
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
         bucket = (self.graphs.bucket_for(row) if self.graphs else None) or row
-        bufs["cu_seqlens"][:] = padded_cu_seqlens(seq_lens, bucket, self.cu_length)
+        cu = padded_cu_seqlens(seq_lens, bucket, self.cu_length)
+        if self.graphs and bucket in self.graphs.buckets:
+            used = cu.index(bucket) + 1  # real segments, padding, the leading 0
+            assert used <= self.graphs.cu_len(bucket), f"{used} cu_seqlens entries for bucket {bucket}: this is a bug"
+        bufs["cu_seqlens"][:] = cu
         return Staged(slot, batch.items, off, row, bucket, tuple(seq_lens), token_offsets, grids)
 
     def run(self, st: Staged) -> Launched:

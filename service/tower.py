@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import rotary as rotary_kernel
+
 try:  # torch >= 2.10 on CUDA; absent or unusable elsewhere, we fall back to SDPA.
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
@@ -209,6 +211,7 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
     minutes on an H200, one block a few seconds. Head count and eps are closure constants; every int
     argument is symbolic under dynamic=True."""
     scale = head_dim**-0.5
+    fused_rotary = rotary_kernel.supports(num_heads, head_dim)
 
     def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: str, cudnn: bool,
               seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
@@ -217,8 +220,13 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
         # integers (with an unbounded symbolic size it falls back to slower 64-bit index math).
         torch._check(n <= max_rows)
         h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
-        qkv = F.linear(h, w.qkv_w, w.qkv_b).view(n, 3, num_heads, head_dim)
-        q, k = _rotary(qkv[:, :2], cos, sin).unbind(1)  # [N, H, D] each
+        qkv = F.linear(h, w.qkv_w, w.qkv_b)  # [N, 3*H*D]: q, k, v
+        if fused_rotary and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16):
+            qk = rotary_kernel.rotary_qk(qkv, cos, sin, num_heads)  # one Triton kernel, [N, 2, H, D]
+        else:
+            qk = _rotary(qkv.view(n, 3, num_heads, head_dim)[:, :2], cos, sin)
+        q, k = qk.unbind(1)  # [N, H, D] each
+        qkv = qkv.view(n, 3, num_heads, head_dim)
         attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, cudnn)
         o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
         x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
