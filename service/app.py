@@ -98,7 +98,7 @@ class Runtime:
         self.store = EmbeddingStore(
             settings.store, settings.store_capacity_bytes, model_id=model.model_id,
             out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-            dtype=str(model.dtype).replace("torch.", ""),
+            dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
         )
         self.batcher = Batcher(BatchLimits(
             max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
@@ -331,7 +331,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
         body = {"code": err.code, "message": err.message}
         if isinstance(err, ImageError) and err.index is not None:
             body["index"] = err.index
-        headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded) else None
+        retry = getattr(err, "retry_after_s", None)  # overload, a full store: transient, say when to retry
+        headers = {"Retry-After": str(retry)} if retry is not None else None
         return JSONResponse({"error": body}, status_code=http_status(err), headers=headers)
 
     @app.post("/encode", response_model=EncodeResponse, openapi_extra={"requestBody": {"content": {

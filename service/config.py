@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
     store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes")
+    store_min_residency_s: float = Field(30.0, ge=0, description="an entry answered by /encode is not evicted for this "
+                                         "long (a consumer was told it is there); a store full of such entries "
+                                         "answers 503 + Retry-After")
 
     # HTTP
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")

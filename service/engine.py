@@ -29,7 +29,7 @@ import torch
 
 from .batcher import Batch, Batcher, WorkItem
 from .config import Settings
-from .errors import BackendError
+from .errors import BackendError, ServiceError
 from .images import PreparedImage
 from .loader import LoadedModel
 from .metrics import Metrics
@@ -369,6 +369,9 @@ class Engine:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
         try:
             stored = self.store.put(item.key, rows, grid)
+        except ServiceError as e:  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
+            log.warning("store write for %s refused: %s", item.key, e.message)
+            self.batcher.finish(item, error=e)
         except Exception as e:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))

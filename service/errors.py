@@ -85,6 +85,17 @@ class Overloaded(ServiceError):
 class Unavailable(ServiceError):
     code = "unavailable"
 
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StoreFull(Unavailable):
+    """Every byte of the store is held by entries still in their minimum residency (consumers may be
+    about to read them); nothing may be evicted yet. Transient: 503 + Retry-After."""
+
+    code = "store_full"
+
 
 # ---- a step failed on the backend (500) -----------------------------------------------------------
 class BackendError(ServiceError):

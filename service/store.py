@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import mmap as _mmap
 import os
 import re
@@ -43,13 +44,15 @@ import secrets
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from service.errors import InvalidKey
+from service.errors import InvalidKey, StoreFull
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +351,7 @@ class StoredItem:
 class _Entry:
     nbytes: int
     item: StoredItem | None  # None: on disk and counted, but not a hit (other model/format, or malformed)
+    keep_until: float = 0.0  # store clock: not evicted before this (answered by /encode; min residency)
 
 
 class EmbeddingStore:
@@ -370,6 +374,11 @@ class EmbeddingStore:
     directory fails, and is tolerated), and the temp file is created under the lock right after the
     mkdir, so a put of a key that is being evicted always lands.
 
+    NOTE (minimum residency): an entry that was just written or answered as a hit is not evicted for
+    `min_residency_s`: a consumer told "it is there" (vLLM's scheduler checks existence, its worker
+    loads later) must still find it. When a put cannot make room without evicting such entries it
+    raises StoreFull (503 + Retry-After) and writes nothing.
+
     One writer process per root: the index is this process's memory. Readers in other processes use
     `read_embeddings`.
     """
@@ -384,6 +393,8 @@ class EmbeddingStore:
         *,
         dtype: str | None = None,  # "float32" | "bfloat16": if given, other-dtype files are not hits
         fsync: bool = False,  # durability across power loss; pointless on /dev/shm (RAM), so off by default
+        min_residency_s: float = 0.0,  # see the class NOTE
+        clock: Callable[[], float] = time.monotonic,  # injectable for tests
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -399,6 +410,10 @@ class EmbeddingStore:
         self.deepstack_levels = deepstack_levels
         self.dtype = dtype
         self.fsync = fsync
+        if min_residency_s < 0:
+            raise ValueError(f"min_residency_s must be >= 0, got {min_residency_s}")
+        self.min_residency_s = min_residency_s
+        self._clock = clock
 
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first, MRU last
@@ -438,6 +453,7 @@ class EmbeddingStore:
             if entry is None or entry.item is None:
                 return None
             self._index.move_to_end(key)
+            entry.keep_until = max(entry.keep_until, self._clock() + self.min_residency_s)  # answered: keep it
         # Outside the lock: touch the mtime, which both checks that the file still exists and makes
         # the recency survive a restart (the index is rebuilt in mtime order).
         try:
@@ -475,6 +491,8 @@ class EmbeddingStore:
         code = _CODE_OF[ec_cache.dtype]
         header = _encode_header(code, (n, width), ec_cache.numel() * ec_cache.element_size(), metadata)
         final = key_dir / FILE_NAME
+        with self._lock:
+            self._check_room_locked(key, len(header) + ec_cache.numel() * ec_cache.element_size())
 
         # The temp file is created (empty) under the lock together with the mkdir: from then on the
         # directory is non-empty, so a concurrent eviction of this key cannot rmdir it from under us.
@@ -514,7 +532,7 @@ class EmbeddingStore:
             old = self._index.pop(key, None)
             if old is not None:
                 self._bytes_used -= old.nbytes
-            self._index[key] = _Entry(nbytes=nbytes, item=item)
+            self._index[key] = _Entry(nbytes=nbytes, item=item, keep_until=self._clock() + self.min_residency_s)
             self._bytes_used += nbytes
             if nbytes > self.capacity_bytes:
                 log.warning(
@@ -628,12 +646,29 @@ class EmbeddingStore:
                 self.root, len(found), self._bytes_used, hits, self.model_id,
             )
 
+    def _check_room_locked(self, key: str, incoming: int) -> None:
+        """Raise StoreFull if `incoming` bytes for `key` cannot fit without evicting entries still in
+        their minimum residency. Caller holds _lock."""
+        now = self._clock()
+        young = [e for k, e in self._index.items() if k != key and e.keep_until > now]
+        kept = sum(e.nbytes for e in young)
+        if young and kept + incoming > self.capacity_bytes:
+            wait = min(e.keep_until for e in young) - now
+            raise StoreFull(
+                f"the embedding store is full of entries answered in the last {self.min_residency_s:g} s "
+                f"({kept} of {self.capacity_bytes} bytes), which consumers may still be reading; retry in "
+                f"about {max(1, math.ceil(wait))} s, or raise --store-capacity-bytes",
+                retry_after_s=max(1, math.ceil(wait)),
+            )
+
     def _evict_locked(self, keep: str | None) -> None:
-        """Evict least recently used entries (never `keep`) until within capacity. Caller holds _lock."""
+        """Evict least recently used entries (never `keep`, never one in its minimum residency) until
+        within capacity. Caller holds _lock."""
+        now = self._clock()
         while self._bytes_used > self.capacity_bytes:
-            victim = next((k for k in self._index if k != keep), None)
+            victim = next((k for k, e in self._index.items() if k != keep and e.keep_until <= now), None)
             if victim is None:
-                return  # only `keep` is left: an oversize item (see the class NOTE)
+                return  # only `keep` and young entries are left (see the class NOTEs)
             entry = self._index.pop(victim)
             self._bytes_used -= entry.nbytes
             self._evictions += 1

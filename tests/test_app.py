@@ -233,7 +233,8 @@ def test_metrics_move_as_requests_are_served(tmp_path, tiny_model):
 def test_eviction_at_capacity_through_http(tmp_path, tiny_model):
     tokens = 70  # a 96x64 image upscaled to min_pixels (65536): grid 14x20 -> 70 tokens
     one = tokens * 144 * 4  # x 144 float32 columns
-    with live_server(_settings(tmp_path, store_capacity_bytes=3 * one + 3 * 1024), tiny_model) as (url, app):
+    with live_server(_settings(tmp_path, store_capacity_bytes=3 * one + 3 * 1024, store_min_residency_s=0),
+                     tiny_model) as (url, app):
         keys = [httpx.post(url + "/encode", json=json_body(_png(800 + i)), timeout=30).json()["items"][0]["key"]
                 for i in range(6)]
         m = httpx.get(url + "/metrics").text
@@ -241,6 +242,27 @@ def test_eviction_at_capacity_through_http(tmp_path, tiny_model):
         with pytest.raises(KeyError):
             read_embeddings(tmp_path / "store", keys[0])
         assert read_embeddings(tmp_path / "store", keys[-1]).main.shape == (tokens, 48)
+
+
+def test_answered_keys_stay_readable_for_the_residency_window_and_a_full_store_answers_503(tmp_path, tiny_model):
+    tokens = 70
+    one = tokens * 144 * 4
+    with live_server(_settings(tmp_path, store_capacity_bytes=3 * one + 3 * 1024, store_min_residency_s=600),
+                     tiny_model) as (url, app):
+        answered = [httpx.post(url + "/encode", json=json_body(_png(850 + i)), timeout=30) for i in range(3)]
+        keys = [r.json()["items"][0]["key"] for r in answered]
+        # Store pressure: a fourth image would need an eviction, but every entry was answered moments ago.
+        r = httpx.post(url + "/encode", json=json_body(_png(860)), timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "store_full" and 1 <= int(r.headers["Retry-After"]) <= 600
+        for key in keys:  # what /encode told clients is still there
+            assert read_embeddings(tmp_path / "store", key).main.shape == (tokens, 48)
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_store_evictions") == 0 and metric(m, "qve_store_items") == 3
+        # A cache hit is answered from the store as before, and the service keeps serving.
+        again = httpx.post(url + "/encode", json=json_body(_png(850)), timeout=30)
+        assert again.status_code == 200 and again.json()["items"][0]["cached"] is True
+        assert httpx.get(url + "/health").status_code == 200
 
 
 def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 import service.store as store_mod
-from service.errors import InvalidKey
+from service.errors import InvalidKey, StoreFull
 from service.store import (
     FILE_NAME,
     EmbeddingStore,
@@ -393,6 +393,40 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     store.put("c", ec_for(ord("c"), 4), (1, 2, 8))
     assert len(store) == 3 and store.bytes_used == 3 * size and store.lru_keys() == ["a", "d", "c"]
     assert sorted(p.name for p in root.iterdir()) == ["a", "c", "d"]
+
+
+def test_min_residency_protects_answered_entries_then_lru_resumes(tmp_path):
+    class Clock:
+        t = 1000.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    root = tmp_path / "s"
+    size = item_nbytes(make_store(tmp_path / "x"), 4)
+    store = make_store(root, capacity=3 * size, min_residency_s=30, clock=clock)
+    for k in "abc":
+        store.put(k, ec_for(ord(k), 4), (1, 2, 8))
+        clock.t += 10  # a at 1000, b at 1010, c at 1020: kept until 1030, 1040, 1050
+    # t = 1030: a's window just ended, b's and c's not: d may evict a, and only a.
+    store.put("d", ec_for(ord("d"), 4), (1, 2, 8))
+    assert store.lru_keys() == ["b", "c", "d"] and store.evictions == 1
+    # t = 1030: everything left is young: a put that needs an eviction is refused, nothing written.
+    with pytest.raises(StoreFull) as e:
+        store.put("e", ec_for(ord("e"), 4), (1, 2, 8))
+    assert e.value.retry_after_s == 10 and "store is full" in e.value.message  # b's window ends at 1040
+    assert not (root / "e").exists() and store.lru_keys() == ["b", "c", "d"]
+    # A hit renews the window: b answered at 1035 stays until 1065, so c (until 1050) goes first.
+    clock.t = 1035
+    assert store.lookup("b") is not None
+    clock.t = 1055
+    store.put("e", ec_for(ord("e"), 4), (1, 2, 8))
+    assert store.lru_keys() == ["d", "b", "e"]
+    assert read_embeddings(root, "b").main.shape == (4, D)
+    # Re-putting a key that is itself young needs no room from others.
+    store.put("e", ec_for(ord("e") + 1, 4), (1, 2, 8))
+    assert store.lru_keys() == ["d", "b", "e"] and store.bytes_used == 3 * size
 
 
 def test_oversize_item_is_kept_and_evicts_everything_else(tmp_path, caplog):
