@@ -1,4 +1,5 @@
 """CLI: `python -m service serve --model PRESET_OR_DIR --device cpu|cuda[:N] --dtype ... --store DIR ...`
+and `python -m service consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side).
 
 Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
 variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. The model is loaded before the server binds, so a bad
@@ -47,13 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
         type_, choices = _flag_type(field.annotation)
         serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    from .config import default_store_dir
+
+    consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    consume.add_argument("--model", type=Path, required=True, help="Qwen3-VL checkpoint directory (with tokenizer)")
+    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="the encoder service")
+    consume.add_argument("--store", type=Path, default=default_store_dir(), help="the encoder's store root")
+    consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    consume.add_argument("--host", default="127.0.0.1")
+    consume.add_argument("--port", type=int, default=8090)
+    consume.add_argument("--max-tokens-limit", type=int, default=1024, help="the most tokens one request may ask for")
+    consume.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
-    args.pop("command")
+    command = args.pop("command")
     log_level = args.pop("log_level", "info")
+    if command == "consume":
+        from .chat import ChatConfig, serve
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        host, port = args.pop("host"), args.pop("port")
+        return serve(ChatConfig(**args), host, port, log_level)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings(**args)

@@ -1,12 +1,18 @@
-"""Run the real app under uvicorn on a loopback port, in this process (so tests can reach its runtime)."""
+"""Run the real app under uvicorn on a loopback port, in this process (so tests can reach its runtime),
+or the real service as its own process (`ServiceProcess`)."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -45,6 +51,47 @@ def live_server(settings, model, ready_timeout: float = 60.0):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+class ServiceProcess:
+    """`python -m service ARGS` as its own process on a loopback port; waits for /ready. Always stop() it
+    (in a finally): a test must leave no process behind."""
+
+    ROOT = Path(__file__).resolve().parents[1]
+
+    def __init__(self, args: list[str], port: int, log: Path, ready_timeout: float = 120.0):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=self.ROOT, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited early:\n{log.read_text()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{args[0]} not ready:\n{log.read_text()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout=60) -> bool:
+        """SIGTERM; True if the server shut down gracefully. uvicorn re-raises the signal after its
+        graceful shutdown, so the exit status is -SIGTERM (or 0): the log tells how it went."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return False
+        log = self.log.read_text()
+        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in log and "Traceback" not in log
 
 
 def data_url(blob: bytes, mime: str = "image/png") -> str:

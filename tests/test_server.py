@@ -18,7 +18,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from service.store import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
-from tests.live import free_port, json_body, metric
+from tests.live import ServiceProcess, free_port, json_body, metric
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,25 +29,12 @@ IMAGES = [  # real photographs first, then modes / formats / shapes
 ]
 
 
-class Server:
+class Server(ServiceProcess):
     def __init__(self, ckpt, store, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = store.parent / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "service", "serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32",
-               "--store", str(store), "--host", "127.0.0.1", "--port", str(self.port), "--decode-workers", "2", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"server exited early:\n{self.log.read_text()}"
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server not ready:\n{self.log.read_text()}"
-            time.sleep(0.1)
+        port = free_port()
+        super().__init__(["serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32", "--store", str(store),
+                          "--host", "127.0.0.1", "--port", str(port), "--decode-workers", "2", *extra],
+                         port, store.parent / f"server-{port}.log")
 
     def listening_addresses(self) -> set[str]:
         """Local addresses with a LISTEN socket on our port (from /proc/net/tcp{,6})."""
@@ -61,15 +48,6 @@ class Server:
                 if int(port, 16) == self.port and state == "0A":
                     found.add(addr)
         return found
-
-    def stop(self, timeout=60) -> bool:
-        """SIGTERM; True if the server shut down gracefully. uvicorn re-raises the signal after its
-        graceful shutdown, so the exit status is -SIGTERM (or 0): the log tells how it went."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout)
-        log = self.log.read_text()
-        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in log and "Traceback" not in log
 
 
 @pytest.fixture(scope="module")
