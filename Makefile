@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run serve-tiny loadtest lint docker-build clean help
+.PHONY: install test run serve-tiny loadtest lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
@@ -24,6 +24,7 @@ help:
 	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
+	@echo "make compose-test  build the CPU image, run docker/docker-compose.cpu.yml, check a chat answer"
 
 install: $(STAMP)
 
@@ -54,6 +55,10 @@ lint: install
 
 docker-build:
 	docker build -f docker/Dockerfile -t qwen3vl-encoder:local .
+
+# The CPU stack in a real Docker engine (tests/test_compose.py says what it needs, and why it skips).
+compose-test: install
+	QVE_COMPOSE_TEST=1 $(PY) -m pytest -q -rs -s tests/test_compose.py $(ARGS)
 
 clean:
 	rm -rf .pytest_cache build dist *.egg-info

@@ -409,3 +409,37 @@ def test_ci_run_is_the_readme_test_command_and_propagates_failure(tmp_path):
     assert r.returncode != 0
     assert log.read_text().split() == [str((tmp_path / "repo").resolve()), "test"]
 
+
+
+# ---- the CPU stack (docker/docker-compose.cpu.yml; run for real by `make compose-test`) --------------
+COMPOSE_CPU = ROOT / "docker" / "docker-compose.cpu.yml"
+
+
+def test_cpu_compose_runs_the_real_cli_on_loopback_with_one_shared_store(clean_env):
+    from service.__main__ import build_parser
+
+    svc = yaml.safe_load(COMPOSE_CPU.read_text())["services"]
+    compose = yaml.safe_load(COMPOSE_CPU.read_text())
+    enc_argv = [str(interpolate(a)) for a in svc["encoder"]["command"]]
+    con_argv = [str(interpolate(a)) for a in svc["consumer"]["command"]]
+    enc, con = vars(build_parser().parse_args(enc_argv)), vars(build_parser().parse_args(con_argv))
+    assert enc.pop("command") == "serve" and con["command"] == "consume"
+    enc.pop("log_level", None)
+    s = Settings(**enc)
+    # Host networking: what is reachable is what binds, and both bind the loopback only.
+    assert svc["encoder"]["network_mode"] == svc["consumer"]["network_mode"] == "host"
+    assert s.host == con["host"] == "127.0.0.1" and s.device == "cpu"
+    assert urlsplit(con["encoder_url"]).port == s.port and urlsplit(con["encoder_url"]).hostname == "127.0.0.1"
+    assert str(con["store"]) == str(s.store) and str(con["model"]) == s.model
+    (enc_store,) = [m for m in mounts(svc["encoder"]) if m["target"] == str(s.store)]
+    (con_store,) = [m for m in mounts(svc["consumer"]) if m["target"] == str(s.store)]
+    assert enc_store["source"] == con_store["source"] and con_store.get("read_only") and not enc_store.get("read_only")
+    opts = compose["volumes"][enc_store["source"]]["driver_opts"]
+    tmpfs_size = size_bytes(dict(o.partition("=")[::2] for o in opts["o"].split(","))["size"])
+    for name, value in environment(svc["encoder"]).items():
+        clean_env.setenv(name, value)
+    assert Settings().store_capacity_bytes < tmpfs_size, "the store's LRU capacity must fit in its tmpfs"
+    assert svc["consumer"]["depends_on"]["encoder"]["condition"] == "service_healthy"
+    for name, port in (("encoder", s.port), ("consumer", con["port"])):
+        url = url_in(healthcheck_code([interpolate(a) for a in svc[name]["healthcheck"]["test"][1:]]))
+        assert urlsplit(url).port == port and urlsplit(url).path == "/ready"
