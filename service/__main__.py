@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--port", type=int, default=8090)
     consume.add_argument("--max-tokens-limit", type=int, default=1024, help="the most tokens one request may ask for")
     consume.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="this encoder service")
+    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="vLLM running as an EC consumer of the store")
+    route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
+                       help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=8100)
+    route.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -69,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     log_level = args.pop("log_level", "info")
+    if command == "route":
+        from .router import RouterConfig, serve as serve_router
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_router(RouterConfig(args["encoder_url"], args["vllm_url"], args["image_parts"]),
+                            args["host"], args["port"], log_level)
     if command == "consume":
         from .chat import ChatConfig, serve
 
