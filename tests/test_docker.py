@@ -305,7 +305,7 @@ def test_compose_publishes_on_host_loopback_only(services):
                 host_ip, target = parts[0], int(parts[2].split("/")[0])
             assert host_ip == "127.0.0.1", f"{name} publishes {p!r} beyond loopback"
             published.append((name, target))
-    assert published == [("encoder", container_port())]
+    assert published == [("encoder", container_port()), ("consumer", consumer_args(services)["port"])]
 
 
 def test_compose_consumer_waits_for_a_healthy_encoder(services):
@@ -315,8 +315,9 @@ def test_compose_consumer_waits_for_a_healthy_encoder(services):
     assert test[0] == "CMD" and not enc["healthcheck"].get("disable")
     url = url_in(healthcheck_code(test[1:]))
     assert urlsplit(url).port == container_port() and urlsplit(url).path in ("/health", "/ready")
-    # The image's HEALTHCHECK probes an HTTP server; the consumer is none and would show as unhealthy.
-    assert con["healthcheck"].get("disable") is True
+    # The consumer is an HTTP server too: healthy once its model is loaded.
+    url = url_in(healthcheck_code(con["healthcheck"]["test"][1:]))
+    assert urlsplit(url).port == consumer_args(services)["port"] and urlsplit(url).path == "/ready"
 
 
 def test_compose_encoder_settings_are_real(services, clean_env):
@@ -330,16 +331,25 @@ def test_compose_encoder_settings_are_real(services, clean_env):
     assert str(s.store_capacity_bytes) == env["QVE_STORE_CAPACITY_BYTES"]
 
 
-def test_compose_consumer_command_matches_its_cli_and_the_encoder(services):
-    from service.consumer import build_parser
+def consumer_args(services) -> dict:
+    """The consumer's command parsed by the real CLI (`python -m service consume ...`)."""
+    from service.__main__ import build_parser
 
     con = services["consumer"]
-    assert con["entrypoint"] == ["python", "-m", "service.consumer"]
-    args = build_parser().parse_args([interpolate(a) for a in con["command"]])
-    url = urlsplit(args.url)
+    assert con["entrypoint"] == ["python", "-m", "service", "consume"]
+    return vars(build_parser().parse_args(["consume", *(interpolate(a) for a in con["command"])]))
+
+
+def test_compose_consumer_is_the_lm_consumer_on_the_encoders_store_and_model(services):
+    args = consumer_args(services)
+    url = urlsplit(args["encoder_url"])
     assert url.hostname == "encoder" and url.port == container_port()
-    assert str(args.store) == store_path()
-    assert args.wait_ready > 0
+    assert str(args["store"]) == store_path()
+    env = environment(services["encoder"])
+    (enc_model,) = [m for m in mounts(services["encoder"]) if m["target"] == env["QVE_MODEL"]]
+    (con_model,) = [m for m in mounts(services["consumer"]) if m["target"] == str(args["model"])]
+    assert enc_model["source"] == con_model["source"] and enc_model["read_only"] and con_model["read_only"]
+    assert args["device"].startswith("cuda") and services["consumer"]["deploy"]["resources"]["reservations"]["devices"]
 
 
 # ---- Makefile and .ci/run --------------------------------------------------------------------------
@@ -393,7 +403,8 @@ def test_ci_run_is_the_readme_test_command_and_propagates_failure(tmp_path):
     ci = ROOT / ".ci" / "run"
     text = ci.read_text()
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
-    assert [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")][-1].strip() == "make test"
+    commands = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-2:] == ["make test", "make compose-test"]  # the README's test command, then the stack
     assert os.access(ci, os.X_OK), ".ci/run must be executable (git update-index --chmod=+x .ci/run)"
 
     # Run a copy with a `make` that fails: the script must run it from the repo root and fail too.
@@ -407,7 +418,7 @@ def test_ci_run_is_the_readme_test_command_and_propagates_failure(tmp_path):
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
     r = subprocess.run(["bash", str(tmp_path / "repo" / ".ci" / "run")], cwd=tmp_path, env=env, timeout=60)
     assert r.returncode != 0
-    assert log.read_text().split() == [str((tmp_path / "repo").resolve()), "test"]
+    assert log.read_text().split() == [str((tmp_path / "repo").resolve()), "test"]  # stopped at the first failure
 
 
 
