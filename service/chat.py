@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from .errors import ModelLoadError
 from .store import StoredEmbeddings, StoreFormatError, read_embeddings
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ class LanguageModel:
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
         if not (cfg.model / "config.json").is_file():
-            raise ChatError(0, "model", f"--model {cfg.model} is not a Qwen3-VL checkpoint directory (no config.json); "
-                                        "the LM side needs a real checkpoint with its tokenizer")
+            raise ModelLoadError(f"--model {cfg.model} is not a Qwen3-VL checkpoint directory (no config.json); "
+                                 "the LM side needs a real checkpoint with its tokenizer")
         cuda = cfg.device.startswith("cuda")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, torch.bfloat16 if cuda else torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -280,8 +281,8 @@ def serve(cfg: ChatConfig, host: str, port: int, log_level: str = "info") -> int
 
     try:
         lm = LanguageModel(cfg)
-    except ChatError as e:
-        print(f"cannot load the language model: {e.message}", flush=True)
+    except ModelLoadError as e:
+        print(f"cannot load the language model: {e}", flush=True)
         return 2
     uvicorn.run(create_chat_app(cfg, lm), host=host, port=port, log_level=log_level)
     return 0

@@ -27,7 +27,7 @@ import pytest
 from tests import imagedata as data
 from tests.checkpoints import make_full_checkpoint
 from tests.live import free_port
-from tests.test_chat import MAX_TOKENS, _messages, _monolithic
+from tests.lm_reference import MAX_TOKENS, chat_messages as _messages, monolithic as _monolithic
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker" / "docker-compose.cpu.yml"
