@@ -40,6 +40,7 @@ from .errors import (
     ImageError,
     ImageFetchError,
     ImageTooLarge,
+    KeyConflict,
     Overloaded,
     ServiceError,
     http_status,
@@ -47,7 +48,7 @@ from .errors import (
 from .images import PreparedImage, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
-from .store import EmbeddingStore, StoredItem, validate_key
+from .store import CONTENT_KEY_PREFIX, EmbeddingStore, StoredItem, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,8 @@ def _warmup_image(model: LoadedModel) -> PreparedImage:
     return prepare_image(_warmup_png(), model.params, ImageLimits())
 
 
-def _at(err: ImageError, index: int) -> ImageError:
-    """Tag a per-image error with the image's position in the request."""
+def _at(err, index: int):
+    """Tag a per-image error (ImageError, KeyConflict) with the image's position in the request."""
     err.index = index
     return err
 
@@ -278,11 +279,14 @@ async def _parse_inputs(rt: Runtime, request: Request) -> list[_Input]:
     return inputs
 
 
-def _content_key(rt: Runtime, data: bytes) -> str:
+def _digests(rt: Runtime, data: bytes) -> tuple[str, str]:
+    """(SHA-256 of the image bytes, the content key): the key also covers the model and preprocessing,
+    so the same bytes under another model are another key; its prefix keeps it out of uuid space."""
+    content = hashlib.sha256(data).hexdigest()
     h = hashlib.sha256(rt.key_salt)
     h.update(b"\0")
     h.update(data)
-    return h.hexdigest()
+    return content, CONTENT_KEY_PREFIX + h.hexdigest()
 
 
 def _item(stored: StoredItem, cached: bool) -> EncodedItem:
@@ -329,7 +333,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError):
         body = {"code": err.code, "message": err.message}
-        if isinstance(err, ImageError) and err.index is not None:
+        if getattr(err, "index", None) is not None:  # per-image errors: ImageError, KeyConflict
             body["index"] = err.index
         retry = getattr(err, "retry_after_s", None)  # overload, a full store: transient, say when to retry
         headers = {"Retry-After": str(retry)} if retry is not None else None
@@ -394,57 +398,77 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
 async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
     """Answer one item per input image, in order; None if the client went away first."""
     inputs = await _parse_inputs(rt, request)
-    keys = []
     for i, inp in enumerate(inputs):
         if not inp.data:
             raise _at(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
-        keys.append(validate_key(inp.uuid) if inp.uuid is not None else await asyncio.to_thread(_content_key, rt, inp.data))
+        if inp.uuid is not None:
+            validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
+    digests = [await asyncio.to_thread(_digests, rt, inp.data) for inp in inputs]  # (sha256 of bytes, content key)
+    keys = [inp.uuid if inp.uuid is not None else key for inp, (_, key) in zip(inputs, digests)]
+    shas = [sha for sha, _ in digests]
+    bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
+    for i, (key, sha) in enumerate(zip(keys, shas)):
+        if bound.setdefault(key, sha) != sha:
+            raise _at(KeyConflict(f"images[{i}]: uuid {key!r} is also given to other image bytes earlier in this "
+                                  "request; one uuid names one image"), i)
 
     answers: dict[str, EncodedItem] = {}  # key -> answer; a key twice in one request is handled once
     tickets: dict[str, Ticket] = {}  # key -> this request's claim on an encode (queued or running)
     todo: dict[str, int] = {}  # key -> index of the image to decode for it
 
-    def cache_hit(key: str) -> bool:
-        hit = rt.store.lookup(key)
-        if hit is not None:
-            answers[key] = _item(hit, cached=True)
-            rt.metrics.cache_hits.inc()
-            rt.metrics.images.labels(outcome="cached").inc()
-        return hit is not None
+    def conflict(i: int, where: str) -> KeyConflict:
+        return _at(KeyConflict(f"images[{i}]: uuid {keys[i]!r} is already bound to other image bytes ({where}); "
+                               "a uuid must name one image: choose another uuid, or leave it out"), i)
 
-    for i, key in enumerate(keys):
-        if key in answers or key in tickets or key in todo or cache_hit(key):
-            continue
-        joined = rt.batcher.join(key)  # an identical image already queued or running: no decode
-        if joined is not None:
-            tickets[key] = joined
-        else:
-            todo[key] = i
+    def cache_hit(i: int) -> bool:
+        hit = rt.store.lookup(keys[i])
+        if hit is None or hit.content_sha256 is None:  # an entry without a recorded hash: encode again
+            return False
+        if hit.content_sha256 != shas[i]:
+            raise conflict(i, "in the store")
+        answers[keys[i]] = _item(hit, cached=True)
+        rt.metrics.cache_hits.inc()
+        rt.metrics.images.labels(outcome="cached").inc()
+        return True
+
+    def claim(i: int, ticket: Ticket) -> None:
+        tickets[keys[i]] = ticket
+        if ticket.coalesced and ticket.payload.content_sha256 != shas[i]:
+            raise conflict(i, "being encoded for another request")
 
     def give_back() -> None:
         for t in tickets.values():
             t.cancel()
 
-    loop = asyncio.get_running_loop()
-    limits = rt.settings.image_limits
-    prepared = await asyncio.gather(
-        *(loop.run_in_executor(rt.decoders, prepare_image, inputs[i].data, rt.model.params, limits) for i in todo.values()),
-        return_exceptions=True,
-    )
-    for i, p in zip(todo.values(), prepared):
-        if isinstance(p, BaseException):
-            give_back()
-            if isinstance(p, ImageError):
-                p.message = f"images[{i}]: {p.message}"
-                raise _at(p, i)
-            raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p
-
     try:
-        for key, prep in zip(todo, prepared):
-            if not cache_hit(key):  # it may have landed while we decoded
-                tickets[key] = rt.batcher.submit(key, EncodeJob(key, prep), tokens=prep.num_tokens)
-    except Overloaded:
-        give_back()  # the request is answered 429 as a whole: nothing of it stays queued
+        for i, key in enumerate(keys):
+            if key in answers or key in tickets or key in todo or cache_hit(i):
+                continue
+            joined = rt.batcher.join(key)  # an identical image already queued or running: no decode
+            if joined is not None:
+                claim(i, joined)
+            else:
+                todo[key] = i
+
+        loop = asyncio.get_running_loop()
+        limits = rt.settings.image_limits
+        prepared = await asyncio.gather(
+            *(loop.run_in_executor(rt.decoders, prepare_image, inputs[i].data, rt.model.params, limits)
+              for i in todo.values()),
+            return_exceptions=True,
+        )
+        for i, p in zip(todo.values(), prepared):
+            if isinstance(p, BaseException):
+                if isinstance(p, ImageError):
+                    p.message = f"images[{i}]: {p.message}"
+                    raise _at(p, i)
+                raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p
+
+        for (key, i), prep in zip(todo.items(), prepared):
+            if not cache_hit(i):  # it may have landed while we decoded
+                claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens))
+    except ServiceError:
+        give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
     rt.metrics.coalesced.inc(sum(t.coalesced for t in tickets.values()))
     futures = [asyncio.wrap_future(t.future) for t in tickets.values()]

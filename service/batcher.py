@@ -102,6 +102,11 @@ class Ticket:
         self._batcher = batcher
         self._item = item
 
+    @property
+    def payload(self) -> object:
+        """The payload of the item this ticket waits on (for a joined item: the first submitter's)."""
+        return self._item.payload
+
     def cancel(self) -> None:
         """This waiter has gone. Dropping the item (if it was the last one and the item has not been
         scheduled) happens in the future's done-callback, so `future.cancel()` has the same effect.

@@ -49,6 +49,7 @@ class EncodeJob:
 
     key: str
     image: PreparedImage
+    content_sha256: str | None = None  # of the image's encoded bytes; recorded in the store entry
 
 
 @dataclass
@@ -368,7 +369,7 @@ class Engine:
     def _store_one(self, item: WorkItem, rows: torch.Tensor, grid: tuple[int, int, int]) -> None:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
         try:
-            stored = self.store.put(item.key, rows, grid)
+            stored = self.store.put(item.key, rows, grid, content_sha256=item.payload.content_sha256)
         except ServiceError as e:  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
             log.warning("store write for %s refused: %s", item.key, e.message)
             self.batcher.finish(item, error=e)

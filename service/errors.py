@@ -29,6 +29,13 @@ class InvalidKey(ServiceError):
     code = "invalid_key"
 
 
+class KeyConflict(ServiceError):
+    """A client `uuid` already bound to other image bytes (in the store, in flight, or in the request)."""
+
+    code = "key_conflict"
+    index: int | None = None
+
+
 # ---- an image could not be used (422 / 413 / 415) -------------------------------------------------
 class ImageError(ServiceError):
     """Base for every per-image problem. `index` is set by the front end to the image's position."""
@@ -113,6 +120,7 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (UnsupportedFormat, 415),
     (ImageError, 422),
     (InvalidKey, 422),
+    (KeyConflict, 409),
     (BadRequest, 400),
     (Overloaded, 429),
     (Unavailable, 503),

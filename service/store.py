@@ -10,6 +10,7 @@
             deepstack_levels "3"
             grid_thw         "[1, 28, 28]"
             num_tokens       "196"        (redundant with the shape; for humans and `jq`)
+            content_sha256   SHA-256 of the source image's bytes (a uuid bound to other bytes is a 409)
 
 Two sides, two APIs:
 - `EmbeddingStore` is the encoder (writer) side: atomic puts, a byte-bounded LRU index rebuilt from
@@ -63,7 +64,10 @@ TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (
 # files were written by safetensors' save_file, whose 0.8 writes a ".tmpXXXXXX" of its own)
 FILE_MODE = 0o644
 
-KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # client keys (`uuid`), used verbatim
+# Content keys: "sha256+<hex>". The '+' is outside KEY_RE, so no client uuid can name (and poison) one.
+CONTENT_KEY_PREFIX = "sha256+"
+CONTENT_KEY_RE = re.compile(r"^sha256\+[0-9a-f]{64}$")
 
 # safetensors dtype code <-> torch dtype <-> the name used in the API ("dtype" in /encode answers).
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -79,10 +83,19 @@ class StoreFormatError(ValueError):
     """A store file that is not a well-formed ec_cache file (truncated, foreign, or corrupt)."""
 
 
-def validate_key(key: str) -> str:
-    """Return `key` if it is a safe store key (one path component, no leading dot), else raise InvalidKey."""
+def is_store_key(key: object) -> bool:
+    """A client key or a content key: one safe path component either way."""
     # NOTE: fullmatch, not match: with `re.match`, "$" also matches before a trailing "\n".
-    if not isinstance(key, str) or key in (".", "..") or KEY_RE.fullmatch(key) is None:
+    return isinstance(key, str) and key not in (".", "..") and (
+        KEY_RE.fullmatch(key) is not None or CONTENT_KEY_RE.fullmatch(key) is not None)
+
+
+def validate_key(key: str, *, content_keys: bool = True) -> str:
+    """Return `key` if it is a store key, else raise InvalidKey. `content_keys=False` (a client's
+    `uuid`): only KEY_RE, so a client cannot take a content key."""
+    ok = is_store_key(key) if content_keys else (isinstance(key, str) and key not in (".", "..")
+                                                   and KEY_RE.fullmatch(key) is not None)
+    if not ok:
         shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
         raise InvalidKey(
             f"invalid key {shown}: a key is 1-128 ASCII characters from [A-Za-z0-9._-] "
@@ -345,6 +358,7 @@ class StoredItem:
     shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
     dtype: str  # "float32" | "bfloat16"
     nbytes: int  # whole file (header + data): what counts against the capacity
+    content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
 
 
 @dataclass
@@ -467,7 +481,7 @@ class EmbeddingStore:
             return None
         return entry.item
 
-    def put(self, key: str, ec_cache: torch.Tensor, grid_thw) -> StoredItem:
+    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
         """Write `ec_cache` for `key` atomically, then evict LRU entries (never this one) to fit.
 
         `ec_cache`: [num_tokens, out_hidden*(1+deepstack_levels)], CPU, contiguous, float32|bfloat16;
@@ -488,6 +502,8 @@ class EmbeddingStore:
             "grid_thw": json.dumps(list(grid)),
             "num_tokens": str(n),
         }
+        if content_sha256 is not None:  # what lets a later request for this key check it is the same image
+            metadata["content_sha256"] = content_sha256
         code = _CODE_OF[ec_cache.dtype]
         header = _encode_header(code, (n, width), ec_cache.numel() * ec_cache.element_size(), metadata)
         final = key_dir / FILE_NAME
@@ -526,6 +542,7 @@ class EmbeddingStore:
             shape=(n, width),
             dtype=_DTYPES[code][1],
             nbytes=nbytes,
+            content_sha256=content_sha256,
         )
         with self._lock:
             os.replace(tmp, final)
@@ -599,7 +616,7 @@ class EmbeddingStore:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
         for d in dirs:
             key = d.name
-            if KEY_RE.fullmatch(key) is None:
+            if not is_store_key(key):
                 continue
             key_dir = Path(d.path)
             for tmp in key_dir.glob(".tmp*"):
@@ -633,6 +650,7 @@ class EmbeddingStore:
                     shape=h.shape,
                     dtype=h.dtype,
                     nbytes=st.st_size,
+                    content_sha256=h.metadata.get("content_sha256"),
                 )
             found.append((st.st_mtime_ns, key, _Entry(nbytes=st.st_size, item=item)))
         found.sort(key=lambda f: (f[0], f[1]))

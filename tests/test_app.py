@@ -1,6 +1,7 @@
 """The HTTP service in process, under a real uvicorn on a loopback port: contracts, dedupe, overload,
 disconnects, hostile keys, bad input, failed steps and metrics."""
 
+import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,8 @@ def test_encode_json_multipart_and_cache_hit(tmp_path, tiny_model):
         assert r.status_code == 200, r.text
         first, named = r.json()["items"]
         assert first["cached"] is False and named["key"] == "client-key_1.a"
-        assert len(first["key"]) == 64 and int(first["key"], 16) >= 0  # sha256 content hash
+        # a content key: "sha256+" and 64 hex digits, outside the uuid alphabet (no client can take it)
+        assert first["key"].startswith("sha256+") and int(first["key"][7:], 16) >= 0 and len(first["key"]) == 71
         stored = read_embeddings(tmp_path / "store", first["key"])
         n = first["num_tokens"]
         t, h, w = first["grid_thw"]
@@ -265,6 +267,46 @@ def test_answered_keys_stay_readable_for_the_residency_window_and_a_full_store_a
         assert httpx.get(url + "/health").status_code == 200
 
 
+def test_keys_cannot_be_poisoned_a_uuid_names_one_image(tmp_path, tiny_model):
+    x, v, other = _png(870), _png(871), _png(872)
+    with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
+        post = lambda body: httpx.post(url + "/encode", json=body, timeout=30)  # noqa: E731
+        # A client cannot take a content key: posting X under V's would-be key is refused, nothing stored.
+        plain_v = "sha256+" + "0" * 64
+        r = post(json_body(x, uuids=[plain_v]))
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_key"
+        r = post(json_body(v))
+        assert r.status_code == 200 and r.json()["items"][0]["cached"] is False
+        v_key = r.json()["items"][0]["key"]
+        assert post(json_body(x, uuids=[v_key])).status_code == 422  # not even V's real content key
+        assert post(json_body(v)).json()["items"][0]["cached"] is True  # V still answers V's embeddings
+
+        # A uuid, once bound to an image, is not answered for other bytes.
+        assert post(json_body(x, uuids=["u1"])).status_code == 200
+        r = post(json_body(other, uuids=["u1"]))
+        assert r.status_code == 409 and r.json()["error"] == {
+            "code": "key_conflict", "index": 0, "message": r.json()["error"]["message"]}
+        assert "already bound to other image bytes (in the store)" in r.json()["error"]["message"]
+        assert post(json_body(x, uuids=["u1"])).json()["items"][0]["cached"] is True  # the right bytes still work
+
+        # Two different images with one uuid in one request: the second is the conflict.
+        r = post(json_body(x, other, uuids=["u2", "u2"]))
+        assert r.status_code == 409 and r.json()["error"]["index"] == 1
+        assert post(json_body(x, x, uuids=["u2", "u2"])).status_code == 200  # the same image twice is fine
+
+        # While the uuid's first image is still being encoded, other bytes under it are refused too.
+        gate = _Gate(app.state.rt.engine)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, json_body(x, uuids=["u3"]))
+            assert gate.entered.wait(10)
+            r = post(json_body(other, uuids=["u3"]))
+            assert r.status_code == 409 and "being encoded for another request" in r.json()["error"]["message"]
+            gate.release.set()
+            assert first.result().status_code == 200
+        stored = read_embeddings(tmp_path / "store", "u3")
+        assert stored.metadata["content_sha256"] == hashlib.sha256(x).hexdigest()
+
+
 def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
         assert httpx.get(url + "/health").status_code == 200
@@ -281,10 +323,10 @@ def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
         store = app.state.rt.store
         real_put, bad = store.put, {}
 
-        def put(key, ec_cache, grid_thw):
+        def put(key, ec_cache, grid_thw, **kw):
             if key == bad.get("key"):
                 raise OSError(28, "No space left on device")
-            return real_put(key, ec_cache, grid_thw)
+            return real_put(key, ec_cache, grid_thw, **kw)
 
         store.put = put
         bad["key"] = "doomed"

@@ -54,7 +54,7 @@ def _assert_consistent(m: re.Match, store: Path, image: bytes, params) -> Stored
     rule (the service's limits), and with its token arithmetic (tiny model)."""
     t, h, w, n = int(m["t"]), int(m["h"]), int(m["w"]), int(m["n"])
     assert m["verdict"] == "OK" and m["dtype"] == "float32"
-    assert re.fullmatch(r"[0-9a-f]{64}", m["key"])
+    assert re.fullmatch(r"sha256\+[0-9a-f]{64}", m["key"])
     width, height = Image.open(io.BytesIO(image)).size
     assert (t, h, w) == grid_for(*smart_resize(height, width, params), params)
     assert n == t * h * w // 4 > 0
@@ -134,7 +134,7 @@ def test_wrong_store_exits_1(server, tmp_path, capsys):
     empty = tmp_path / "elsewhere"
     assert consumer.main([str(f), "--url", url, "--store", str(empty)]) == 1
     out = capsys.readouterr().out
-    assert re.search(rf"^b\.png: key [0-9a-f]{{64}} is not in the store at {re.escape(str(empty))}", out, re.M)
+    assert re.search(rf"^b\.png: key sha256\+[0-9a-f]{{64}} is not in the store at {re.escape(str(empty))}", out, re.M)
 
 
 def test_refused_image_exits_1_and_the_others_still_run(server, tmp_path, capsys):

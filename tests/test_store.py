@@ -395,6 +395,21 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["a", "c", "d"]
 
 
+def test_content_keys_are_store_keys_but_never_client_keys(tmp_path):
+    content = "sha256+" + "ab" * 32
+    assert validate_key(content) == content  # the store holds and serves them
+    with pytest.raises(InvalidKey):
+        validate_key(content, content_keys=False)  # a client uuid cannot be one
+    for bad in ("sha256+" + "ab" * 31, "sha256+" + "AB" * 32, "sha256-" + "ab" * 32 + "/", "md5+" + "ab" * 16):
+        with pytest.raises(InvalidKey):
+            validate_key(bad)
+    store = make_store(tmp_path / "s")
+    item = store.put(content, ec_for(1, 4), (1, 2, 8), content_sha256="cd" * 32)
+    assert item.content_sha256 == "cd" * 32 and read_embeddings(tmp_path / "s", content).metadata["content_sha256"] == "cd" * 32
+    again = make_store(tmp_path / "s")  # the index is rebuilt from disk with the hash
+    assert again.lookup(content).content_sha256 == "cd" * 32
+
+
 def test_min_residency_protects_answered_entries_then_lru_resumes(tmp_path):
     class Clock:
         t = 1000.0
