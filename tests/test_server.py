@@ -117,15 +117,23 @@ def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, ref
 
 def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tiny_checkpoint):
     store = tmp_path / "store"
-    # One image per step and a long queue: when SIGTERM lands, most images are still queued.
-    server = Server(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0")
-    blobs = [data.encode(data.textured_rgb(300, 280, seed=900 + i), "PNG") for i in range(12)]
+    # One large image per step (slow steps, so work piles up in the queue): SIGTERM lands once every
+    # request is inside the service (answered, queued or running) and some are not answered yet.
+    # NOTE: conditions, not timing. SIGTERM before every request was accepted would refuse the late
+    # ones (uvicorn stops accepting first), which is right for a server and not what this tests.
+    server = Server(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0", "--max-pixels", "1000000")
+    blobs = [data.encode(data.textured_rgb(900, 860, seed=900 + i), "PNG") for i in range(12)]
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
-        deadline = time.monotonic() + 30
-        while metric(httpx.get(server.url + "/metrics").text, "qve_queue_depth") < 3:
-            assert time.monotonic() < deadline, "requests never queued up"
-            time.sleep(0.01)
+        deadline = time.monotonic() + 120
+        while True:
+            m = httpx.get(server.url + "/metrics").text
+            waiting = metric(m, "qve_queue_depth") + metric(m, "qve_in_flight")
+            answered = sum(metric(m, "qve_images_total", f'outcome="{o}"') for o in ("encoded", "cached", "coalesced"))
+            if answered + waiting == len(blobs) and waiting >= 2:
+                break
+            assert time.monotonic() < deadline, f"requests never piled up ({answered} answered, {waiting} waiting)"
+            time.sleep(0.002)
         assert server.stop()  # SIGTERM, then a graceful exit
         responses = [f.result() for f in futures]
     assert [r.status_code for r in responses] == [200] * 12
@@ -135,7 +143,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     assert "Waiting for connections to close" in log or "Shutting down" in log
 
     # restart on the existing store: the index is rebuilt from disk and every image is a cache hit
-    again = Server(tiny_checkpoint, store)
+    again = Server(tiny_checkpoint, store, "--max-pixels", "1000000")  # same preprocessing: same keys
     try:
         m = httpx.get(again.url + "/metrics").text
         assert metric(m, "qve_store_items") == 12
