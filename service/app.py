@@ -12,9 +12,11 @@ import base64
 import binascii
 import concurrent.futures
 import hashlib
+import ipaddress
 import logging
 import multiprocessing
 import os
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ import httpx
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
@@ -86,6 +89,7 @@ class EncodeResponse(BaseModel):
 class _Input:
     data: bytes
     uuid: str | None
+    source: str | None = None  # the URL it was fetched from (errors must not echo fetched content)
 
 
 # ---- the running service --------------------------------------------------------------------------
@@ -210,11 +214,44 @@ def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
         raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
 
 
+def _url_host(url: str, index: int) -> tuple[str, int]:
+    """(host, port) of an http(s) URL, or BadRequest for one that does not parse."""
+    try:
+        parts = urlsplit(url)
+        host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
+        raise BadRequest(f"images[{index}].image_url.url is not a valid URL: {e}") from None
+    if not host or any(c.isspace() or ord(c) < 32 for c in url):
+        raise BadRequest(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
+                         "characters in it)")
+    return host, port
+
+
+async def _check_resolves_public(rt: Runtime, host: str, port: int, index: int) -> None:
+    """Refuse a host that resolves to loopback, private, link-local or otherwise non-public addresses
+    (the service's own /metrics, cloud metadata endpoints), unless --allow-private-url-addresses.
+    NOTE: checked at resolution; the fetch resolves again, so a DNS-rebinding host could still switch
+    addresses in between. Only allow-listed hosts get here."""
+    if rt.settings.allow_private_url_addresses:
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise _at(ImageFetchError(f"images[{index}]: cannot resolve {host!r}: {e}"), index) from None
+    for *_, sockaddr in infos:
+        addr = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if not addr.is_global:
+            raise _at(ImageFetchError(f"images[{index}]: {host!r} resolves to {addr}, a loopback, private or "
+                                      "link-local address; such fetches are refused (--allow-private-url-addresses)"),
+                      index)
+
+
 async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
-    host = (urlsplit(url).hostname or "").lower()
+    host, port = _url_host(url, index)
     if host not in rt.settings.allowed_url_hosts:
         raise _at(ImageFetchError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
                                       f"the host to --allowed-url-hosts"), index)
+    await _check_resolves_public(rt, host, port, index)
     limit = rt.settings.max_image_bytes
     try:
         async with rt.http.stream("GET", url) as resp:
@@ -227,7 +264,7 @@ async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
                     raise _at(ImageTooLarge(f"images[{index}]: {url} is over the limit of {limit} bytes"), index)
                 chunks.append(chunk)
             return b"".join(chunks)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise _at(ImageFetchError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}"), index) from None
 
 
@@ -273,6 +310,8 @@ async def _parse_inputs(rt: Runtime, request: Request) -> list[_Input]:
             data = _decode_data_url(url, i, s.max_image_bytes)
         elif url.startswith(("http://", "https://")):
             data = await _fetch_url(rt, url, i)
+            inputs.append(_Input(data, part.uuid, source=url))
+            continue
         else:
             raise BadRequest(f"images[{i}].image_url.url must start with data:, http:// or https://")
         inputs.append(_Input(data, part.uuid))
@@ -329,6 +368,15 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
 
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        # Routing errors (404, 405, ...) in the service's one error shape, not FastAPI's {"detail": ...}.
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no such endpoint: {request.method} {request.url.path}; see /docs",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
+        return JSONResponse({"error": {"code": codes.get(err.status_code, "http_error"), "message": message}},
+                            status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError):
@@ -460,6 +508,9 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
                 if isinstance(p, ImageError):
+                    if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
+                        p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
+                                     f"({p.code}); check the URL")
                     p.message = f"images[{i}]: {p.message}"
                     raise _at(p, i)
                 raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p

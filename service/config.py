@@ -87,6 +87,8 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
     url_timeout_s: float = Field(10.0, gt=0)
+    allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
+                                              "private or link-local addresses (off: such fetches are refused)")
     max_images_per_request: int = Field(64, gt=0)
 
     # images

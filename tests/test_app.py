@@ -307,6 +307,16 @@ def test_keys_cannot_be_poisoned_a_uuid_names_one_image(tmp_path, tiny_model):
         assert stored.metadata["content_sha256"] == hashlib.sha256(x).hexdigest()
 
 
+def test_unknown_paths_and_methods_answer_the_json_error_shape(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        r = httpx.get(url + "/nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/nope" in r.json()["error"]["message"]
+        r = httpx.get(url + "/encode")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        assert "POST" in r.headers["allow"]
+        assert "detail" not in r.json()
+
+
 def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
         assert httpx.get(url + "/health").status_code == 200
@@ -348,7 +358,7 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000}.get(self.path)
+            body = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000, "/secret": b"SECRET-metrics 42 not an image"}.get(self.path)
             if body is None:
                 self.send_error(404)
                 return
@@ -363,7 +373,19 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
     with socketserver.TCPServer(("127.0.0.1", 0), Handler) as images:
         threading.Thread(target=images.serve_forever, daemon=True).start()
         base = f"http://127.0.0.1:{images.server_address[1]}"
-        s = _settings(tmp_path, allowed_url_hosts="127.0.0.1", max_image_bytes=2_000_000)
+        s = _settings(tmp_path, allowed_url_hosts="127.0.0.1,localhost", max_image_bytes=2_000_000)
+        with live_server(s, tiny_model) as (url, app):
+            # Allow-listed, but resolving to loopback: refused unless --allow-private-url-addresses.
+            r = httpx.post(url + "/encode", timeout=30, json={"images": [
+                {"type": "image_url", "image_url": {"url": f"http://localhost:{images.server_address[1]}/ok.png"}}]})
+            assert r.status_code == 422 and "loopback, private or link-local" in r.json()["error"]["message"]
+            # Malformed URLs are the client's mistake: 400, never a 500.
+            for bad in ("http://[::1", "http://[zzz]/", "http://127.0.0.1:99999/x.png", "http://127.0.0.1/a\tb.png",
+                        "https:///nohost.png"):
+                r = httpx.post(url + "/encode", timeout=30,
+                               json={"images": [{"type": "image_url", "image_url": {"url": bad}}]})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (bad, r.text)
+        s = s.model_copy(update={"allow_private_url_addresses": True, "allowed_url_hosts": ["127.0.0.1"]})
         with live_server(s, tiny_model) as (url, app):
             def post(image_url):
                 return httpx.post(url + "/encode", timeout=30,
@@ -379,6 +401,9 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
             assert missing.status_code == 422 and "answered 404" in missing.json()["error"]["message"]
             other = post(f"http://localhost:{images.server_address[1]}/ok.png")  # not on the allow-list
             assert other.status_code == 422 and "not allowed" in other.json()["error"]["message"]
+            leak = post(base + "/secret")  # fetched content that is no image: never echoed back
+            assert leak.status_code == 422 and leak.json()["error"]["code"] == "not_an_image"
+            assert "SECRET" not in leak.text and "fetched from" in leak.json()["error"]["message"]
         images.shutdown()
 
 
