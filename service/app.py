@@ -12,6 +12,7 @@ import base64
 import binascii
 import concurrent.futures
 import hashlib
+import hmac
 import ipaddress
 import logging
 import multiprocessing
@@ -46,6 +47,7 @@ from .errors import (
     KeyConflict,
     Overloaded,
     ServiceError,
+    Unauthorized,
     http_status,
 )
 from .images import PreparedImage, prepare_image
@@ -385,7 +387,23 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
             body["index"] = err.index
         retry = getattr(err, "retry_after_s", None)  # overload, a full store: transient, say when to retry
         headers = {"Retry-After": str(retry)} if retry is not None else None
+        if isinstance(err, Unauthorized):
+            headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse({"error": body}, status_code=http_status(err), headers=headers)
+
+    keys = [k.encode() for k in settings.api_key]
+
+    def authorize(request: Request) -> None:
+        """With --api-key: `Authorization: Bearer <one of the keys>`, compared in constant time."""
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_b = given.strip().encode()
+        # NOTE: every key is compared (no early exit), each with compare_digest: the time taken says
+        # nothing about which key or how much of it matched.
+        ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys) > 0
+        if not ok:
+            raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
 
     @app.post("/encode", response_model=EncodeResponse, openapi_extra={"requestBody": {"content": {
         "application/json": {"schema": EncodeRequest.model_json_schema()},
@@ -398,6 +416,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
         t0 = time.perf_counter()
         status = 500
         try:
+            authorize(request)
             items = await _encode(rt, request)
             status = 200 if items is not None else 499
             if items is None:  # client gone: nobody to answer
@@ -436,6 +455,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
+        if settings.api_key_metrics:
+            authorize(request)
         rt: Runtime = request.app.state.rt
         rt.update_gauges()
         return PlainTextResponse(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     # HTTP
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535)
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
+                                                    description="require `Authorization: Bearer <key>` on /encode "
+                                                    "(comma-separated: several keys, e.g. while rotating)")
+    api_key_metrics: bool = Field(True, description="with --api-key, require it on /metrics too")
     allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
     url_timeout_s: float = Field(10.0, gt=0)
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
@@ -118,6 +122,13 @@ class Settings(BaseSettings):
         if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
 
     @field_validator("allowed_url_hosts", mode="before")
     @classmethod

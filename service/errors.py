@@ -18,6 +18,12 @@ class ServiceError(Exception):
         self.message = message
 
 
+class Unauthorized(ServiceError):
+    """--api-key is set and the request has no `Authorization: Bearer <key>` with one of the keys."""
+
+    code = "unauthorized"
+
+
 # ---- the request itself is malformed (400) --------------------------------------------------------
 class BadRequest(ServiceError):
     code = "bad_request"
@@ -121,6 +127,7 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (ImageError, 422),
     (InvalidKey, 422),
     (KeyConflict, 409),
+    (Unauthorized, 401),
     (BadRequest, 400),
     (Overloaded, 429),
     (Unavailable, 503),

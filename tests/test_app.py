@@ -317,6 +317,28 @@ def test_unknown_paths_and_methods_answer_the_json_error_shape(tmp_path, tiny_mo
         assert "detail" not in r.json()
 
 
+def test_api_key_guards_encode_and_metrics_but_not_health_or_ready(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("QVE_API_KEY", "old-key, new-key")  # several keys: rotation without downtime
+    s = _settings(tmp_path)
+    assert s.api_key == ["old-key", "new-key"] and "new-key" not in repr(s)
+    with live_server(s, tiny_model) as (url, app):
+        body = json_body(_png(880))
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic new-key"},
+                        {"Authorization": "Bearer new-ke"}):
+            r = httpx.post(url + "/encode", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", headers
+            assert r.headers["www-authenticate"] == "Bearer"
+        for key in ("old-key", "new-key"):
+            r = httpx.post(url + "/encode", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            assert r.status_code == 200, r.text
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ready").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer old-key"}).status_code == 200
+    with live_server(s.model_copy(update={"api_key_metrics": False}), tiny_model) as (url, app):
+        assert httpx.get(url + "/metrics").status_code == 200  # scrapers without the key, if so configured
+        assert httpx.post(url + "/encode", json=json_body(_png(881)), timeout=30).status_code == 401
+
+
 def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
         assert httpx.get(url + "/health").status_code == 200
