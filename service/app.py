@@ -106,6 +106,7 @@ class Runtime:
             settings.store, settings.store_capacity_bytes, model_id=model.model_id,
             out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
             dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
+            exclusive=True, group=settings.store_group,
         )
         self.batcher = Batcher(BatchLimits(
             max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
@@ -157,6 +158,7 @@ class Runtime:
         await asyncio.to_thread(self.engine.join, 60)
         self.decoders.shutdown(wait=False, cancel_futures=True)
         await self.http.aclose()
+        self.store.close()  # the writer is done: release the root for a later service
 
     def update_gauges(self) -> None:
         self.metrics.queue_depth.set(self.batcher.queue_depth())

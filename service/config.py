@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
     store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes")
+    store_group: str | None = Field(None, description="a group that may read the store (e.g. an LM server running as "
+                                    "another user): root 0750 and files 0640 instead of 0700 / 0600")
     store_min_residency_s: float = Field(30.0, ge=0, description="an entry answered by /encode is not evicted for this "
                                          "long (a consumer was told it is there); a store full of such entries "
                                          "answers 503 + Retry-After")

@@ -35,6 +35,7 @@ everything from that handle, and checks the size against the header.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ import mmap as _mmap
 import os
 import re
 import secrets
+import shutil
 import stat
 import struct
 import threading
@@ -81,6 +83,11 @@ _MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 class StoreFormatError(ValueError):
     """A store file that is not a well-formed ec_cache file (truncated, foreign, or corrupt)."""
+
+
+class StoreOwnershipError(RuntimeError):
+    """The store root is not this service's own (another user's, writable by others, or in use by
+    another service). A start-up error, with a message that says how to fix it."""
 
 
 def is_store_key(key: object) -> bool:
@@ -276,12 +283,12 @@ def _write_all(fd: int, bufs: list) -> None:
             pending[0] = pending[0][written:]
 
 
-def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool) -> int:
-    """Write header + tensor data to the new, empty file open as `fd`, make it mode FILE_MODE (exactly,
-    whatever the umask: the consumer may run as another user); return the file size. The caller closes
-    `fd`. Only the store's temp files are written this way; `put` renames them onto the final name."""
+def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool, mode: int = FILE_MODE) -> int:
+    """Write header + tensor data to the new, empty file open as `fd`, make it `mode` (exactly, whatever
+    the umask); return the file size. The caller closes `fd`. Only the store's temp files are written
+    this way; `put` renames them onto the final name."""
     data = _tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
-    os.fchmod(fd, FILE_MODE)
+    os.fchmod(fd, mode)
     _write_all(fd, [header, data])
     if fsync:
         os.fsync(fd)
@@ -409,6 +416,8 @@ class EmbeddingStore:
         fsync: bool = False,  # durability across power loss; pointless on /dev/shm (RAM), so off by default
         min_residency_s: float = 0.0,  # see the class NOTE
         clock: Callable[[], float] = time.monotonic,  # injectable for tests
+        exclusive: bool = False,  # the service's own root: checked, locked (see _own_root)
+        group: str | None = None,  # with exclusive: a group that may read the store (root 0750, files 0640)
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -434,10 +443,58 @@ class EmbeddingStore:
         self._bytes_used = 0
         self._evictions = 0
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.file_mode = FILE_MODE
+        self._lock_fd: int | None = None
+        if exclusive:
+            self._own_root(group)
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
         with self._lock:
             self._evict_locked(keep=None)
+
+    def _own_root(self, group: str | None) -> None:
+        """Make the root this service's own: created 0700 (0750 for a reading group), refused when it
+        belongs to another user or others may write it (they could plant entries that /encode would
+        answer), and locked so that a second service on the same root refuses to start."""
+        dir_mode, self.file_mode = (0o750, 0o640) if group else (0o700, 0o600)
+        try:
+            os.makedirs(self.root, mode=dir_mode)
+            os.chmod(self.root, dir_mode)  # exactly, whatever the umask
+            if group:
+                shutil.chown(self.root, group=group)
+        except FileExistsError:
+            pass
+        except (OSError, LookupError) as e:
+            raise StoreOwnershipError(f"cannot create the store root {self.root}: {e}; choose another --store") from None
+        st = os.stat(self.root)
+        if st.st_uid != os.geteuid():
+            raise StoreOwnershipError(
+                f"the store root {self.root} belongs to uid {st.st_uid}, not to this service (uid {os.geteuid()}): "
+                "another user could have planted entries in it; choose a --store this service creates")
+        if st.st_mode & 0o022:
+            raise StoreOwnershipError(
+                f"the store root {self.root} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}): they could plant entries that /encode would answer; "
+                f"run `chmod {dir_mode:o} {self.root}` or choose another --store")
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreOwnershipError(
+                f"another service (pid {holder}) is writing to the store root {self.root}: one writer per root; "
+                "stop it, or give this one another --store") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # held for the life of the store: the lock goes with the process, or close()
+
+    def close(self) -> None:
+        """Release the root's lock (a later service may then take the root)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ---- public ------------------------------------------------------------------------------------
     @property
@@ -518,13 +575,13 @@ class EmbeddingStore:
         tmp = key_dir / f"{TMP_PREFIX}{secrets.token_hex(8)}"
         with self._lock:
             key_dir.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, FILE_MODE)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, self.file_mode)
         try:
             # Outside the lock, and the bulk copy releases the GIL: lookups, other puts and the service's
             # Python threads run meanwhile. `tmp` is written in place (no further temp file) and only it
             # is renamed onto the final name.
             try:
-                nbytes = _write_ec_file(fd, header, ec_cache, fsync=self.fsync)
+                nbytes = _write_ec_file(fd, header, ec_cache, fsync=self.fsync, mode=self.file_mode)
             finally:
                 os.close(fd)
         except BaseException:

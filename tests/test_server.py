@@ -162,3 +162,19 @@ def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
     )
     assert proc.returncode == 2
     assert "neither a preset" in proc.stderr and "nope" in proc.stderr
+
+
+def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny_checkpoint):
+    store = tmp_path / "store"
+    first = Server(tiny_checkpoint, store)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu", "--store", str(store),
+             "--port", str(free_port()), "--no-warmup"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert second.returncode != 0
+        assert "is writing to the store root" in second.stdout + second.stderr  # and says what to do
+        assert httpx.get(first.url + "/health").status_code == 200  # the first one is unaffected
+    finally:
+        assert first.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import random
 import shutil
 import sys
@@ -23,6 +24,7 @@ from service.store import (
     EmbeddingStore,
     StoredItem,
     StoreFormatError,
+    StoreOwnershipError,
     read_embeddings,
     validate_key,
 )
@@ -272,7 +274,7 @@ def test_put_benchmark_4mb_bf16(tmp_path, monkeypatch):
     n, d, levels = 196, 2560, 3
     buf = torch.randn(8 * n, d * (1 + levels)).to(torch.bfloat16)  # row slices of one buffer, like the engine
 
-    def save_file_writer(fd, header, ec_cache, *, fsync):  # what put did before: save_file onto the temp name
+    def save_file_writer(fd, header, ec_cache, *, fsync, mode):  # what put did before: save_file onto the temp name
         path = os.readlink(f"/proc/self/fd/{fd}")
         metadata = json.loads(header[8:])["__metadata__"]
         save_file({"ec_cache": ec_cache}, path, metadata=metadata)
@@ -313,7 +315,7 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
     old = store.put("kept", ec_for(1, 4), (1, 4, 4))
 
     if where == "_write_ec_file":  # the whole file write fails
-        def half_write(fd, header, ec_cache, *, fsync):
+        def half_write(fd, header, ec_cache, *, fsync, mode):
             os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
             raise OSError(28, "No space left on device")
     else:  # the real writer (fchmod) runs, and its data write fails half way
@@ -408,6 +410,45 @@ def test_content_keys_are_store_keys_but_never_client_keys(tmp_path):
     assert item.content_sha256 == "cd" * 32 and read_embeddings(tmp_path / "s", content).metadata["content_sha256"] == "cd" * 32
     again = make_store(tmp_path / "s")  # the index is rebuilt from disk with the hash
     assert again.lookup(content).content_sha256 == "cd" * 32
+
+
+def test_the_service_owns_its_root_private_checked_and_locked(tmp_path):
+    root = tmp_path / "own"
+    store = make_store(root, exclusive=True)
+    item = store.put("a", ec_for(1, 4), (1, 2, 8))
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store.abspath(item)).st_mode) == 0o600
+    with pytest.raises(StoreOwnershipError, match=rf"another service \(pid {os.getpid()}\) is writing"):
+        make_store(root, exclusive=True)  # one writer per root
+    assert make_store(root).lookup("a") is not None  # (a reader-only, non-exclusive handle is not refused)
+    store.close()
+    make_store(root, exclusive=True).close()  # released: the next service takes it
+
+    planted = tmp_path / "planted"  # pre-created by someone else, world-writable, with an entry in it
+    make_store(planted).put("victim", ec_for(2, 4), (1, 2, 8))
+    os.chmod(planted, 0o777)
+    with pytest.raises(StoreOwnershipError, match="writable by others .mode 0777.*chmod 700"):
+        make_store(planted, exclusive=True)
+    os.chmod(planted, 0o770)
+    with pytest.raises(StoreOwnershipError, match="writable by its group"):
+        make_store(planted, exclusive=True)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chmod(planted, 0o700)
+        os.chown(planted, 12345, -1)
+        with pytest.raises(StoreOwnershipError, match="belongs to uid 12345"):
+            make_store(planted, exclusive=True)
+
+
+def test_a_reading_group_gets_0750_and_0640(tmp_path):
+    import grp
+
+    group = grp.getgrgid(os.getegid()).gr_name
+    store = make_store(tmp_path / "g", exclusive=True, group=group)
+    item = store.put("a", ec_for(1, 4), (1, 2, 8))
+    st = os.stat(tmp_path / "g")
+    assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_gid == os.getegid()
+    assert stat.S_IMODE(os.stat(store.abspath(item)).st_mode) == 0o640
+    store.close()
 
 
 def test_min_residency_protects_answered_entries_then_lru_resumes(tmp_path):
@@ -554,11 +595,11 @@ def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
     real_write = store_mod._write_ec_file
     new_k = ec_for(3, 4)
 
-    def slow_write(fd, header, ec_cache, *, fsync):
+    def slow_write(fd, header, ec_cache, *, fsync, mode):
         if ec_cache is new_k:  # the put of k
             writing.set()
             assert release.wait(5)
-        return real_write(fd, header, ec_cache, fsync=fsync)
+        return real_write(fd, header, ec_cache, fsync=fsync, mode=mode)
 
     monkeypatch.setattr(store_mod, "_write_ec_file", slow_write)
     result: list = []
