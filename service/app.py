@@ -156,7 +156,9 @@ class Runtime:
         # uvicorn has already waited for open requests; close the queue, let the loop drain and the writer flush.
         self.batcher.close()
         await asyncio.to_thread(self.engine.join, 60)
-        self.decoders.shutdown(wait=False, cancel_futures=True)
+        # NOTE: wait=True. Decode workers forked by the forkserver hold its liveness pipe; workers left
+        # running (wait=False) keep the forkserver, and so themselves, alive after this process exits.
+        await asyncio.to_thread(self.decoders.shutdown, wait=True, cancel_futures=True)
         await self.http.aclose()
         self.store.close()  # the writer is done: release the root for a later service
 

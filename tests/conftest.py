@@ -1,9 +1,80 @@
+import os
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from tests.checkpoints import make_full_checkpoint
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Processes the tests start, directly or through the service: servers, decode workers, the forkserver.
+_OURS = ("-m service", "multiprocessing.forkserver", "multiprocessing.resource_tracker", "dockerd")
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny full Qwen3-VL checkpoint (text + vision, sharded, custom pixel limits) saved by transformers."""
     return make_full_checkpoint(tmp_path_factory.mktemp("tiny-qwen3vl"))
+
+
+def _start_ticks(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks since boot
+
+
+def _ppid(pid: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return None
+
+
+def _ours_to_outlive(pid: str) -> bool:
+    """This process or a descendant: those end with it (e.g. the forkserver of in-process servers)."""
+    me, seen = str(os.getpid()), 0
+    while pid not in (None, "0", "1") and seen < 64:
+        if pid == me:
+            return True
+        pid, seen = _ppid(pid), seen + 1
+    return False
+
+
+def _leftovers(since_ticks: int) -> list[str]:
+    """Processes like ours started during this session that are still alive and no longer ours."""
+    found = []
+    for pid in (p.name for p in Path("/proc").iterdir() if p.name.isdigit()):
+        if _ours_to_outlive(pid):
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        start = _start_ticks(pid)
+        if start is not None and start >= since_ticks and any(o in cmd for o in _OURS):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                found.append(f"{pid}: {cmd[:160]}")
+    return found
+
+
+def pytest_sessionstart(session):
+    if sys.platform.startswith("linux"):
+        session.config._qve_start_ticks = _start_ticks(str(os.getpid()))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process the tests started outlives them (a leak the next run or CI inherits).
+    Waits a little first: a server told to stop may take a moment to exit."""
+    since = getattr(session.config, "_qve_start_ticks", None)
+    if since is None:
+        return
+    deadline = time.monotonic() + 20
+    while (left := _leftovers(since)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        print("\nprocesses started by the tests are still running:\n  " + "\n  ".join(left), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
