@@ -48,6 +48,7 @@ from .errors import (
     Overloaded,
     ServiceError,
     Unauthorized,
+    error_body,
     http_status,
 )
 from .images import PreparedImage, prepare_image
@@ -381,19 +382,18 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = {404: f"no such endpoint: {request.method} {request.url.path}; see /docs",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
-        return JSONResponse({"error": {"code": codes.get(err.status_code, "http_error"), "message": message}},
+        return JSONResponse(error_body(codes.get(err.status_code, "http_error"), message),
                             status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError):
-        body = {"code": err.code, "message": err.message}
-        if getattr(err, "index", None) is not None:  # per-image errors: ImageError, KeyConflict
-            body["index"] = err.index
+        # `index`: per-image errors (ImageError, KeyConflict) carry the image's position
+        body = error_body(err.code, err.message, getattr(err, "index", None))
         retry = getattr(err, "retry_after_s", None)  # overload, a full store: transient, say when to retry
         headers = {"Retry-After": str(retry)} if retry is not None else None
         if isinstance(err, Unauthorized):
             headers = {"WWW-Authenticate": "Bearer"}
-        return JSONResponse({"error": body}, status_code=http_status(err), headers=headers)
+        return JSONResponse(body, status_code=http_status(err), headers=headers)
 
     keys = [k.encode() for k in settings.api_key]
 

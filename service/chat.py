@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, error_body
 from .store import StoredEmbeddings, StoreFormatError, read_embeddings
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
     app.state.chat = chat
 
     def error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+        return JSONResponse(error_body(code, message), status_code=status, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):

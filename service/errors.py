@@ -136,6 +136,15 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
 ]
 
 
+def error_body(code: str, message: str, index: int | None = None) -> dict:
+    """The one JSON shape of every error answer (encoder, LM consumer, router): {"error": {"code",
+    "message", "index"?}}; `index` is the image's position in the request, for per-image errors."""
+    err = {"code": code, "message": message}
+    if index is not None:
+        err["index"] = index
+    return {"error": err}
+
+
 def http_status(err: ServiceError) -> int:
     for cls, status in HTTP_STATUS:
         if isinstance(err, cls):

@@ -27,6 +27,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from .errors import error_body
+
 log = logging.getLogger(__name__)
 
 ImageParts = Literal["raw", "embeds"]
@@ -74,7 +76,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
     app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
 
     def error(status: int, code: str, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+        return JSONResponse(error_body(code, message), status_code=status)
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):

@@ -9,8 +9,8 @@ step loop:
   * the patch embedding is a Linear over one frame (768 wide) with the Conv3d weights summed over
     t: both temporal frames of an image are equal, so this is the same function on half the input;
   * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
-    model-dtype in/out: one fused kernel once compiled (the eager chain was a third of the tower's
-    time on an H200);
+    model-dtype in/out: one Triton kernel on CUDA (kernels/rotary.py; the eager chain was a third of
+    the tower's time on an H200), the plain torch formula on the CPU;
   * attention is chosen per step on the host, from host integers (no device sync): one batched SDPA
     call when every image has the same length, `varlen_attn` over the packed batch otherwise (CUDA,
     bf16/fp16), a per-image loop elsewhere;
