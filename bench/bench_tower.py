@@ -10,8 +10,11 @@ Sections (all written to DIR/bench_tower.json as they finish; a table is printed
   graphs    ms per step of a CUDA-graph replay of the compiled tower, 1..16 images of 448px
   accuracy  bf16 relative L2 error against a float32 transformers run on 8 real photographs:
             transformers bf16, ours eager, ours compiled + graphs (the service's path)
-  loop      step loop + /dev/shm store with pre-decoded 448px images, steps of 64
-  one       one 448px image on an idle step loop: submit -> stored, median of 50
+  writer    the store alone: puts of 448px images' embeddings into /dev/shm, per writer thread count
+  loop      step loop + /dev/shm store with pre-decoded 448px images, steps of 64 (per --writers)
+  one       one 448px image on an idle step loop: submit -> stored, median of 50, with its parts
+            (stage -> run -> D2H done without the store; one store put alone; the commit of a put
+            reserved beforehand, which is what the loop waits for after the D2H)
   startup   `python -m service serve` of the preset twice on one compile cache: cold, then warm
             (needs the serving dependencies: fastapi, uvicorn, pydantic-settings, python-multipart)
 """
@@ -45,17 +48,17 @@ from service.metrics import Metrics  # noqa: E402
 from service.store import EmbeddingStore  # noqa: E402
 from service.tower import TowerBatch, build_batch  # noqa: E402
 
-ALL = "ceiling,tower,profile,profile1,graphs,accuracy,loop,one,startup"
+ALL = "ceiling,tower,profile,profile1,graphs,accuracy,writer,loop,one,startup"
 
 
-def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0):
+def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, batched=True):
     """A TowerBatch of random patch rows for `grids`, plus the transformers inputs of the same rows."""
     g = torch.Generator(device=device).manual_seed(seed)
     n = sum(t * h * w for t, h, w in grids)
     frames = torch.randn(n, 768, device=device, dtype=dtype, generator=g)
     arr = build_batch(grids, spec)
     tb = TowerBatch(frames, *(torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
-                    seq_lens=tuple(t * h * w for t, h, w in grids))
+                    seq_lens=tuple(t * h * w for t, h, w in grids), batched=batched)
     pv = frames.view(n, 3, 1, 256).expand(-1, -1, 2, -1).reshape(n, 1536).contiguous()  # both frames equal
     return tb, pv, torch.tensor(grids, device=device)
 
@@ -66,6 +69,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-vl-4b")
     ap.add_argument("--sections", default=ALL)
     ap.add_argument("--loop-images", type=int, default=2048)
+    ap.add_argument("--writers", default="4", help="store writer threads to run the loop with (comma-separated)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +107,8 @@ def main() -> int:
               "mixed 8": [(1, 28, 28), (1, 64, 64), (1, 16, 16), (1, 36, 48), (1, 48, 36), (1, 20, 60), (1, 40, 40),
                           (1, 32, 24)]}
 
-    def time_tower(fn, grids):
-        tb, pv, grid = synthetic_batch(spec, grids)
+    def time_tower(fn, grids, batched=True):
+        tb, pv, grid = synthetic_batch(spec, grids, batched=batched)
         with torch.inference_mode():
             return cuda_time(lambda: fn(tb, pv, grid), reps=10 if len(grids) >= 16 else 20)
 
@@ -183,6 +187,9 @@ def main() -> int:
                 tower.cudnn_attention = False
                 t_s = time_tower(ours, grids)
                 r["compiled_sdpa_ms"], r["compiled_sdpa_img_s"] = round(t_s * 1e3, 2), round(len(grids) / t_s, 1)
+                tower.cudnn_attention = cudnn_ok
+                t_v = time_tower(ours, grids, batched=False)  # FA2 varlen for the same equal-size step
+                r["compiled_varlen_ms"], r["compiled_varlen_img_s"] = round(t_v * 1e3, 2), round(len(grids) / t_v, 1)
             print("tower compiled", name, r, flush=True)
         tower.cudnn_attention = cudnn_ok
         save()
@@ -224,10 +231,48 @@ def main() -> int:
         res["graphs"] = grows
         save()
 
+    writers = [int(w) for w in args.writers.split(",")]
+    if "writer" in sections:  # the store alone: can it take what the tower produces?
+        import concurrent.futures
+
+        rows64 = torch.randn(64 * 196, spec.out_width, dtype=torch.bfloat16).pin_memory()
+        res["writer"] = []
+        for nw in sorted(set(writers + [1, 4, 8])):
+            with tempfile.TemporaryDirectory(dir="/dev/shm") as sd, \
+                    concurrent.futures.ThreadPoolExecutor(nw) as pool:
+                store = EmbeddingStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
+                t0 = time.perf_counter()
+                for r in range(8):
+                    list(pool.map(lambda i: store.put(f"w{r}_{i}", rows64[i * 196:(i + 1) * 196], (1, 28, 28)),
+                                  range(64)))
+                dt = time.perf_counter() - t0
+                store.close()
+            res["writer"].append({"threads": nw, "img_s": round(512 / dt, 1),
+                                  "gb_s": round(512 * 196 * spec.out_width * 2 / dt / 1e9, 2)})
+            print("writer", res["writer"][-1], flush=True)
+        save()
+
     if "loop" in sections or "one" in sections:
+        import concurrent.futures
+
         imgs = [prepare_image(noise_png(10_000 + i, 448, 448), model.params, settings.image_limits) for i in range(64)]
         with tempfile.TemporaryDirectory(dir="/dev/shm") as sd:
             store = EmbeddingStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
+            if "one" in sections:  # the parts of a lone image's step, measured apart first
+                parts = {"stage_run_d2h": [], "store_put": [], "store_commit_after_reserve": []}
+                for i in range(60):
+                    t0 = time.perf_counter()
+                    rows1 = engine.encode_sync([imgs[i % 64]])[0]
+                    parts["stage_run_d2h"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    store.put(f"part{i}", rows1, (1, 28, 28))
+                    parts["store_put"].append(time.perf_counter() - t0)
+                    r = store.reserve(f"part_r{i}", tuple(rows1.shape), rows1.dtype, (1, 28, 28))
+                    t0 = time.perf_counter()
+                    store.commit(r, rows1)
+                    parts["store_commit_after_reserve"].append(time.perf_counter() - t0)
+                res["one_image_parts_ms"] = {k: round(1e3 * statistics.median(v[10:]), 3) for k, v in parts.items()}
+                print("one image parts", res["one_image_parts_ms"], flush=True)
             batcher = Batcher(BatchLimits(16384, 64, settings.max_wait_ms / 1000, 100_000))
             engine.store, engine.batcher = store, batcher
             engine.start()
@@ -246,18 +291,23 @@ def main() -> int:
                     print("one image step", res["one_image_step"], flush=True)
                     save()
                 if "loop" in sections:
-                    n = args.loop_images
-                    steps0 = batcher.stats.batches
-                    t0 = time.perf_counter()
-                    tickets = [batcher.submit(f"k{i}", EncodeJob(f"k{i}", imgs[i % 64]), imgs[i % 64].num_tokens)
-                               for i in range(n)]
-                    for tk in tickets:
-                        tk.future.result(timeout=600)
-                    dt = time.perf_counter() - t0
-                    res["loop"] = {"images": n, "img_s": round(n / dt, 1), "steps": batcher.stats.batches - steps0,
-                                   "fence_waits": engine.pool.stats.waits_blocked}
-                    print("loop", res["loop"], flush=True)
-                    save()
+                    res["loop"] = []
+                    for nw in writers:
+                        engine._put_pool.shutdown()
+                        engine._put_pool = concurrent.futures.ThreadPoolExecutor(nw, thread_name_prefix="store-put")
+                        n = args.loop_images
+                        steps0 = batcher.stats.batches
+                        t0 = time.perf_counter()
+                        tickets = [batcher.submit(f"k{nw}_{i}", EncodeJob(f"k{nw}_{i}", imgs[i % 64]), imgs[i % 64].num_tokens)
+                                   for i in range(n)]
+                        for tk in tickets:
+                            tk.future.result(timeout=600)
+                        dt = time.perf_counter() - t0
+                        res["loop"].append({"writers": nw, "images": n, "img_s": round(n / dt, 1),
+                                            "steps": batcher.stats.batches - steps0,
+                                            "fence_waits": engine.pool.stats.waits_blocked})
+                        print("loop", res["loop"][-1], flush=True)
+                        save()
             finally:
                 batcher.close()
                 engine.join(60)
@@ -319,7 +369,7 @@ def print_table(res: dict) -> None:
         print(f"graph replay {g['images']:2d} images ({g['bucket']} patches): {g['graph_ms']} ms ({g['img_s']} img/s)")
     if "accuracy" in res:
         print("accuracy (rel L2 vs float32 transformers):", {k: v for k, v in res["accuracy"].items()})
-    for k in ("engine_startup", "one_image_step", "loop"):
+    for k in ("engine_startup", "one_image_parts_ms", "one_image_step", "writer", "loop"):
         if k in res:
             print(k, res[k])
     for s in res.get("startup", []):

@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
     graph_max_patches: int = Field(12544, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
                                    "graphs are captured at start for every bucket up to it (12544 = 16 images of 448x448)")
+    graph_exact_sides: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 images get "
+        "an unpadded CUDA graph of their own (comma-separated; other sizes pad to the nearest bucket)")
+    store_writers: int = Field(4, gt=0, description="threads writing embeddings to the store (each write is a "
+                               "memcpy into the store's filesystem with the GIL released)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
@@ -130,6 +135,13 @@ class Settings(BaseSettings):
     def _split_keys(cls, v):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("graph_exact_sides", mode="before")
+    @classmethod
+    def _split_sides(cls, v):
+        if isinstance(v, str):
+            return [int(x) for x in v.split(",") if x.strip()]
         return v
 
     @field_validator("allowed_url_hosts", mode="before")

@@ -34,7 +34,7 @@ from .images import PreparedImage
 from .loader import LoadedModel
 from .metrics import Metrics
 from .pool import BufferSpec, Slot, StagingPool
-from .preprocess import normalize_lut, patchify
+from .preprocess import grid_for, normalize_lut, num_patches, patchify
 from .store import EmbeddingStore
 from . import tower as tower_module
 from .graphs import StaticInputs, TowerGraphs, graph_buckets, pad_segments, padded_cu_seqlens
@@ -98,7 +98,8 @@ class Engine:
         # tower runs eagerly (CPU float32 stays exactly transformers' arithmetic).
         fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()
         smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
-        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest) if (
+        exact = tuple(num_patches(grid_for(side, side, params)) for side in settings.graph_exact_sides)
+        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest, exact) if (
             fast and settings.cuda_graphs) else None
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
@@ -159,7 +160,7 @@ class Engine:
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
             self.startup["graphs"] = len(self.buckets)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
-        self._put_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="store-put")
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(settings.store_writers, thread_name_prefix="store-put")
         self._step_no = 0
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
@@ -345,39 +346,65 @@ class Engine:
             if job is None:
                 self._put_pool.shutdown()
                 return
+            n = len(job.items)
+            offs = job.token_offsets
+            # Reserve every entry's file while the device still computes: allocating tmpfs pages is
+            # most of a store write's cost, and here it overlaps the tower instead of following it.
+            shape = lambda i: (offs[i + 1] - offs[i], job.host_out.shape[1])  # noqa: E731
+            reserve = lambda i: self._reserve(job.items[i], shape(i), job.host_out.dtype, job.grids[i])  # noqa: E731
+            held = [reserve(0)] if n == 1 else list(self._put_pool.map(reserve, range(n)))
             try:
                 if job.done is not None:
                     job.done.synchronize()  # the writer's one device wait: this step's D2H copy
                     self.batcher.wake()  # the device may be idle now: a waiting batch can close
             except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
-                log.error("step of %d images failed on the device: %r", len(job.items), e)
-                for item in job.items:
-                    self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+                log.error("step of %d images failed on the device: %r", n, e)
+                for item, r in zip(job.items, held):
+                    if r is not None:
+                        self.store.abort(r)
+                        self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
             else:
-                offs = job.token_offsets
-                rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(len(job.items))]
-                # NOTE: a few threads: each put is mostly a memcpy into /dev/shm with the GIL released,
-                # and one thread alone falls behind the GPU at large batches.
-                list(self._put_pool.map(self._store_one, job.items, rows, job.grids))
+                rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
+                # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
+                # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
+                # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
+                if n == 1:
+                    self._commit(job.items[0], held[0], rows[0])
+                else:
+                    list(self._put_pool.map(self._commit, job.items, held, rows))
             finally:
                 if job.out_index is not None:
-                    self.out_free.put(job.out_index)  # every put above has returned: the buffer is free
+                    self.out_free.put(job.out_index)  # every commit above has returned: the buffer is free
             self.metrics.store_bytes.set(self.store.bytes_used)
             self.metrics.store_items.set(len(self.store))
             self.metrics.store_evictions.set(self.store.evictions)
 
-    def _store_one(self, item: WorkItem, rows: torch.Tensor, grid: tuple[int, int, int]) -> None:
-        """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
+    def _reserve(self, item: WorkItem, shape: tuple[int, int], dtype: torch.dtype, grid: tuple[int, int, int]):
+        """Reserve one entry's file, or answer its waiters with the error (then None)."""
         try:
-            stored = self.store.put(item.key, rows, grid, content_sha256=item.payload.content_sha256)
-        except ServiceError as e:  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
-            log.warning("store write for %s refused: %s", item.key, e.message)
-            self.batcher.finish(item, error=e)
+            return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
         except Exception as e:
-            log.error("store write for %s failed: %r", item.key, e)
-            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
+            self._store_failed(item, e)
+            return None
+
+    def _commit(self, item: WorkItem, reservation, rows: torch.Tensor) -> None:
+        """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
+        if reservation is None:
+            return  # answered by _reserve
+        try:
+            stored = self.store.commit(reservation, rows)
+        except Exception as e:
+            self._store_failed(item, e)
         else:
             self.batcher.finish(item, result=stored)
+
+    def _store_failed(self, item: WorkItem, e: Exception) -> None:
+        if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
+            log.warning("store write for %s refused: %s", item.key, e.message)
+            self.batcher.finish(item, error=e)
+        else:
+            log.error("store write for %s failed: %r", item.key, e)
+            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
 
     # ---- synchronous path (warm-up, tests, benchmarks) ----------------------------------------------
     def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:

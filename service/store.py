@@ -35,6 +35,7 @@ everything from that handle, and checks the size against the header.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import logging
@@ -283,6 +284,19 @@ def _write_all(fd: int, bufs: list) -> None:
             pending[0] = pending[0][written:]
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Allocate `size` bytes for the new file open as `fd` where the filesystem can (tmpfs, ext4, xfs).
+    Why: on tmpfs, allocating and zeroing fresh pages is half a write's cost; done ahead (while the
+    GPU computes), the later write is a plain copy (measured on an H200 host: 4 MB put 1.99 ms, the
+    write after a reservation 1.04 ms). A mapped copy was tried and was no faster: mapping with the
+    pages faulted in and unmapping cost more than it saved."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise  # ENOSPC and real errors: the reservation fails
+
+
 def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool, mode: int = FILE_MODE) -> int:
     """Write header + tensor data to the new, empty file open as `fd`, make it `mode` (exactly, whatever
     the umask); return the file size. The caller closes `fd`. Only the store's temp files are written
@@ -373,6 +387,21 @@ class _Entry:
     nbytes: int
     item: StoredItem | None  # None: on disk and counted, but not a hit (other model/format, or malformed)
     keep_until: float = 0.0  # store clock: not evicted before this (answered by /encode; min residency)
+
+
+@dataclass
+class Reservation:
+    """A put in progress (see EmbeddingStore.reserve): an open, pre-allocated temp file for one key."""
+
+    key: str
+    key_dir: Path
+    tmp: Path
+    fd: int
+    header: bytes
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    grid: tuple[int, int, int]
+    content_sha256: str | None
 
 
 class EmbeddingStore:
@@ -547,10 +576,18 @@ class EmbeddingStore:
         Overwrites an existing entry of the same key. On failure nothing new is visible and the
         previous version (if any) is untouched.
         """
+        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256), ec_cache)
+
+    def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
+                content_sha256: str | None = None) -> "Reservation":
+        """The first half of `put`, for before the embeddings exist: check room, create the temp file
+        and allocate its pages. Why: on tmpfs most of a write's cost is allocating and zeroing fresh
+        pages (~1.5 ms for one 448px image's 4 MB); the step loop reserves while the GPU computes, and
+        `commit` is then a plain copy. Every reservation must be committed or aborted."""
         key_dir = self._key_dir(key)
         grid = tuple(int(g) for g in grid_thw)
-        self._check_tensor(ec_cache, grid)
-        n, width = ec_cache.shape
+        self._check_shape(shape, dtype, grid)
+        n, width = shape
         metadata = {
             "format_version": str(FORMAT_VERSION),
             "model": self.model_id,
@@ -561,11 +598,11 @@ class EmbeddingStore:
         }
         if content_sha256 is not None:  # what lets a later request for this key check it is the same image
             metadata["content_sha256"] = content_sha256
-        code = _CODE_OF[ec_cache.dtype]
-        header = _encode_header(code, (n, width), ec_cache.numel() * ec_cache.element_size(), metadata)
-        final = key_dir / FILE_NAME
+        code = _CODE_OF[dtype]
+        data_bytes = n * width * dtype.itemsize
+        header = _encode_header(code, (n, width), data_bytes, metadata)
         with self._lock:
-            self._check_room_locked(key, len(header) + ec_cache.numel() * ec_cache.element_size())
+            self._check_room_locked(key, len(header) + data_bytes)
 
         # The temp file is created (empty) under the lock together with the mkdir: from then on the
         # directory is non-empty, so a concurrent eviction of this key cannot rmdir it from under us.
@@ -576,19 +613,43 @@ class EmbeddingStore:
         with self._lock:
             key_dir.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, self.file_mode)
+        r = Reservation(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256)
         try:
+            _allocate(fd, len(header) + data_bytes)
+        except BaseException:
+            self.abort(r)
+            raise
+        return r
+
+    def abort(self, r: "Reservation") -> None:
+        """Give up a reservation: close and remove its temp file (the key's entry, if any, is untouched)."""
+        if r.fd >= 0:
+            os.close(r.fd)
+            r.fd = -1
+        with self._lock:
+            r.tmp.unlink(missing_ok=True)
+            if r.key not in self._index:
+                _rmdir_quietly(r.key_dir)
+
+    def commit(self, r: "Reservation", ec_cache: torch.Tensor) -> StoredItem:
+        """The second half of `put`: write `ec_cache` (the reserved shape and dtype) into the reserved
+        file, publish it atomically and evict to fit. On failure the reservation is aborted."""
+        key, key_dir, grid, content_sha256 = r.key, r.key_dir, r.grid, r.content_sha256
+        tmp, final, (n, width) = r.tmp, key_dir / FILE_NAME, r.shape
+        try:
+            self._check_tensor(ec_cache, grid)
+            if tuple(ec_cache.shape) != r.shape or ec_cache.dtype != r.dtype:
+                raise ValueError(f"ec_cache is {tuple(ec_cache.shape)} {ec_cache.dtype}, reserved {r.shape} {r.dtype}")
             # Outside the lock, and the bulk copy releases the GIL: lookups, other puts and the service's
             # Python threads run meanwhile. `tmp` is written in place (no further temp file) and only it
             # is renamed onto the final name.
             try:
-                nbytes = _write_ec_file(fd, header, ec_cache, fsync=self.fsync, mode=self.file_mode)
+                nbytes = _write_ec_file(r.fd, r.header, ec_cache, fsync=self.fsync, mode=self.file_mode)
             finally:
-                os.close(fd)
+                os.close(r.fd)
+                r.fd = -1
         except BaseException:
-            with self._lock:
-                tmp.unlink(missing_ok=True)
-                if key not in self._index:
-                    _rmdir_quietly(key_dir)
+            self.abort(r)
             raise
 
         item = StoredItem(
@@ -597,7 +658,7 @@ class EmbeddingStore:
             num_tokens=n,
             grid_thw=grid,  # type: ignore[arg-type]
             shape=(n, width),
-            dtype=_DTYPES[code][1],
+            dtype=_DTYPES[_CODE_OF[r.dtype]][1],
             nbytes=nbytes,
             content_sha256=content_sha256,
         )
@@ -638,18 +699,21 @@ class EmbeddingStore:
             pass
         return _key_dir(self.root, key, self._real_root)
 
-    def _check_tensor(self, t: torch.Tensor, grid: tuple[int, ...]) -> None:
+    def _check_shape(self, shape: tuple[int, ...], dtype: torch.dtype, grid: tuple[int, ...]) -> None:
         # The caller is our own step loop, so these are contract checks, kept as exceptions (not
         # asserts) because they guard what a separate consumer process will read.
         width = self.out_hidden_size * (1 + self.deepstack_levels)
-        if t.dim() != 2 or t.shape[1] != width or t.shape[0] == 0:
-            raise ValueError(f"ec_cache must be [num_tokens>0, {width}], got {tuple(t.shape)}")
-        if t.dtype not in _CODE_OF:
-            raise ValueError(f"ec_cache dtype must be float32 or bfloat16, got {t.dtype}")
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("ec_cache must be a contiguous CPU tensor (copy it off the device first)")
+        if len(shape) != 2 or shape[1] != width or shape[0] == 0:
+            raise ValueError(f"ec_cache must be [num_tokens>0, {width}], got {tuple(shape)}")
+        if dtype not in _CODE_OF:
+            raise ValueError(f"ec_cache dtype must be float32 or bfloat16, got {dtype}")
         if len(grid) != 3 or min(grid) <= 0:
             raise ValueError(f"grid_thw must be three positive ints, got {grid}")
+
+    def _check_tensor(self, t: torch.Tensor, grid: tuple[int, ...]) -> None:
+        self._check_shape(tuple(t.shape), t.dtype, grid)
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("ec_cache must be a contiguous CPU tensor (copy it off the device first)")
 
     def _is_hit(self, h: _Header) -> bool:
         return (

@@ -353,14 +353,15 @@ def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
 def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_wait_ms=200), tiny_model) as (url, app):
         store = app.state.rt.store
-        real_put, bad = store.put, {}
+        real_commit, bad = store.commit, {}
 
-        def put(key, ec_cache, grid_thw, **kw):
-            if key == bad.get("key"):
+        def commit(reservation, ec_cache):  # the write itself fails (after the reservation succeeded)
+            if reservation.key == bad.get("key"):
+                store.abort(reservation)
                 raise OSError(28, "No space left on device")
-            return real_put(key, ec_cache, grid_thw, **kw)
+            return real_commit(reservation, ec_cache)
 
-        store.put = put
+        store.commit = commit
         bad["key"] = "doomed"
         with ThreadPoolExecutor(2) as pool:
             a = pool.submit(httpx.post, url + "/encode", json=json_body(_png(900), uuids=["doomed"]), timeout=30)

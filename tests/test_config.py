@@ -51,3 +51,12 @@ def test_invalid_settings_are_refused(bad):
 def test_cli_reports_invalid_settings(capsys):
     assert main(["serve", "--device", "tpu"]) == 2
     assert "device must be cpu, cuda, cuda:N or auto" in capsys.readouterr().err
+
+
+def test_list_settings_take_comma_separated_values(monkeypatch):
+    assert _from_cli("--graph-exact-sides", "448,640").graph_exact_sides == [448, 640]
+    assert Settings().graph_exact_sides == [448, 512]
+    monkeypatch.setenv("QVE_GRAPH_EXACT_SIDES", "")
+    assert Settings().graph_exact_sides == []  # none: every step pads to the dense ladder
+    with pytest.raises(ValidationError):
+        Settings(graph_exact_sides="448,big")

@@ -27,6 +27,16 @@ def test_buckets_are_dense_so_padding_wastes_little():
     assert pad_segments(max(gaps[1:])) == 1
 
 
+def test_exact_buckets_for_common_image_sizes():
+    dense = graph_buckets(65536, limit=12544, smallest=256)
+    b = graph_buckets(65536, limit=12544, smallest=256, exact=(784, 1024))
+    # 1..16 images of 448px (784 patches) and 1..12 of 512px (1024; 13 would pass the limit) run unpadded.
+    assert {784 * k for k in range(1, 17)} <= set(b) and {1024 * k for k in range(1, 13)} <= set(b)
+    assert 1024 * 13 not in b and b[-1] == 12544 and b == sorted(set(b))
+    assert set(dense) <= set(b) and len(b) - len(dense) <= 32  # the dense ladder stays; a bounded number added
+    assert graph_buckets(2000, limit=12544, smallest=256, exact=(784,))[-1] == 2000
+
+
 def test_padded_cu_seqlens_layout():
     cu = padded_cu_seqlens([784, 400], bucket=3072, length=10)
     assert cu == [0, 784, 1184, 2208, 3072, 3072, 3072, 3072, 3072, 3072]

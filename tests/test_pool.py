@@ -260,7 +260,9 @@ def test_cuda_pool_pinned_and_fenced():
         x = slot.buffers["x"]
         assert x.is_pinned()
         x.fill_(step)
-        torch.cuda._sleep(5_000_000)  # keep the GPU behind, so reusing this slot has to wait
+        # Keep the GPU far behind (~25 ms of sleep per step against ~1 ms of host work), so reusing
+        # this slot has to wait (5M cycles was not always enough on an H200).
+        torch.cuda._sleep(50_000_000)
         out[step].copy_(x, non_blocking=True)
         slot.release(keepalive=(out,))
     torch.cuda.synchronize()

@@ -125,6 +125,34 @@ def test_put_rejects_wrong_tensors(tmp_path):
     assert len(store) == 0 and files_under(tmp_path / "s") == set()
 
 
+def test_reserve_allocates_the_file_before_the_data_exists_then_commit_or_abort(tmp_path):
+    # The engine reserves while the GPU computes (allocating tmpfs pages is most of a write's cost).
+    store = make_store(tmp_path / "s")
+    ec = ec_for(6, 3)
+    r = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 4, 6), content_sha256="ab" * 32)
+    (tmp,) = tmp_files(tmp_path / "s")
+    assert tmp.stat().st_size == len(r.header) + ec.numel() * ec.element_size()  # pre-allocated, full size
+    assert store.lookup("a") is None and len(store) == 0  # nothing visible before the commit
+    item = store.commit(r, ec)
+    assert tmp_files(tmp_path / "s") == [] and not tmp.exists()  # renamed onto the final name
+    assert item.nbytes == (tmp_path / "s" / "a" / FILE_NAME).stat().st_size == len(r.header) + ec.numel() * 4
+    got = read_embeddings(tmp_path / "s", "a")
+    assert torch.equal(torch.cat([got.main, *got.deepstack], dim=1), ec)
+    assert got.metadata["content_sha256"] == "ab" * 32 and store.lookup("a") == item
+
+    r2 = store.reserve("b", tuple(ec.shape), ec.dtype, (1, 4, 6))
+    store.abort(r2)
+    assert tmp_files(tmp_path / "s") == [] and not (tmp_path / "s" / "b").exists() and len(store) == 1
+    # A commit of other rows than reserved fails and leaves nothing behind; the old entry is untouched.
+    r3 = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 4, 6))
+    with pytest.raises(ValueError, match="reserved"):
+        store.commit(r3, ec_for(5, 9))
+    assert tmp_files(tmp_path / "s") == [] and store.lookup("a") == item
+    with pytest.raises(ValueError, match="ec_cache must be"):
+        store.reserve("c", (4, W + 1), torch.float32, (1, 2, 8))
+    assert tmp_files(tmp_path / "s") == [] and not (tmp_path / "s" / "c").exists()
+
+
 def test_read_rejects_malformed_files(tmp_path):
     root = tmp_path / "s"
     store = make_store(root)
@@ -308,13 +336,17 @@ def test_put_benchmark_4mb_bf16(tmp_path, monkeypatch):
 
 
 # ---- atomicity -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["_write_ec_file", "_write_all"])
+@pytest.mark.parametrize("where", ["_allocate", "_write_ec_file", "_write_all"])
 def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
     root = tmp_path / "s"
     store = make_store(root)
     old = store.put("kept", ec_for(1, 4), (1, 4, 4))
 
-    if where == "_write_ec_file":  # the whole file write fails
+    if where == "_allocate":  # the filesystem is full when the file is reserved
+        def half_write(fd, size):
+            os.write(fd, b"\x00" * 100)
+            raise OSError(28, "No space left on device")
+    elif where == "_write_ec_file":  # the whole file write fails
         def half_write(fd, header, ec_cache, *, fsync, mode):
             os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
             raise OSError(28, "No space left on device")
