@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid settings:\n{e}", file=sys.stderr)
         return 2
 
+    if settings.api_processes > 0:
+        from .supervisor import serve_supervised
+
+        return serve_supervised(settings, log_level)
+
     import uvicorn
 
     from .app import create_app

@@ -38,6 +38,7 @@ from .batcher import BatchLimits, Batcher, Ticket
 from .config import ImageLimits, Settings
 from .engine import EncodeJob, Engine
 from .errors import (
+    Unavailable,
     BackendError,
     BadRequest,
     EmptyImage,
@@ -170,6 +171,160 @@ class Runtime:
         self.metrics.store_items.set(len(self.store))
         self.metrics.store_evictions.set(self.store.evictions)
         self.metrics.dropped.set(self.batcher.stats.dropped)
+
+
+@dataclass
+class RemoteEngine:
+    """Where an API process finds its engine (supervisor mode) and its own pixel arena."""
+
+    socket_path: str
+    arena_name: str
+    arena_bytes: int
+
+
+class RemoteRuntime:
+    """An API process's runtime (supervisor mode): no model, no tensors. Decodes in threads, writes
+    pixels into its shared-memory arena, and asks the engine process (ipc.py) for everything else."""
+
+    def __init__(self, settings: Settings, remote: RemoteEngine):
+        from .arena import Arena
+        from .ipc import EngineClient
+
+        self.settings, self.remote = settings, remote
+        self.metrics = Metrics()
+        self.arena = Arena(remote.arena_name, remote.arena_bytes)
+        self.client = EngineClient(remote.socket_path, self._cell_free)
+        # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
+        # several such processes; PIL releases the GIL while it decodes and resizes.
+        self.decoders = concurrent.futures.ThreadPoolExecutor(settings.decode_workers or 4, thread_name_prefix="decode")
+        self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
+        self.info: dict | None = None  # the engine's status, once it has answered
+        self.params = None
+        self.key_salt = b""
+        self.engine_lost = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._connect())
+
+    async def _connect(self) -> None:
+        from .config import PreprocessParams
+
+        await self.client.connect()
+        while self.client.connected:
+            info = await self.client.status()
+            if self.params is None:
+                self.params = PreprocessParams(*[tuple(x) if isinstance(x, list) else x for x in info["params"]])
+                self.key_salt = info["key_salt"].encode()
+            self.info = info
+            if info["ready"]:
+                break
+            await asyncio.sleep(0.2)
+        self.engine_lost = not self.client.connected
+
+    def _cell_free(self, segment: str, offset: int, nbytes: int) -> None:
+        if segment == self.arena.name:
+            self.arena.free(offset, nbytes)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.info and self.info["ready"] and self.client.connected)
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.close()
+        await asyncio.to_thread(self.decoders.shutdown, wait=True, cancel_futures=True)
+        await self.http.aclose()
+        log.info("pixel arena %s: %d bytes in use at exit", self.arena.name, self.arena.used)
+        self.arena.close()
+
+
+def _prepare_into_arena(rt: RemoteRuntime, data: bytes) -> tuple[PreparedImage, int]:
+    """Decode + preprocess (a decode thread), then copy the pixels into a new arena cell."""
+    from .arena import ArenaFull
+
+    prep = prepare_image(data, rt.params, rt.settings.image_limits)
+    try:
+        off = rt.arena.alloc(prep.pixels.nbytes)
+    except ArenaFull as e:
+        raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
+                         retry_after_s=1) from None
+    rt.arena.view(off, prep.pixels.nbytes)[:] = prep.pixels.reshape(-1)
+    return prep, off
+
+
+async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedItem] | None:
+    """`_encode` for an API process: the same answers, with the engine process deciding hits,
+    coalescing and admission (a claim per image, before it is decoded)."""
+    if not rt.ready:
+        raise Unavailable("the encoder is still starting (or its engine is not running); retry shortly",
+                          retry_after_s=1)
+    inputs = await _parse_inputs(rt, request)
+    keys, shas = await _keys_for(rt, inputs)
+    answers: dict[str, EncodedItem] = {}
+    waits: dict[str, tuple[int, asyncio.Future, bool]] = {}  # key -> (request id, future, coalesced)
+    grants: dict[str, tuple[int, int]] = {}  # key -> (grant id, image index) to decode
+
+    def conflict(i: int, where: str) -> KeyConflict:
+        return _at(KeyConflict(f"images[{i}]: uuid {keys[i]!r} is already bound to other image bytes ({where}); "
+                               "a uuid must name one image: choose another uuid, or leave it out"), i)
+
+    def give_back() -> None:
+        for rid, fut, _ in waits.values():
+            fut.cancel()
+            rt.client.cancel(rid)
+        for gid, _ in grants.values():
+            rt.client.cancel(gid)
+
+    try:
+        for i, key in enumerate(keys):
+            if key in answers or key in waits or key in grants:
+                continue
+            try:
+                kind, val = await rt.client.claim(key, shas[i])
+            except KeyConflict as e:
+                raise conflict(i, e.message) from None
+            if kind == "hit":
+                answers[key] = _item(val, cached=True)
+                rt.metrics.images.labels(outcome="cached").inc()
+            elif kind == "joined":
+                waits[key] = (*val, True)
+            else:
+                grants[key] = (val, i)
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.gather(
+            *(loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data) for _, i in grants.values()),
+            return_exceptions=True)
+        cells = [(p[1], p[0].pixels.nbytes) for p in prepared if not isinstance(p, BaseException)]
+        try:
+            for (_, i), p in zip(grants.values(), prepared):
+                if isinstance(p, BaseException):
+                    raise _decode_failure(inputs, i, p)
+        except ServiceError:
+            for off, n in cells:
+                rt.arena.free(off, n)
+            raise
+        for n_done, ((key, (gid, i)), (prep, off)) in enumerate(zip(list(grants.items()), prepared)):
+            h, w = prep.pixels.shape[:2]
+            try:
+                waits[key] = (*await rt.client.submit(gid, key, shas[i], rt.arena.name, off, prep.pixels.nbytes, h, w,
+                                                      prep.grid_thw, prep.num_tokens), False)
+            except KeyConflict as e:
+                raise conflict(i, e.message) from None
+            finally:
+                del grants[key]
+    except ServiceError:
+        give_back()  # the request is answered with its error as a whole: nothing of it stays queued
+        raise
+    futures = [fut for _, fut, _ in waits.values()]
+    if not await _wait_or_disconnect(request, futures):
+        give_back()
+        return None
+    for key, (_, fut, coalesced) in waits.items():
+        answers[key] = _item(fut.result(), cached=False)
+        rt.metrics.images.labels(outcome="coalesced" if coalesced else "encoded").inc()
+    return [answers[key] for key in keys]
 
 
 def _warmup_png() -> bytes:
@@ -361,13 +516,20 @@ async def _wait_or_disconnect(request: Request, futures: list[asyncio.Future]) -
 
 
 # ---- the app --------------------------------------------------------------------------------------
-def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
+def create_app(settings: Settings, model: LoadedModel | None = None, remote: RemoteEngine | None = None) -> FastAPI:
+    """The app of a single-process service (the model in this process), or, with `remote`, of one
+    API process of a supervised service (the model in the engine process)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loaded = model or await asyncio.to_thread(load_model, settings)
-        rt = Runtime(settings, loaded)
-        app.state.rt = rt
-        rt.start()
+        if remote is not None:
+            rt = RemoteRuntime(settings, remote)
+            app.state.rt = rt
+            await rt.start()
+        else:
+            loaded = model or await asyncio.to_thread(load_model, settings)
+            rt = Runtime(settings, loaded)
+            app.state.rt = rt
+            rt.start()
         try:
             yield
         finally:
@@ -421,7 +583,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
         status = 500
         try:
             authorize(request)
-            items = await _encode(rt, request)
+            items = await (_encode_remote(rt, request) if remote is not None else _encode(rt, request))
             status = 200 if items is not None else 499
             if items is None:  # client gone: nobody to answer
                 return PlainTextResponse("client disconnected", status_code=499)
@@ -438,7 +600,11 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request):
         """200 while the step loop is alive (or still warming up); 503 once it has died."""
-        rt: Runtime = request.app.state.rt
+        rt = request.app.state.rt
+        if remote is not None:
+            if rt.engine_lost or (rt.info is not None and not rt.client.connected):
+                return JSONResponse({"status": "the engine process is not running"}, status_code=503)
+            return {"status": "ok"}
         if rt.warmup_failed:
             return JSONResponse({"status": "warm-up failed; see the log"}, status_code=503)
         if rt.started and not rt.engine.alive():
@@ -448,7 +614,16 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
     @app.get("/ready")
     async def ready(request: Request):
         """200 once the model is loaded and warmed up."""
-        rt: Runtime = request.app.state.rt
+        rt = request.app.state.rt
+        if remote is not None:  # the engine process answers
+            if not rt.ready:
+                return JSONResponse({"ready": False}, status_code=503)
+            try:
+                info = await rt.client.status()
+            except ServiceError:
+                return JSONResponse({"ready": False}, status_code=503)
+            return {**{k: v for k, v in info.items() if k not in ("key_salt", "params", "alive", "pid")},
+                    "engine_pid": info["pid"], "api_pid": os.getpid()}
         if not rt.ready.is_set():
             return JSONResponse({"ready": False}, status_code=503)
         m = rt.model
@@ -461,16 +636,19 @@ def create_app(settings: Settings, model: LoadedModel | None = None) -> FastAPI:
     async def metrics(request: Request):
         if settings.api_key_metrics:
             authorize(request)
-        rt: Runtime = request.app.state.rt
-        rt.update_gauges()
+        rt = request.app.state.rt
+        if remote is None:
+            rt.update_gauges()
+        else:
+            rt.metrics.arena_bytes.set(rt.arena.used)
         return PlainTextResponse(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
-    """Answer one item per input image, in order; None if the client went away first."""
-    inputs = await _parse_inputs(rt, request)
+async def _keys_for(rt, inputs: list[_Input]) -> tuple[list[str], list[str]]:
+    """Each image's store key (its uuid, or its content key) and the SHA-256 of its bytes; 409 when
+    one uuid is given to different images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
             raise _at(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
@@ -484,6 +662,25 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         if bound.setdefault(key, sha) != sha:
             raise _at(KeyConflict(f"images[{i}]: uuid {key!r} is also given to other image bytes earlier in this "
                                   "request; one uuid names one image"), i)
+    return keys, shas
+
+
+def _decode_failure(inputs: list[_Input], i: int, p: BaseException) -> ServiceError:
+    if isinstance(p, ImageError):
+        if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
+            p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
+                         f"({p.code}); check the URL")
+        p.message = f"images[{i}]: {p.message}"
+        return _at(p, i)
+    if isinstance(p, ServiceError):
+        return p
+    return BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")
+
+
+async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
+    """Answer one item per input image, in order; None if the client went away first."""
+    inputs = await _parse_inputs(rt, request)
+    keys, shas = await _keys_for(rt, inputs)
 
     answers: dict[str, EncodedItem] = {}  # key -> answer; a key twice in one request is handled once
     tickets: dict[str, Ticket] = {}  # key -> this request's claim on an encode (queued or running)
@@ -532,13 +729,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         )
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
-                if isinstance(p, ImageError):
-                    if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
-                        p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
-                                     f"({p.code}); check the URL")
-                    p.message = f"images[{i}]: {p.message}"
-                    raise _at(p, i)
-                raise BackendError(f"decoding images[{i}] failed in the worker pool: {type(p).__name__}: {p}") from p
+                raise _decode_failure(inputs, i, p) from p
 
         for (key, i), prep in zip(todo.items(), prepared):
             if not cache_hit(i):  # it may have landed while we decoded

@@ -107,6 +107,12 @@ class Ticket:
         """The payload of the item this ticket waits on (for a joined item: the first submitter's)."""
         return self._item.payload
 
+    @property
+    def work_future(self) -> Future:
+        """The shared item's own future: done once the item is finished (after its step staged and
+        stored it) or dropped unstaged. The engine process frees an image's pixel cell on it."""
+        return self._item.future
+
     def cancel(self) -> None:
         """This waiter has gone. Dropping the item (if it was the last one and the item has not been
         scheduled) happens in the future's done-callback, so `future.cancel()` has the same effect.

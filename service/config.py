@@ -108,6 +108,15 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(5.0, ge=0, description="a step closes this long after its first image at most")
     max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
 
+    # processes
+    api_processes: int = Field(0, ge=0, description="HTTP API processes started by a supervisor beside one engine "
+                               "process (images reach the engine through shared memory); 0 = one process does "
+                               "everything")
+    arena_bytes: int = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
+                             "(decoded images waiting for the engine); full -> 429")
+    engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
+                                       "processes answer 503 before the supervisor exits with status 1")
+
     # step loop
     pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
     warmup: bool = Field(True, description="run one step before /ready says ready")

@@ -36,4 +36,6 @@ class Metrics:
         self.store_bytes = Gauge("qve_store_bytes", "Bytes held by the embedding store", registry=r)
         self.store_items = Gauge("qve_store_items", "Items held by the embedding store", registry=r)
         self.store_evictions = Gauge("qve_store_evictions", "LRU evictions since start", registry=r)
+        self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (API process; "
+                                 "0 in a single-process service)", registry=r)
         self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)

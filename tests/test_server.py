@@ -68,25 +68,23 @@ def reference(tiny_checkpoint):
     return refs
 
 
+def two_image_client(server, c: int):
+    """Client c of many: two test images; odd clients use multipart, even ones JSON."""
+    blobs = data.valid_images()
+    names = [IMAGES[c % len(IMAGES)], IMAGES[(c * 7 + 3) % len(IMAGES)]]
+    if c % 2:
+        files = [("image", (n, blobs[n], "application/octet-stream")) for n in names]
+        return names, httpx.post(server.url + "/encode", files=files, timeout=120)
+    return names, httpx.post(server.url + "/encode", json=json_body(*(blobs[n] for n in names)), timeout=120)
+
+
 def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, reference):
     store = tmp_path / "store"
     server = Server(tiny_checkpoint, store, "--max-wait-ms", "20")
     try:
         assert server.listening_addresses() == {"0100007F"}  # 127.0.0.1 only, nothing else advertised
-        blobs = data.valid_images()
-
-        def client(c: int):
-            # each client sends two images; odd clients use multipart, even ones JSON
-            names = [IMAGES[c % len(IMAGES)], IMAGES[(c * 7 + 3) % len(IMAGES)]]
-            if c % 2:
-                files = [("image", (n, blobs[n], "application/octet-stream")) for n in names]
-                r = httpx.post(server.url + "/encode", files=files, timeout=120)
-            else:
-                r = httpx.post(server.url + "/encode", json=json_body(*(blobs[n] for n in names)), timeout=120)
-            return names, r
-
         with ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(client, range(32)))
+            results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
         checked = set()
         for names, r in results:
             assert r.status_code == 200, r.text

@@ -1,0 +1,234 @@
+"""The engine process: the model, the batcher, the step loop and the store writer of one device,
+answering the API processes over a Unix socket (ipc.py). Pixels arrive in the API processes'
+shared-memory arenas (arena.py) and are read in place when a step is staged.
+
+    API process --claim/submit--> EngineHost.handle (ipc thread) --> Batcher --> Engine step loop
+                 <--hit/result/cell_free--  (futures' callbacks, posted back to the ipc thread)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from .arena import ArenaReader
+from .batcher import BatchLimits, Batcher, Ticket
+from .config import Settings
+from .engine import EncodeJob, Engine
+from .errors import KeyConflict, Overloaded, ServiceError
+from .images import PreparedImage
+from .ipc import EngineServer, error_to_wire, item_to_wire
+from .loader import LoadedModel, load_model
+from .metrics import Metrics
+from .store import EmbeddingStore, validate_key
+
+log = logging.getLogger(__name__)
+
+
+def build_store(settings: Settings, model: LoadedModel) -> EmbeddingStore:
+    return EmbeddingStore(
+        settings.store, settings.store_capacity_bytes, model_id=model.model_id,
+        out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
+        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
+        exclusive=True, group=settings.store_group,
+    )
+
+
+def build_batcher(settings: Settings) -> Batcher:
+    return Batcher(BatchLimits(
+        max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
+        max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
+    ))
+
+
+def key_salt(model: LoadedModel) -> str:
+    """Part of every content-hash key: the same bytes under another model or preprocessing are another key."""
+    return f"{model.model_id}|{model.params}|{model.dtype}"
+
+
+class _Conn:
+    def __init__(self, send):
+        self.send = send
+        self.tickets: dict[int, Ticket] = {}
+        self.grants: set[int] = set()
+        self.open = True
+
+
+class EngineHost:
+    """What the engine does for each message (ipc.py lists them). Runs on the ipc thread; never blocks."""
+
+    def __init__(self, settings: Settings, model: LoadedModel, store: EmbeddingStore, batcher: Batcher,
+                 engine: Engine, metrics: Metrics):
+        self.settings, self.model, self.store, self.batcher, self.engine, self.metrics = (
+            settings, model, store, batcher, engine, metrics)
+        self.reader = ArenaReader()
+        self.server: EngineServer | None = None
+        self.granted = 0  # claims answered "decode" and not yet submitted or cancelled
+        self.ready = threading.Event()
+        self.startup: dict[str, float] = {}
+
+    # ---- connections ---------------------------------------------------------------------------
+    def connected(self, send) -> _Conn:
+        return _Conn(send)
+
+    def disconnected(self, conn: _Conn) -> None:
+        """The API process closed (or died): its waiters are gone, its grants given back."""
+        conn.open = False
+        for t in conn.tickets.values():
+            t.cancel()
+        conn.tickets.clear()
+        self.granted -= len(conn.grants)
+        conn.grants.clear()
+
+    def _post(self, conn: _Conn, msg: list) -> None:
+        """Send from any thread (the writer resolves futures): hop onto the ipc loop first."""
+        self.server.post(lambda: conn.send(msg) if conn.open else None)
+
+    # ---- messages ------------------------------------------------------------------------------
+    def handle(self, conn: _Conn, msg: list) -> None:
+        kind, rid = msg[0], msg[1]
+        try:
+            if kind == "claim":
+                self._claim(conn, rid, msg[2], msg[3])
+            elif kind == "submit":
+                self._submit(conn, rid, *msg[2:])
+            elif kind == "cancel":
+                t = conn.tickets.pop(rid, None)
+                if t is not None:
+                    t.cancel()
+                if rid in conn.grants:
+                    conn.grants.discard(rid)
+                    self.granted -= 1
+            elif kind == "status":
+                conn.send(["status", rid, self.status()])
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except ServiceError as e:
+            conn.send(["error", rid, *error_to_wire(e)])
+
+    def _claim(self, conn: _Conn, rid: int, key: str, sha: str) -> None:
+        validate_key(key)
+        hit = self.store.lookup(key)
+        if hit is not None and hit.content_sha256 is not None:  # an entry without a recorded hash: encode again
+            if hit.content_sha256 != sha:
+                raise KeyConflict("in the store")
+            self.metrics.cache_hits.inc()
+            conn.send(["hit", rid, item_to_wire(hit)])
+            return
+        joined = self.batcher.join(key)  # an identical image already queued or running: no decode
+        if joined is not None:
+            if joined.payload.content_sha256 != sha:
+                joined.cancel()
+                raise KeyConflict("being encoded for another request")
+            self._wait(conn, rid, joined)
+            conn.send(["joined", rid])
+            return
+        # Admission before decode: a grant holds a queue place until its submit.
+        depth = self.batcher.queue_depth() + self.granted
+        if depth >= self.settings.max_queue_images:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"encode queue is full ({depth} images waiting or being decoded, limit "
+                             f"{self.settings.max_queue_images}); retry in about 1s", retry_after_s=1)
+        conn.grants.add(rid)
+        self.granted += 1
+        conn.send(["decode", rid])
+
+    def _submit(self, conn: _Conn, rid: int, grant: int, key: str, sha: str, segment: str, offset: int,
+                nbytes: int, h: int, w: int, grid: list[int], tokens: int) -> None:
+        if grant in conn.grants:
+            conn.grants.discard(grant)
+            self.granted -= 1
+        cell = ["cell_free", segment, offset, nbytes]
+        try:
+            validate_key(key)
+            t_, gh, gw = grid
+            if nbytes != h * w * 3 or h <= 0 or w <= 0 or tokens * self.model.spec.merge_size**2 != t_ * gh * gw:
+                raise ValueError(f"submit of {key}: inconsistent geometry {h}x{w}, {nbytes} bytes, grid {grid}")
+            pixels = self.reader.view(segment, offset, nbytes).reshape(h, w, 3)
+            image = PreparedImage(pixels=pixels, grid_thw=(t_, gh, gw), num_patches=t_ * gh * gw, num_tokens=tokens,
+                                  orig_size=(w, h))
+            ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens)
+        except Exception:
+            conn.send(cell)
+            raise
+        if ticket.coalesced:  # joined an item queued meanwhile: our pixels are not needed
+            conn.send(cell)
+            if ticket.payload.content_sha256 != sha:
+                ticket.cancel()
+                raise KeyConflict("being encoded for another request")
+        else:
+            # The cell is read when its step is staged; the item's own future is done only after that
+            # (finished) or when it was dropped unstaged. Either way nothing reads the cell again.
+            ticket.work_future.add_done_callback(lambda _f: self._post(conn, cell))
+        self._wait(conn, rid, ticket)
+        conn.send(["queued", rid])
+
+    def _wait(self, conn: _Conn, rid: int, ticket: Ticket) -> None:
+        conn.tickets[rid] = ticket
+
+        def done(f):
+            def answer():
+                if conn.tickets.pop(rid, None) is None or not conn.open or f.cancelled():
+                    return
+                exc = f.exception()
+                conn.send(["error", rid, *error_to_wire(exc)] if exc is not None else ["result", rid, item_to_wire(f.result())])
+            self.server.post(answer)
+
+        ticket.future.add_done_callback(done)
+
+    def status(self) -> dict:
+        m = self.model
+        return {"ready": self.ready.is_set(), "alive": self.engine.alive() or not self.ready.is_set(),
+                "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
+                "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
+                "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
+                "cuda_graphs": len(self.engine.buckets or []), "startup_s": self.startup,
+                "key_salt": key_salt(m), "params": list(_params_tuple(m)), "pid": os.getpid()}
+
+
+def _params_tuple(model: LoadedModel) -> tuple:
+    from dataclasses import astuple
+
+    return astuple(model.params)
+
+
+def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid: int) -> None:
+    """Entry point of the engine process (spawned by the supervisor)."""
+    from .supervisor import child_setup
+
+    child_setup(parent_pid, log_level, "engine")
+    t0 = time.perf_counter()
+    model = load_model(settings)
+    metrics = Metrics()
+    store = build_store(settings, model)
+    batcher = build_batcher(settings)
+    engine = Engine(model, store, batcher, settings, metrics)
+    host = EngineHost(settings, model, store, batcher, engine, metrics)
+    host.startup = {"load_s": model.load_s, **engine.startup}
+    host.server = server = EngineServer(socket_path, host)
+    server.start()  # the API processes connect now; /ready says 503 until the warm-up below is done
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if settings.warmup:
+        from .app import _warmup_image
+
+        engine.encode_sync([_warmup_image(model)])
+    engine.start()
+    host.startup["total_s"] = round(time.perf_counter() - t0 + model.load_s, 2)
+    host.ready.set()
+    log.info("engine ready: %s on %s (%s); start-up %s", model.model_id, model.device, model.dtype,
+             ", ".join(f"{k} {v}" for k, v in host.startup.items()))
+    while not stop.wait(0.5):
+        if not engine.alive():
+            log.error("the step loop died; the engine exits")
+            os._exit(1)
+    # Drain: no new work, the queued steps finish and are written, then the store is released.
+    batcher.close()
+    engine.join(60)
+    server.stop()
+    store.close()
+    log.info("engine stopped")

@@ -1,0 +1,178 @@
+"""`serve --api-processes N` (N >= 1): the supervisor. It binds the port once, starts one engine
+process (enginep.py) and N API processes serving the FastAPI app on the shared socket, and watches them.
+
+    supervisor ──spawn──> engine process   (model, batcher, step loop, store writer; Unix socket)
+              └─spawn──> API process 0..N-1 (HTTP, decode threads, a shared-memory pixel arena each)
+
+What happens when a process dies:
+  * an API process: its requests fail (their clients see the connection close), its arena segment is
+    unlinked, and it is started again; the other API processes go on.
+  * the engine: every API process answers /health 503 and new encodes 503 at once; the supervisor
+    then stops the API processes and exits with status 1 (a process manager or container restart
+    policy starts the service again; the store's entries survive a restart).
+  * the supervisor, even by SIGKILL: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
+    drains; the arena segments go with their processes.
+SIGTERM / SIGINT to the supervisor drains: the API processes finish their open requests first, then
+the engine finishes its queued steps and releases the store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .arena import leaked_segments, segment_name, unlink_segment
+from .config import Settings
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def child_setup(parent_pid: int, log_level: str, role: str) -> None:
+    """In every child: die with the supervisor (SIGKILL of it included), log like it."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def default_api_processes() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before anything is loaded: a port in use fails at once, with one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_socket: str,
+             log_level: str, parent_pid: int) -> None:
+    """Entry point of an API process."""
+    child_setup(parent_pid, log_level, f"api{index}")
+    import uvicorn
+
+    from .app import RemoteEngine, create_app
+
+    sys.setswitchinterval(0.001)
+    app = create_app(settings, remote=RemoteEngine(engine_socket, arena_name, settings.arena_bytes))
+    extra = {}
+    try:
+        import httptools  # noqa: F401  (faster HTTP parsing than h11, when installed)
+
+        extra["http"] = "httptools"
+    except ImportError:
+        pass
+    try:
+        import uvloop  # noqa: F401
+
+        extra["loop"] = "uvloop"
+    except ImportError:
+        pass
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=60, **extra)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, log_level: str):
+        self.settings, self.log_level = settings, log_level
+        self.n_api = settings.api_processes if settings.api_processes > 0 else default_api_processes()
+        self.ctx = multiprocessing.get_context("spawn")
+        self.pid = os.getpid()
+        self.rundir = tempfile.mkdtemp(prefix="qve-run-")  # 0700: only this user can reach the engine
+        self.engine_socket = str(Path(self.rundir) / "engine.sock")
+        self.generation = [0] * self.n_api
+        self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
+        self.engine: multiprocessing.Process | None = None
+        self.stopping = False
+
+    def _start_api(self, i: int) -> None:
+        self.generation[i] += 1
+        name = segment_name(self.pid, i, self.generation[i])
+        p = self.ctx.Process(target=api_main, name=f"qve-api{i}",
+                             args=(self.settings, self.sock, i, name, self.engine_socket, self.log_level, self.pid))
+        p.start()
+        self.apis[i] = p
+
+    def run(self) -> int:
+        from .enginep import engine_main
+
+        try:
+            self.sock = bind(self.settings.host, self.settings.port)
+        except OSError as e:
+            print(f"cannot listen on {self.settings.host}:{self.settings.port}: {e.strerror}", file=sys.stderr)
+            return 2
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        log.info("supervisor %d: http://%s:%d, %d API processes + 1 engine (%s)", self.pid, self.settings.host,
+                 self.sock.getsockname()[1], self.n_api, self.settings.device)
+        self.engine = self.ctx.Process(target=engine_main, name="qve-engine",
+                                       args=(self.settings, self.engine_socket, self.log_level, self.pid))
+        self.engine.start()
+        for i in range(self.n_api):
+            self._start_api(i)
+        code = 0
+        while not self.stopping:
+            time.sleep(0.1)
+            if not self.engine.is_alive():
+                log.error("the engine process exited (status %s): the API processes answer 503; stopping the "
+                          "service with status 1", self.engine.exitcode)
+                time.sleep(self.settings.engine_exit_grace_s)  # /health says 503 meanwhile
+                code = 1
+                break
+            for i, p in enumerate(self.apis):
+                if p is not None and not p.is_alive() and not self.stopping:
+                    log.error("API process %d exited (status %s); starting it again", i, p.exitcode)
+                    self._unlink_segment(i)
+                    self._start_api(i)
+        self._stop()
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _unlink_segment(self, i: int) -> None:
+        unlink_segment(segment_name(self.pid, i, self.generation[i]))
+
+    def _stop(self) -> None:
+        """Drain: API processes first (they finish their open requests), then the engine."""
+        for p in self.apis:
+            if p is not None and p.is_alive():
+                p.terminate()
+        for p in self.apis:
+            if p is not None:
+                p.join(70)
+                if p.is_alive():
+                    p.kill()
+        if self.engine is not None and self.engine.is_alive():
+            self.engine.terminate()
+            self.engine.join(90)
+            if self.engine.is_alive():
+                self.engine.kill()
+        for i in range(self.n_api):
+            self._unlink_segment(i)
+        for name in leaked_segments(self.pid):
+            log.warning("removing leftover shared-memory segment %s", name)
+            unlink_segment(name)
+        Path(self.engine_socket).unlink(missing_ok=True)
+        os.rmdir(self.rundir)
+        self.sock.close()
+
+
+def serve_supervised(settings: Settings, log_level: str) -> int:
+    return Supervisor(settings, log_level).run()

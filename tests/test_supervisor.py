@@ -1,0 +1,150 @@
+"""`serve --api-processes N`: a supervisor, N API processes on one socket and an engine process, as
+real processes. Embeddings as exact as the single-process service; a dead process is handled as
+documented in service/supervisor.py; nothing is left behind (processes, arena cells, segments)."""
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from service.arena import leaked_segments
+from service.store import read_embeddings
+from tests import imagedata as data
+from tests.live import json_body
+from tests.test_server import Server, reference, two_image_client  # noqa: F401  (reference: a fixture)
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def ready_info(server) -> dict:
+    return httpx.get(server.url + "/ready", timeout=5).json()
+
+
+def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tmp_path, tiny_checkpoint, reference):
+    store = tmp_path / "store"
+    server = Server(tiny_checkpoint, store, "--api-processes", "2", "--max-wait-ms", "20")
+    sup = server.proc.pid
+    try:
+        assert server.listening_addresses() == {"0100007F"}  # the supervisor's socket: 127.0.0.1 only
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
+        for names, r in results:
+            assert r.status_code == 200, r.text
+            for name, item in zip(names, r.json()["items"]):
+                grid, ref = reference[name]
+                stored = read_embeddings(store, item["key"])
+                ec = torch.cat([stored.main, *stored.deepstack], dim=1)
+                assert item["grid_thw"] == list(stored.grid_thw) == grid, name
+                assert (ec - ref).abs().max().item() <= 1e-5, name
+        # Both API processes served (one socket, the kernel spreads the connections).
+        pids = {httpx.get(server.url + "/ready", timeout=5, headers={"Connection": "close"}).json()["api_pid"]
+                for _ in range(40)}
+        assert len(pids) == 2, pids
+
+        # Many small requests: afterwards no arena cell is still held.
+        n = int(os.environ.get("QVE_TEST_SUPERVISOR_REQUESTS", "1000"))
+        tiny = [data.encode(data.textured_rgb(64, 64, seed=10_000 + i), "PNG") for i in range(n)]
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(lambda b: httpx.post(server.url + "/encode", json=json_body(b), timeout=120).status_code,
+                                  tiny))
+        assert codes.count(200) == n
+        children = descendants(sup)
+        assert len(leaked_segments(sup)) == 2  # one arena per API process, nothing more
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert log.count("bytes in use at exit") == 2 and "0 bytes in use at exit" in log, log[-3000:]
+    assert all("pixel arena" not in line or line.endswith(" 0 bytes in use at exit")
+               for line in log.splitlines()), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert leaked_segments(sup) == []
+    wait_for(lambda: not any(alive(p) for p in children), 10, "children exit with the supervisor")
+
+
+def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, tiny_checkpoint):
+    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
+    try:
+        info = ready_info(server)
+        victim, engine = info["api_pid"], info["engine_pid"]
+        os.kill(victim, signal.SIGKILL)
+        # The others go on at once; the victim's place is taken by a new process.
+        ok = 0
+        for i in range(20):
+            try:
+                r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=i), "PNG")),
+                               timeout=60, headers={"Connection": "close"})
+                ok += r.status_code == 200
+            except httpx.TransportError:
+                pass  # a connection the dying process had accepted
+        assert ok >= 18
+        wait_for(lambda: len({ready_info(server)["api_pid"] for _ in range(10)} - {victim}) == 2, 60,
+                 "a new API process serves")
+        assert ready_info(server)["engine_pid"] == engine and alive(engine)
+        assert "API process" in server.log.read_text() and "starting it again" in server.log.read_text()
+    finally:
+        server.stop()
+    assert leaked_segments(server.proc.pid) == []
+
+
+def test_sigkill_of_the_engine_turns_health_503_and_the_supervisor_exits_1(tmp_path, tiny_checkpoint):
+    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2", "--engine-exit-grace-s", "5")
+    try:
+        engine = ready_info(server)["engine_pid"]
+        os.kill(engine, signal.SIGKILL)
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 5, "/health 503")
+        r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=1), "PNG")),
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert server.proc.wait(30) == 1
+        assert "the engine process exited" in server.log.read_text()
+    finally:
+        server.stop()
+    assert leaked_segments(server.proc.pid) == []
+
+
+def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint):
+    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
+    sup = server.proc.pid
+    children = descendants(sup)
+    assert len(children) >= 3  # engine + 2 API processes (+ multiprocessing's resource tracker)
+    os.kill(sup, signal.SIGKILL)
+    server.proc.wait(10)
+    wait_for(lambda: not any(alive(p) for p in children), 15, "every child gone after the supervisor's SIGKILL")
+    wait_for(lambda: leaked_segments(sup) == [], 10, "the arenas' segments removed")
