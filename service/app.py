@@ -34,11 +34,11 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
-from .batcher import BatchLimits, Batcher, Ticket
+from .batcher import Ticket
 from .config import ImageLimits, Settings
 from .engine import EncodeJob, Engine
+from .enginep import build_batcher, build_store, key_salt, model_info
 from .errors import (
-    Unavailable,
     BackendError,
     BadRequest,
     EmptyImage,
@@ -49,13 +49,14 @@ from .errors import (
     Overloaded,
     ServiceError,
     Unauthorized,
+    Unavailable,
     error_body,
     http_status,
 )
 from .images import PreparedImage, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
-from .store import CONTENT_KEY_PREFIX, EmbeddingStore, StoredItem, validate_key
+from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +105,8 @@ class Runtime:
         self.created_at = time.perf_counter()
         self.settings, self.model = settings, model
         self.metrics = Metrics()
-        self.store = EmbeddingStore(
-            settings.store, settings.store_capacity_bytes, model_id=model.model_id,
-            out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-            dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
-            exclusive=True, group=settings.store_group,
-        )
-        self.batcher = Batcher(BatchLimits(
-            max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
-            max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
-        ))
+        self.store = build_store(settings, model)
+        self.batcher = build_batcher(settings)
         self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
         # Seconds per start-up phase: load, compile, graph capture (in Engine), warm-up (in start()).
         self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.startup}
@@ -126,8 +119,7 @@ class Runtime:
         self.ready = threading.Event()
         self.started = False
         self.warmup_failed = False
-        # Part of every content-hash key: the same bytes under another model or preprocessing are another key.
-        self.key_salt = f"{model.model_id}|{model.params}|{model.dtype}".encode()
+        self.key_salt = key_salt(model).encode()
 
     def start(self) -> None:
         def warm_then_run():
@@ -190,7 +182,7 @@ class RemoteRuntime:
         from .arena import Arena
         from .ipc import EngineClient
 
-        self.settings, self.remote = settings, remote
+        self.settings = settings
         self.metrics = Metrics()
         self.arena = Arena(remote.arena_name, remote.arena_bytes)
         self.client = EngineClient(remote.socket_path, self._cell_free)
@@ -217,7 +209,7 @@ class RemoteRuntime:
                 self.params = PreprocessParams(*[tuple(x) if isinstance(x, list) else x for x in info["params"]])
                 self.key_salt = info["key_salt"].encode()
             self.info = info
-            if info["ready"]:
+            if info["info"]["ready"]:
                 break
             await asyncio.sleep(0.2)
         self.engine_lost = not self.client.connected
@@ -228,7 +220,7 @@ class RemoteRuntime:
 
     @property
     def ready(self) -> bool:
-        return bool(self.info and self.info["ready"] and self.client.connected)
+        return bool(self.info and self.info["info"]["ready"] and self.client.connected)
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -305,7 +297,7 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
             for off, n in cells:
                 rt.arena.free(off, n)
             raise
-        for n_done, ((key, (gid, i)), (prep, off)) in enumerate(zip(list(grants.items()), prepared)):
+        for (key, (gid, i)), (prep, off) in zip(list(grants.items()), prepared):
             h, w = prep.pixels.shape[:2]
             try:
                 waits[key] = (*await rt.client.submit(gid, key, shas[i], rt.arena.name, off, prep.pixels.nbytes, h, w,
@@ -622,15 +614,10 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
                 info = await rt.client.status()
             except ServiceError:
                 return JSONResponse({"ready": False}, status_code=503)
-            return {**{k: v for k, v in info.items() if k not in ("key_salt", "params", "alive", "pid")},
-                    "engine_pid": info["pid"], "api_pid": os.getpid()}
+            return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid()}
         if not rt.ready.is_set():
             return JSONResponse({"ready": False}, status_code=503)
-        m = rt.model
-        return {"ready": True, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
-                "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
-                "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
-                "cuda_graphs": len(rt.engine.buckets or []), "startup_s": rt.startup}
+        return model_info(rt.model, rt.engine, rt.startup, ready=True)
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -24,6 +24,10 @@ SHM_DIR = "/dev/shm"
 ALIGN = 64  # bytes; cells start on cache-line boundaries
 
 
+def _cell_size(nbytes: int) -> int:
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
 class ArenaFull(Exception):
     """No free cell large enough right now (the engine still holds the others)."""
 
@@ -52,7 +56,7 @@ class Arena:
 
     def alloc(self, nbytes: int) -> int:
         """Offset of a new cell of at least `nbytes`. Raises ArenaFull."""
-        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        need = _cell_size(nbytes)
         with self._lock:
             for i, (off, size) in enumerate(self._free):
                 if size >= need:
@@ -65,7 +69,7 @@ class Arena:
         raise ArenaFull(f"no free {need}-byte cell in the {self.size}-byte pixel arena ({self.used} in use)")
 
     def free(self, off: int, nbytes: int) -> None:
-        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        need = _cell_size(nbytes)
         with self._lock:
             i = bisect.bisect_left(self._free, (off, 0))
             assert (i == 0 or sum(self._free[i - 1]) <= off) and (i == len(self._free) or off + need <= self._free[i][0]), \

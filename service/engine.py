@@ -350,9 +350,12 @@ class Engine:
             offs = job.token_offsets
             # Reserve every entry's file while the device still computes: allocating tmpfs pages is
             # most of a store write's cost, and here it overlaps the tower instead of following it.
-            shape = lambda i: (offs[i + 1] - offs[i], job.host_out.shape[1])  # noqa: E731
-            reserve = lambda i: self._reserve(job.items[i], shape(i), job.host_out.dtype, job.grids[i])  # noqa: E731
-            held = [reserve(0)] if n == 1 else list(self._put_pool.map(reserve, range(n)))
+            shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
+            dtypes = [job.host_out.dtype] * n
+            if n == 1:
+                held = [self._reserve(job.items[0], shapes[0], dtypes[0], job.grids[0])]
+            else:
+                held = list(self._put_pool.map(self._reserve, job.items, shapes, dtypes, job.grids))
             try:
                 if job.done is not None:
                     job.done.synchronize()  # the writer's one device wait: this step's D2H copy

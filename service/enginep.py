@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import astuple
 
 from .arena import ArenaReader
 from .batcher import BatchLimits, Batcher, Ticket
@@ -47,6 +48,15 @@ def build_batcher(settings: Settings) -> Batcher:
 def key_salt(model: LoadedModel) -> str:
     """Part of every content-hash key: the same bytes under another model or preprocessing are another key."""
     return f"{model.model_id}|{model.params}|{model.dtype}"
+
+
+def model_info(model: LoadedModel, engine: Engine, startup: dict, ready: bool) -> dict:
+    """What /ready answers about the model and its engine (single process and engine process alike)."""
+    m = model
+    return {"ready": ready, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
+            "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
+            "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
+            "cuda_graphs": len(engine.buckets or []), "startup_s": startup}
 
 
 class _Conn:
@@ -107,6 +117,9 @@ class EngineHost:
             else:
                 raise ValueError(f"unknown message {kind!r}")
         except ServiceError as e:
+            conn.send(["error", rid, *error_to_wire(e)])
+        except Exception as e:  # a bug or a malformed message: fail that request, keep the connection
+            log.exception("engine: %s message %s failed", kind, rid)
             conn.send(["error", rid, *error_to_wire(e)])
 
     def _claim(self, conn: _Conn, rid: int, key: str, sha: str) -> None:
@@ -180,19 +193,9 @@ class EngineHost:
         ticket.future.add_done_callback(done)
 
     def status(self) -> dict:
-        m = self.model
-        return {"ready": self.ready.is_set(), "alive": self.engine.alive() or not self.ready.is_set(),
-                "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
-                "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
-                "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
-                "cuda_graphs": len(self.engine.buckets or []), "startup_s": self.startup,
-                "key_salt": key_salt(m), "params": list(_params_tuple(m)), "pid": os.getpid()}
-
-
-def _params_tuple(model: LoadedModel) -> tuple:
-    from dataclasses import astuple
-
-    return astuple(model.params)
+        """/ready's answer ("info"), and what an API process needs to key and preprocess images itself."""
+        return {"info": model_info(self.model, self.engine, self.startup, self.ready.is_set()),
+                "key_salt": key_salt(self.model), "params": list(astuple(self.model.params)), "pid": os.getpid()}
 
 
 def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid: int) -> None:
