@@ -30,7 +30,6 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
@@ -59,6 +58,11 @@ from .metrics import Metrics
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
 log = logging.getLogger(__name__)
+
+try:  # ~30x faster than the standard library's, and it holds the GIL for far less (FACTS: 8 vs 249 us a JPEG)
+    from pybase64 import b64decode as _b64decode
+except ImportError:  # pragma: no cover - an install without the optional speed-up
+    _b64decode = base64.b64decode
 
 
 # ---- request / response schemas (OpenAI content-part shape) ---------------------------------------
@@ -156,13 +160,6 @@ class Runtime:
         await self.http.aclose()
         self.store.close()  # the writer is done: release the root for a later service
 
-    def update_gauges(self) -> None:
-        self.metrics.queue_depth.set(self.batcher.queue_depth())
-        self.metrics.in_flight.set(self.batcher.in_flight())
-        self.metrics.store_bytes.set(self.store.bytes_used)
-        self.metrics.store_items.set(len(self.store))
-        self.metrics.store_evictions.set(self.store.evictions)
-        self.metrics.dropped.set(self.batcher.stats.dropped)
 
 
 @dataclass
@@ -269,44 +266,58 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
         for gid, _ in grants.values():
             rt.client.cancel(gid)
 
-    try:
-        for i, key in enumerate(keys):
-            if key in answers or key in waits or key in grants:
-                continue
-            try:
-                kind, val = await rt.client.claim(key, shas[i])
-            except KeyConflict as e:
-                raise conflict(i, e.message) from None
-            if kind == "hit":
-                answers[key] = _item(val, cached=True)
-                rt.metrics.images.labels(outcome="cached").inc()
-            elif kind == "joined":
-                waits[key] = (*val, True)
-            else:
-                grants[key] = (val, i)
-        loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data) for _, i in grants.values()),
-            return_exceptions=True)
-        cells = [(p[1], p[0].pixels.nbytes) for p in prepared if not isinstance(p, BaseException)]
+    loop = asyncio.get_running_loop()
+
+    async def decode_and_submit(key: str, gid: int, i: int) -> None:
         try:
-            for (_, i), p in zip(grants.values(), prepared):
-                if isinstance(p, BaseException):
-                    raise _decode_failure(inputs, i, p)
-        except ServiceError:
-            for off, n in cells:
-                rt.arena.free(off, n)
+            prep, off = await loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
+        except Exception as p:
+            raise _decode_failure(inputs, i, p) from p
+        h, w = prep.pixels.shape[:2]
+        try:
+            rid, fut = await rt.client.submit(gid, key, shas[i], rt.arena.name, off, prep.pixels.nbytes, h, w,
+                                              prep.grid_thw, prep.num_tokens)
+        except KeyConflict as e:
+            raise conflict(i, e.message) from None
+        except Unavailable:
+            if not rt.client.connected:  # never reached an engine: nothing else will free the cell
+                rt.arena.free(off, prep.pixels.nbytes)
             raise
-        for (key, (gid, i)), (prep, off) in zip(list(grants.items()), prepared):
-            h, w = prep.pixels.shape[:2]
-            try:
-                waits[key] = (*await rt.client.submit(gid, key, shas[i], rt.arena.name, off, prep.pixels.nbytes, h, w,
-                                                      prep.grid_thw, prep.num_tokens), False)
-            except KeyConflict as e:
-                raise conflict(i, e.message) from None
-            finally:
-                del grants[key]
-    except ServiceError:
+        finally:
+            del grants[key]  # a submit uses its grant up, answered or not
+        waits[key] = (rid, fut, False)
+
+    def first_error(outcomes: list) -> BaseException | None:
+        return next((o for o in outcomes if isinstance(o, BaseException)), None)
+
+    try:
+        # One claim per distinct key, all in flight at once (a round trip each, not one after another).
+        firsts: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            firsts.setdefault(key, i)
+        claims = await asyncio.gather(*(rt.client.claim(k, shas[i]) for k, i in firsts.items()), return_exceptions=True)
+        for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
+            if isinstance(c, KeyConflict):
+                claims[j] = conflict(i, c.message)
+            elif isinstance(c, BaseException):
+                continue
+            else:
+                kind, val = c
+                if kind == "hit":
+                    answers[key] = _item(val, cached=True)
+                    rt.metrics.images.labels(outcome="cached").inc()
+                elif kind == "joined":
+                    waits[key] = (*val, True)
+                else:
+                    grants[key] = (val, i)
+        if (err := first_error(claims)) is not None:
+            raise err
+        # Each image is submitted as soon as it is decoded.
+        done = await asyncio.gather(*(decode_and_submit(k, gid, i) for k, (gid, i) in list(grants.items())),
+                                    return_exceptions=True)
+        if (err := first_error(done)) is not None:
+            raise err
+    except BaseException:
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
     futures = [fut for _, fut, _ in waits.values()]
@@ -363,7 +374,7 @@ def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise _at(ImageTooLarge(f"images[{index}] is over the limit of {max_bytes} bytes"), index)
     try:
-        return base64.b64decode(payload, validate=True)
+        return _b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
 
@@ -625,10 +636,16 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             authorize(request)
         rt = request.app.state.rt
         if remote is None:
-            rt.update_gauges()
-        else:
-            rt.metrics.arena_bytes.set(rt.arena.used)
-        return PlainTextResponse(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            rt.metrics.update_gauges(rt.batcher, rt.store)
+            return PlainTextResponse(rt.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # This API process's request counters, then the engine's (steps, queue, store).
+        rt.metrics.arena_bytes.set(rt.arena.used)
+        text = rt.metrics.exposition(api_side=True).decode()
+        try:
+            text += await rt.client.metrics()
+        except ServiceError:
+            pass  # the engine is gone: /health says so; the request counters are still worth reading
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

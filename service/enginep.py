@@ -114,6 +114,9 @@ class EngineHost:
                     self.granted -= 1
             elif kind == "status":
                 conn.send(["status", rid, self.status()])
+            elif kind == "metrics":
+                self.metrics.update_gauges(self.batcher, self.store)
+                conn.send(["metrics", rid, self.metrics.exposition(api_side=False).decode()])
             else:
                 raise ValueError(f"unknown message {kind!r}")
         except ServiceError as e:
@@ -141,8 +144,7 @@ class EngineHost:
             return
         # Admission before decode: a grant holds a queue place until its submit.
         depth = self.batcher.queue_depth() + self.granted
-        if depth >= self.settings.max_queue_images:
-            self.metrics.rejected.inc()
+        if depth >= self.settings.max_queue_images:  # counted as rejected by the API process that answers 429
             raise Overloaded(f"encode queue is full ({depth} images waiting or being decoded, limit "
                              f"{self.settings.max_queue_images}); retry in about 1s", retry_after_s=1)
         conn.grants.add(rid)
@@ -203,6 +205,11 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     from .supervisor import child_setup
 
     child_setup(parent_pid, log_level, "engine")
+    import sys
+
+    # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
+    # share the GIL; a 1 ms switch interval keeps each hand-off short.
+    sys.setswitchinterval(0.001)
     t0 = time.perf_counter()
     model = load_model(settings)
     metrics = Metrics()

@@ -9,6 +9,7 @@ Frames: a 4-byte little-endian length, then a msgpack list whose first element n
       offset, nbytes, h, w, grid_thw, tokens]         ["result", id, item] | ["error", ...]
     ["cancel", id]  (a claim's grant or a wait)     (nothing; the waiter has gone)
     ["status", id]                                  ["status", id, {...}]
+    ["metrics", id]                                 ["metrics", id, prometheus text]
                                                     ["cell_free", segment, offset, nbytes]
 
 A claim is admission before decode: "decode" is a grant of one queue place, held until the submit
@@ -216,6 +217,11 @@ class EngineClient:
     async def status(self) -> dict:
         rid = next(self._ids)
         return (await self._ask(["status", rid], rid, keep_result=False))[0][2]
+
+    async def metrics(self) -> str:
+        """The engine's Prometheus text (steps, queue, store)."""
+        rid = next(self._ids)
+        return (await self._ask(["metrics", rid], rid, keep_result=False))[0][2]
 
     async def close(self) -> None:
         if self._writer is not None:

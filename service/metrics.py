@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# In a supervised service (--api-processes) the API processes own these families and the engine
+# process the others, so /metrics joins two texts that never repeat a series.
+API_FAMILIES = frozenset({"qve_requests", "qve_images", "qve_rejected", "qve_encode_latency_seconds",
+                          "qve_arena_bytes_in_use"})
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -39,3 +44,19 @@ class Metrics:
         self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (API process; "
                                  "0 in a single-process service)", registry=r)
         self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)
+
+    def exposition(self, api_side: bool | None = None) -> bytes:
+        """Prometheus text of every family, or of one side of a supervised service (see API_FAMILIES)."""
+        if api_side is None:
+            return generate_latest(self.registry)
+        names = [s.name for mf in self.registry.collect() if (mf.name in API_FAMILIES) == api_side for s in mf.samples]
+        return generate_latest(self.registry.restricted_registry(names))
+
+    def update_gauges(self, batcher, store) -> None:
+        """Read the queue's and the store's state into their gauges (before an exposition)."""
+        self.queue_depth.set(batcher.queue_depth())
+        self.in_flight.set(batcher.in_flight())
+        self.store_bytes.set(store.bytes_used)
+        self.store_items.set(len(store))
+        self.store_evictions.set(store.evictions)
+        self.dropped.set(batcher.stats.dropped)

@@ -71,20 +71,9 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
 
     sys.setswitchinterval(0.001)
     app = create_app(settings, remote=RemoteEngine(engine_socket, arena_name, settings.arena_bytes))
-    extra = {}
-    try:
-        import httptools  # noqa: F401  (faster HTTP parsing than h11, when installed)
-
-        extra["http"] = "httptools"
-    except ImportError:
-        pass
-    try:
-        import uvloop  # noqa: F401
-
-        extra["loop"] = "uvloop"
-    except ImportError:
-        pass
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=60, **extra)
+    # uvicorn's "auto" picks httptools and uvloop (both dependencies): a request costs ~0.3 ms of CPU
+    # instead of ~0.5 with h11 and asyncio's loop.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=60)
     uvicorn.Server(config).run(sockets=[sock])
 
 

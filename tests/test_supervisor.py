@@ -14,8 +14,8 @@ import torch
 from service.arena import leaked_segments
 from service.store import read_embeddings
 from tests import imagedata as data
-from tests.live import json_body
-from tests.test_server import Server, reference, two_image_client  # noqa: F401  (reference: a fixture)
+from tests.live import json_body, metric
+from tests.test_server import IMAGES, Server, reference, two_image_client  # noqa: F401  (reference: a fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 
@@ -80,6 +80,16 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
                 ec = torch.cat([stored.main, *stored.deepstack], dim=1)
                 assert item["grid_thw"] == list(stored.grid_thw) == grid, name
                 assert (ec - ref).abs().max().item() <= 1e-5, name
+        # One /metrics: the answering API process's request counters and the engine's step and store ones,
+        # each family once (a valid exposition).
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        families = [f.name for f in text_string_to_metric_families(text)]
+        assert len(families) == len(set(families)), families
+        assert metric(text, "qve_store_items") == len(IMAGES)  # the engine's store: each distinct image once
+        assert metric(text, "qve_steps_total", 'result="ok"') >= 1
+        assert metric(text, "qve_requests_total", 'status="200"') >= 1  # this API process's share of the 32
         # Both API processes served (one socket, the kernel spreads the connections).
         pids: set[int] = set()
         wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 30, "both API processes answer")

@@ -1,0 +1,255 @@
+"""The HTTP front end against the step loop (issue 7), in one run on one machine:
+
+    python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8] [--images 4096]
+
+1. baseline: the step loop with pre-decoded 448px images (`bench_tower.py --sections loop`, own process)
+2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes):
+   start `python -m service serve`, then
+     idle   one distinct 448px JPEG at a time, 100 requests: p50 / p90 end to end
+     x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
+     x8     the same with 8 images per request, --clients x --conc8 connections
+   and stop it.
+Every image is distinct (no cache hits): pixels are a random gradient plus noise, JPEG quality 90
+(~50 KB, like a photo). Request bodies are built before the clock starts; the client processes send
+them over raw keep-alive HTTP/1.1 connections (a few microseconds each), so the server, not the load
+generator, is what is measured. Results: DIR/bench_frontend.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def jpeg_448(seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, 448, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, 448, dtype=np.float32)[None, :, None]
+    a, b, c = (rng.uniform(0, 255, 3).astype(np.float32) for _ in range(3))
+    img = a * (1 - x) * (1 - y) + b * x + c * y * (1 - x) + rng.normal(0, 12, (448, 448, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def body(blobs: list[bytes]) -> bytes:
+    parts = ",".join('{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,%s"}}'
+                     % base64.b64encode(b).decode() for b in blobs)
+    return ('{"images":[%s]}' % parts).encode()
+
+
+def request_bytes(port: int, payload: bytes) -> bytes:
+    return (b"POST /encode HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (port, len(payload))) + payload
+
+
+async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float]]:
+    todo = list(reversed(requests))
+    out: list[tuple[int, float]] = []
+
+    async def conn():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while todo:
+            req = todo.pop()
+            t0 = time.perf_counter()
+            writer.write(req)
+            status = int((await reader.readline()).split()[1])
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            out.append((status, time.perf_counter() - t0))
+        writer.close()
+
+    await asyncio.gather(*(conn() for _ in range(conc)))
+    return out
+
+
+def _client(port: int, requests: list[bytes], conc: int, barrier, q) -> None:
+    barrier.wait()
+    t0 = time.perf_counter()
+    res = asyncio.run(_send_all(port, requests, conc))
+    q.put((t0, time.perf_counter(), res))
+
+
+def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, conc: int) -> dict:
+    """Send every body once, spread over `clients` processes of `conc` connections each."""
+    ctx = mp.get_context("fork")
+    barrier, q = ctx.Barrier(clients), ctx.Queue()
+    reqs = [request_bytes(port, b) for b in bodies]
+    procs = [ctx.Process(target=_client, args=(port, reqs[i::clients], conc, barrier, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    parts = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    wall = max(p[1] for p in parts) - min(p[0] for p in parts)
+    res = [r for p in parts for r in p[2]]
+    ok = sorted(lat for st, lat in res if st == 200)
+    codes: dict[str, int] = {}
+    for st, _ in res:
+        codes[str(st)] = codes.get(str(st), 0) + 1
+    return {"requests": len(res), "images_per_request": images_per_request, "clients": clients, "connections": clients * conc,
+            "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1), "status": codes,
+            "p50_ms": round(1e3 * ok[len(ok) // 2], 2) if ok else None,
+            "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None}
+
+
+def step_counters(port: int) -> tuple[float, float]:
+    """(steps, images in steps) from /metrics (the engine's histogram of images per step)."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    val = lambda name: sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " "))  # noqa: E731,E741
+    return val("qve_step_images_count"), val("qve_step_images_sum")
+
+
+def idle(port: int, blobs: list[bytes]) -> dict:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port)
+    lat, codes = [], set()
+    for b in blobs:
+        payload = body([b])
+        t0 = time.perf_counter()
+        c.request("POST", "/encode", payload, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        r.read()
+        lat.append(time.perf_counter() - t0)
+        codes.add(r.status)
+    lat = sorted(lat[10:])
+    return {"n": len(lat), "p50_ms": round(1e3 * statistics.median(lat), 2),
+            "p90_ms": round(1e3 * lat[int(0.9 * len(lat))], 2), "status": sorted(codes)}
+
+
+def serve(args, mode: int, port: int, store: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--device", args.device,
+           "--store", str(store), "--port", str(port), "--store-capacity-bytes", str(args.store_bytes),
+           "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(mode),
+           "--compile-cache", str(args.compile_cache)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    import http.client
+
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/ready")
+            if c.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server (mode {mode}) not ready:\n{log.read_text()[-3000:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="qwen3-vl-4b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--modes", default="0,4,8", help="--api-processes values to run (0: one process)")
+    ap.add_argument("--images", type=int, default=4096, help="images per load phase")
+    ap.add_argument("--clients", type=int, default=4, help="load-generator processes")
+    ap.add_argument("--conc1", type=int, default=48, help="connections per client, 1 image per request")
+    ap.add_argument("--conc8", type=int, default=8, help="connections per client, 8 images per request")
+    ap.add_argument("--store-bytes", type=int, default=12 * 1024**3)
+    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.compile_cache = Path(tempfile.mkdtemp(prefix="qve-frontend-cc-"))
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+                 "cpus": os.cpu_count(), "python": platform.python_version(), "preset": args.preset, "modes": {}}
+    try:
+        import torch
+
+        res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except Exception:  # noqa: BLE001
+        res["gpu"] = "unknown"
+
+    def save():
+        (args.out / "bench_frontend.json").write_text(json.dumps(res, indent=2))
+
+    if args.baseline:
+        bt = args.out / "baseline"
+        subprocess.run([sys.executable, "bench/bench_tower.py", "--out", str(bt), "--preset", args.preset,
+                        "--sections", "loop"], cwd=ROOT, check=True, stdout=(args.out / "baseline.log").open("w"),
+                       stderr=subprocess.STDOUT)
+        tower = json.loads((bt / "bench_tower.json").read_text())
+        res["step_loop_img_s"] = tower["loop"][0]["img_s"]
+        res["step_loop_first_pass_img_s"] = tower["loop_first_pass_img_s"]
+        print("step loop, pre-decoded:", res["step_loop_img_s"], "img/s", flush=True)
+        save()
+
+    n = args.images
+    with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 2)) as pool:
+        for mi, mode in enumerate(int(m) for m in args.modes.split(",")):
+            base = 1_000_000 * (mi + 1)
+            blobs_idle = pool.map(jpeg_448, range(base, base + 110))
+            blobs1 = pool.map(jpeg_448, range(base + 1000, base + 1000 + n))
+            blobs8 = pool.map(jpeg_448, range(base + 500_000, base + 500_000 + n))
+            bodies1 = [body([b]) for b in blobs1]
+            bodies8 = [body(blobs8[i : i + 8]) for i in range(0, n - n % 8, 8)]
+            res["jpeg_kb_mean"] = round(sum(map(len, blobs1)) / len(blobs1) / 1024, 1)
+            port = 18300 + mi
+            store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+            proc = serve(args, mode, port, store / "s", args.out / f"server_mode{mode}.log")
+            try:
+                r = {"idle": idle(port, blobs_idle)}
+                print(f"mode {mode}: idle {r['idle']}", flush=True)
+                s0 = step_counters(port)
+                r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
+                s1 = step_counters(port)
+                r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)
+                print(f"mode {mode}: 1 img/request {r['x1']}", flush=True)
+                r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
+                s2 = step_counters(port)
+                r["x8"]["images_per_step"] = round((s2[1] - s1[1]) / max(1, s2[0] - s1[0]), 1)
+                print(f"mode {mode}: 8 img/request {r['x8']}", flush=True)
+                res["modes"][str(mode)] = r
+                save()
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                shutil.rmtree(store, ignore_errors=True)
+
+    loop = res.get("step_loop_img_s")
+    print(f"\n{res['date']}  {res['gpu']}  {res['cpus']} CPUs  preset {args.preset}  step loop {loop} img/s")
+    print("api processes | idle p50 ms | 1 img/req img/s (% loop) | 8 img/req img/s (% loop)")
+    for mode, r in res["modes"].items():
+        pct = lambda v: f"{100 * v / loop:.0f}%" if loop else "-"  # noqa: E731
+        print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | "
+              f"{r['x8']['img_s']:>8} ({pct(r['x8']['img_s'])})")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
