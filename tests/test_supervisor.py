@@ -89,7 +89,9 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
         assert len(families) == len(set(families)), families
         assert metric(text, "qve_store_items") == len(IMAGES)  # the engine's store: each distinct image once
         assert metric(text, "qve_steps_total", 'result="ok"') >= 1
-        assert metric(text, "qve_requests_total", 'status="200"') >= 1  # this API process's share of the 32
+        # The answering API process's own request families (its share of the 32 may be none: the kernel
+        # hands connections to either process).
+        assert {"qve_requests", "qve_encode_latency_seconds", "qve_arena_bytes_in_use"} <= set(families), families
         # Both API processes served (one socket, the kernel spreads the connections).
         pids: set[int] = set()
         wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 30, "both API processes answer")
