@@ -8,7 +8,6 @@ in one place (`errors.HTTP_STATUS`), as `{"error": {"code", "message", "index"?}
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import concurrent.futures
 import hashlib
@@ -27,6 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+import pybase64
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -58,11 +58,6 @@ from .metrics import Metrics
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
 log = logging.getLogger(__name__)
-
-try:  # ~30x faster than the standard library's, and it holds the GIL for far less (FACTS: 8 vs 249 us a JPEG)
-    from pybase64 import b64decode as _b64decode
-except ImportError:  # pragma: no cover - an install without the optional speed-up
-    _b64decode = base64.b64decode
 
 
 # ---- request / response schemas (OpenAI content-part shape) ---------------------------------------
@@ -159,7 +154,6 @@ class Runtime:
         await asyncio.to_thread(self.decoders.shutdown, wait=True, cancel_futures=True)
         await self.http.aclose()
         self.store.close()  # the writer is done: release the root for a later service
-
 
 
 @dataclass
@@ -272,7 +266,7 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
         try:
             prep, off = await loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
         except Exception as p:
-            raise _decode_failure(inputs, i, p) from p
+            raise _decode_failure(inputs, i, p)
         h, w = prep.pixels.shape[:2]
         try:
             rid, fut = await rt.client.submit(gid, key, shas[i], rt.arena.name, off, prep.pixels.nbytes, h, w,
@@ -374,7 +368,8 @@ def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise _at(ImageTooLarge(f"images[{index}] is over the limit of {max_bytes} bytes"), index)
     try:
-        return _b64decode(payload, validate=True)
+        # pybase64: ~30x the standard library's speed, so far less time holding the GIL (8 vs 249 us a JPEG)
+        return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
 
@@ -670,6 +665,7 @@ async def _keys_for(rt, inputs: list[_Input]) -> tuple[list[str], list[str]]:
 
 
 def _decode_failure(inputs: list[_Input], i: int, p: BaseException) -> ServiceError:
+    """The error to answer for image i whose decode raised `p` (raise it as it is: its cause is set)."""
     if isinstance(p, ImageError):
         if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
             p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
@@ -678,7 +674,9 @@ def _decode_failure(inputs: list[_Input], i: int, p: BaseException) -> ServiceEr
         return _at(p, i)
     if isinstance(p, ServiceError):
         return p
-    return BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")
+    err = BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")
+    err.__cause__ = p
+    return err
 
 
 async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
@@ -733,7 +731,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         )
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
-                raise _decode_failure(inputs, i, p) from p
+                raise _decode_failure(inputs, i, p)
 
         for (key, i), prep in zip(todo.items(), prepared):
             if not cache_hit(i):  # it may have landed while we decoded

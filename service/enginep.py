@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import astuple
@@ -205,8 +206,6 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     from .supervisor import child_setup
 
     child_setup(parent_pid, log_level, "engine")
-    import sys
-
     # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
     # share the GIL; a 1 ms switch interval keeps each hand-off short.
     sys.setswitchinterval(0.001)
