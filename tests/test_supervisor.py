@@ -103,6 +103,16 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
             codes = list(pool.map(lambda b: httpx.post(server.url + "/encode", json=json_body(b), timeout=120).status_code,
                                   tiny))
         assert codes.count(200) == n
+
+        # Bad input in a request beside good ones: a clear 4xx for it, the others answered, no cell kept.
+        good = data.encode(data.textured_rgb(96, 96, seed=424242), "PNG")
+        with ThreadPoolExecutor(8) as pool:
+            bad = pool.submit(httpx.post, server.url + "/encode", json=json_body(good, b"\x89PNG\r\n\x1a\n broken"),
+                              timeout=60)
+            fine = [pool.submit(httpx.post, server.url + "/encode", json=json_body(data.encode(
+                data.textured_rgb(96, 96, seed=424243 + k), "PNG")), timeout=60) for k in range(6)]
+            assert bad.result().status_code in (400, 422) and bad.result().json()["error"]["index"] == 1
+            assert [f.result().status_code for f in fine] == [200] * 6
         children = descendants(sup)
         assert len(leaked_segments(sup)) == 2  # one arena per API process, nothing more
     finally:
