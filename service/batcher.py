@@ -48,6 +48,10 @@ class BatchLimits:
     max_batch_images: int
     max_wait_s: float  # a batch closes at most this long after its oldest item was enqueued
     max_queue_images: int  # admission limit on unscheduled items; beyond it submit raises Overloaded
+    # Admission limit on the unscheduled items' output tokens (a token is 4 patches of 16x16 pixels, so
+    # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
+    # An item is always admitted into an empty queue, so no single image is refused for its size here.
+    max_queue_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens <= 0:
@@ -58,6 +62,8 @@ class BatchLimits:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.max_queue_images <= 0:
             raise ValueError(f"max_queue_images must be > 0, got {self.max_queue_images}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens <= 0:
+            raise ValueError(f"max_queue_tokens must be > 0, got {self.max_queue_tokens}")
 
 
 @dataclass(eq=False)  # identity semantics: payloads may be arrays, and two items are never "equal"
@@ -162,6 +168,7 @@ class Batcher:
         # - _queued is in enqueue order; OrderedDict gives FIFO plus O(1) removal on cancel.
         self._queued: OrderedDict[str, WorkItem] = OrderedDict()
         self._in_flight: dict[str, WorkItem] = {}
+        self._queued_tokens = 0  # sum of the queued items' tokens
         self._closed = False
         self._stats = BatcherStats()
 
@@ -182,7 +189,7 @@ class Batcher:
                 self._stats.coalesced += 1
                 ticket = Ticket(self, item, coalesced=True)
             else:
-                depth = len(self._queued)
+                depth, max_tokens = len(self._queued), self.limits.max_queue_tokens
                 if depth + 1 > self.limits.max_queue_images:
                     self._stats.rejected += 1
                     raise Overloaded(
@@ -190,8 +197,16 @@ class Batcher:
                         f"retry in about {RETRY_AFTER_S}s",
                         retry_after_s=RETRY_AFTER_S,
                     )
+                if depth and max_tokens is not None and self._queued_tokens + tokens > max_tokens:
+                    self._stats.rejected += 1
+                    raise Overloaded(
+                        f"encode queue is full ({depth} images of {self._queued_tokens} tokens waiting; this image "
+                        f"adds {tokens}, limit {max_tokens} tokens); retry in about {RETRY_AFTER_S}s",
+                        retry_after_s=RETRY_AFTER_S,
+                    )
                 item = WorkItem(key, payload, tokens, Future(), waiters=1, enqueued_at=self._clock())
                 self._queued[key] = item
+                self._queued_tokens += tokens
                 ticket = Ticket(self, item, coalesced=False)
                 # notify_all: there may be one step-loop thread per GPU, and the one that wakes
                 # must be able to compute the new max-wait deadline.
@@ -225,6 +240,7 @@ class Batcher:
             drop = item.waiters == 0 and self._queued.get(item.key) is item
             if drop:
                 del self._queued[item.key]
+                self._queued_tokens -= item.tokens
                 self._stats.dropped += 1
                 # A waiting next_batch may have been timing the dropped head, or draining to empty.
                 self._cond.notify_all()
@@ -294,6 +310,7 @@ class Batcher:
             # NOTE: side effects stay outside the asserts, which `python -O` strips.
             popped = self._queued.pop(item.key)
             assert popped is item, "planned item not in the queue: this is a bug"
+            self._queued_tokens -= item.tokens
             # RUNNING: from here the item's future can no longer be cancelled, only finished.
             running = item.future.set_running_or_notify_cancel()
             assert running, f"queued item {item.key!r} was cancelled: this is a bug"

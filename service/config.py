@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     max_batch_images: int = Field(64, gt=0)
     max_wait_ms: float = Field(5.0, ge=0, description="a step closes this long after its first image at most")
     max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
+    max_queue_tokens: int = Field(65536, gt=0, description="admission limit on the queued images' output tokens "
+                                  "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "
+                                  "429. An image alone in the queue is always admitted")
 
     # processes
     api_processes: int = Field(0, ge=0, description="HTTP API processes started by a supervisor beside one engine "

@@ -43,6 +43,7 @@ def build_batcher(settings: Settings) -> Batcher:
     return Batcher(BatchLimits(
         max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
         max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
+        max_queue_tokens=settings.max_queue_tokens,
     ))
 
 

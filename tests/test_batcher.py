@@ -26,8 +26,9 @@ class FakeClock:
         self.t += s
 
 
-def make(max_batch_tokens=100, max_batch_images=64, max_wait_s=1.0, max_queue_images=512, clock=None):
-    limits = BatchLimits(max_batch_tokens, max_batch_images, max_wait_s, max_queue_images)
+def make(max_batch_tokens=100, max_batch_images=64, max_wait_s=1.0, max_queue_images=512, clock=None,
+         max_queue_tokens=None):
+    limits = BatchLimits(max_batch_tokens, max_batch_images, max_wait_s, max_queue_images, max_queue_tokens)
     return Batcher(limits, clock=clock or FakeClock())
 
 
@@ -276,6 +277,28 @@ def test_admission_rejects_when_queue_full():
     assert keys(b.next_batch(timeout=0)) == ["a", "b"]
     assert not b.submit("d", None, 10).coalesced
     assert b.stats.rejected == 1 and b.queue_depth() == 2
+
+
+def test_admission_bounds_the_queued_tokens_so_the_queued_pixels():
+    b = make(max_batch_tokens=100, max_batch_images=64, max_queue_tokens=250)
+    huge = b.submit("huge", None, 400)  # alone in the queue: admitted whatever its size
+    with pytest.raises(Overloaded) as exc:
+        b.submit("a", None, 10)  # 400 queued + 10 > 250
+    assert "400 tokens waiting" in exc.value.message and "limit 250 tokens" in exc.value.message
+    assert exc.value.retry_after_s >= 1 and b.stats.rejected == 1
+    huge.cancel()  # dropped unscheduled: its tokens leave the count
+    for k in "abc":
+        b.submit(k, None, 80)  # 240 queued
+    with pytest.raises(Overloaded):
+        b.submit("d", None, 20)
+    assert b.submit("a", None, 80).coalesced  # joining adds no work
+    assert keys(b.next_batch(timeout=0)) == ["a"]  # 80 + 80 > the 100-token step budget
+    b.submit("d", None, 90)  # scheduling freed 80: 250 queued now
+    with pytest.raises(Overloaded):
+        b.submit("e", None, 1)
+    assert b.stats.rejected == 3 and b.queue_depth() == 3
+    with pytest.raises(ValueError, match="max_queue_tokens"):
+        BatchLimits(1, 1, 0.0, 1, 0)
 
 
 # ---- cancellation -----------------------------------------------------------------------------------

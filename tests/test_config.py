@@ -60,3 +60,11 @@ def test_list_settings_take_comma_separated_values(monkeypatch):
     assert Settings().graph_exact_sides == []  # none: every step pads to the dense ladder
     with pytest.raises(ValidationError):
         Settings(graph_exact_sides="448,big")
+
+
+def test_queue_bounds_reach_the_batcher():
+    from service.enginep import build_batcher
+
+    limits = build_batcher(Settings(max_queue_images=7, max_queue_tokens=1234)).limits
+    assert (limits.max_queue_images, limits.max_queue_tokens) == (7, 1234)
+    assert Settings().max_queue_tokens == 65536
