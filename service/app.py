@@ -597,12 +597,21 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
 
     @app.get("/health")
     async def health(request: Request):
-        """200 while the step loop is alive (or still warming up); 503 once it has died."""
+        """200 while the step loop is alive (or still warming up) and the store takes writes; 503 otherwise."""
         rt = request.app.state.rt
         if remote is not None:
             if rt.engine_lost or (rt.info is not None and not rt.client.connected):
                 return JSONResponse({"status": "the engine process is not running"}, status_code=503)
+            if rt.info is not None:
+                try:
+                    store_error = (await rt.client.status())["store_error"]
+                except ServiceError:
+                    return JSONResponse({"status": "the engine process is not running"}, status_code=503)
+                if store_error:
+                    return JSONResponse({"status": f"the store cannot be written: {store_error}"}, status_code=503)
             return {"status": "ok"}
+        if rt.store.unwritable:
+            return JSONResponse({"status": f"the store cannot be written: {rt.store.unwritable}"}, status_code=503)
         if rt.warmup_failed:
             return JSONResponse({"status": "warm-up failed; see the log"}, status_code=503)
         if rt.started and not rt.engine.alive():

@@ -199,7 +199,8 @@ class EngineHost:
     def status(self) -> dict:
         """/ready's answer ("info"), and what an API process needs to key and preprocess images itself."""
         return {"info": model_info(self.model, self.engine, self.startup, self.ready.is_set()),
-                "key_salt": key_salt(self.model), "params": list(astuple(self.model.params)), "pid": os.getpid()}
+                "key_salt": key_salt(self.model), "params": list(astuple(self.model.params)), "pid": os.getpid(),
+                "store_error": self.store.unwritable}
 
 
 def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid: int) -> None:

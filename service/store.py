@@ -479,8 +479,23 @@ class EmbeddingStore:
         else:
             self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
+        self.capacity_bytes = self._fit_capacity(capacity_bytes)
+        self.unwritable: str | None = None  # why the last write failed, until one succeeds (/health reads it)
         with self._lock:
             self._evict_locked(keep=None)
+
+    def _fit_capacity(self, wanted: int) -> int:
+        """`wanted`, or less where the filesystem cannot hold it (Docker's default /dev/shm is 64 MB):
+        a capacity above what fits would make every write fail with ENOSPC instead of evicting."""
+        st = os.statvfs(self.root)
+        room = st.f_bavail * st.f_frsize + self._bytes_used  # free space plus what our entries hold
+        fits = int(room * 0.95)  # headroom for temp files in flight and other users of the filesystem
+        if wanted <= fits:
+            return wanted
+        log.warning("store capacity %d bytes is more than %s can hold (%d bytes free, %d used by the store): "
+                    "using %d; give the filesystem more room (e.g. docker --shm-size) or lower "
+                    "--store-capacity-bytes", wanted, self.root, st.f_bavail * st.f_frsize, self._bytes_used, fits)
+        return max(1, fits)
 
     def _own_root(self, group: str | None) -> None:
         """Make the root this service's own: created 0700 (0750 for a reading group), refused when it
@@ -615,11 +630,34 @@ class EmbeddingStore:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, self.file_mode)
         r = Reservation(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256)
         try:
-            _allocate(fd, len(header) + data_bytes)
+            try:
+                _allocate(fd, len(header) + data_bytes)
+            except OSError as e:
+                # The filesystem is fuller than our capacity says (other users, temp files): make room
+                # by evicting as if over capacity, then try once more.
+                if e.errno != errno.ENOSPC or not self._evict_bytes(len(header) + data_bytes, keep=key):
+                    raise
+                _allocate(fd, len(header) + data_bytes)
+        except OSError as e:
+            self.abort(r)
+            if e.errno == errno.ENOSPC:
+                raise StoreFull(f"the store's filesystem ({self.root}) is full and nothing can be evicted now "
+                                f"(entries answered in the last {self.min_residency_s:g} s are kept); retry "
+                                "shortly, or give it more room", retry_after_s=1) from None
+            self.unwritable = f"{type(e).__name__}: {e}"
+            raise
         except BaseException:
             self.abort(r)
             raise
         return r
+
+    def _evict_bytes(self, nbytes: int, keep: str) -> bool:
+        """Evict least recently used entries (not `keep`, not young ones) holding at least `nbytes`;
+        False if there were none to evict."""
+        with self._lock:
+            before = self._bytes_used
+            self._evict_locked(keep=keep, limit=max(0, before - nbytes))
+            return self._bytes_used < before
 
     def abort(self, r: "Reservation") -> None:
         """Give up a reservation: close and remove its temp file (the key's entry, if any, is untouched)."""
@@ -648,6 +686,10 @@ class EmbeddingStore:
             finally:
                 os.close(r.fd)
                 r.fd = -1
+        except OSError as e:
+            self.abort(r)
+            self.unwritable = f"{type(e).__name__}: {e}"
+            raise
         except BaseException:
             self.abort(r)
             raise
@@ -676,6 +718,7 @@ class EmbeddingStore:
                     key, nbytes, self.capacity_bytes,
                 )
             self._evict_locked(keep=key)
+        self.unwritable = None
         if self.fsync:
             try:
                 _fsync_path(key_dir)  # makes the rename durable
@@ -800,11 +843,12 @@ class EmbeddingStore:
                 retry_after_s=max(1, math.ceil(wait)),
             )
 
-    def _evict_locked(self, keep: str | None) -> None:
+    def _evict_locked(self, keep: str | None, limit: int | None = None) -> None:
         """Evict least recently used entries (never `keep`, never one in its minimum residency) until
-        within capacity. Caller holds _lock."""
+        within capacity (or `limit` bytes). Caller holds _lock."""
         now = self._clock()
-        while self._bytes_used > self.capacity_bytes:
+        limit = self.capacity_bytes if limit is None else limit
+        while self._bytes_used > limit:
             victim = next((k for k, e in self._index.items() if k != keep and e.keep_until <= now), None)
             if victim is None:
                 return  # only `keep` and young entries are left (see the class NOTEs)

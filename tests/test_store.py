@@ -342,10 +342,10 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
     store = make_store(root)
     old = store.put("kept", ec_for(1, 4), (1, 4, 4))
 
-    if where == "_allocate":  # the filesystem is full when the file is reserved
+    if where == "_allocate":  # the device fails when the file is reserved (ENOSPC evicts: see below)
         def half_write(fd, size):
             os.write(fd, b"\x00" * 100)
-            raise OSError(28, "No space left on device")
+            raise OSError(5, "Input/output error")
     elif where == "_write_ec_file":  # the whole file write fails
         def half_write(fd, header, ec_cache, *, fsync, mode):
             os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
@@ -356,9 +356,10 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store_mod, where, half_write)
-    with pytest.raises(OSError, match="No space"):
+    msg = "Input/output error" if where == "_allocate" else "No space"
+    with pytest.raises(OSError, match=msg):
         store.put("new", ec_for(2, 4), (1, 4, 4))
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match=msg):
         store.put("kept", ec_for(3, 4), (1, 4, 4))  # overwrite of an existing key fails
 
     assert tmp_files(root) == []
@@ -761,3 +762,58 @@ def test_symlinked_key_dir_outside_root_is_refused(tmp_path):
     with pytest.raises(InvalidKey, match="outside the store root"):
         read_embeddings(root, "evil")
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# ---- a filesystem smaller than the capacity -----------------------------------------------------------
+def test_capacity_is_capped_to_what_the_filesystem_holds(tmp_path, monkeypatch, caplog):
+    real = os.statvfs
+
+    class Small:  # the root's filesystem with 10 MB free (as Docker's 64 MB /dev/shm, nearly full)
+        f_bavail, f_frsize = 2560, 4096
+
+    monkeypatch.setattr(store_mod.os, "statvfs", lambda p: Small if str(p).startswith(str(tmp_path)) else real(p))
+    store = make_store(tmp_path / "s", capacity=1 << 30)
+    assert store.capacity_bytes == int(10 * 1024 * 1024 * 0.95)
+    assert "more than" in caplog.text and "--store-capacity-bytes" in caplog.text
+    assert make_store(tmp_path / "t", capacity=1 << 20).capacity_bytes == 1 << 20  # fits: as asked
+
+
+def test_enospc_evicts_and_retries_or_answers_store_full(tmp_path, monkeypatch):
+    now = [0.0]
+    store = make_store(tmp_path / "s", min_residency_s=10, clock=lambda: now[0])
+    for k in ("a", "b"):
+        store.put(k, ec_for(1, 4), (1, 4, 4))
+    real, failures = store_mod._allocate, [0]
+
+    def full_once(fd, size):  # the filesystem is full the first time, until something is freed
+        if failures[0] == 0:
+            failures[0] += 1
+            raise OSError(28, "No space left on device")
+        return real(fd, size)
+
+    monkeypatch.setattr(store_mod, "_allocate", full_once)
+    # Both entries are young (answered under 10 s ago): nothing may be evicted, so 503 StoreFull.
+    with pytest.raises(StoreFull, match="filesystem") as exc:
+        store.put("c", ec_for(2, 4), (1, 4, 4))
+    assert exc.value.retry_after_s >= 1 and tmp_files(tmp_path / "s") == [] and store.unwritable is None
+    now[0] = 60.0  # residency over: the LRU entry can make room
+    failures[0] = 0
+    item = store.put("c", ec_for(2, 4), (1, 4, 4))
+    assert store.lookup("a") is None and store.lookup("b") is not None and store.lookup("c") == item
+    assert store.evictions == 1 and store.unwritable is None
+
+
+def test_a_store_that_cannot_be_written_says_why_until_a_write_succeeds(tmp_path, monkeypatch):
+    store = make_store(tmp_path / "s")
+    real = store_mod._allocate
+
+    def read_only(fd, size):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(store_mod, "_allocate", read_only)
+    with pytest.raises(OSError, match="Read-only"):
+        store.put("a", ec_for(1, 4), (1, 4, 4))
+    assert "Read-only file system" in store.unwritable
+    monkeypatch.setattr(store_mod, "_allocate", real)
+    store.put("a", ec_for(1, 4), (1, 4, 4))
+    assert store.unwritable is None
