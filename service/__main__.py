@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, server_options
     from .loader import load_model
 
     try:
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     # stalls the pipeline; 1 ms keeps the hand-offs short at negligible switching cost.
     sys.setswitchinterval(0.001)
     app = create_app(settings, model)
-    # NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose
-    # images are queued or running), then runs the app's shutdown, which drains the step loop.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=60)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, **server_options(settings))
     return 0
 
 

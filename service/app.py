@@ -46,6 +46,8 @@ from .errors import (
     ImageTooLarge,
     KeyConflict,
     Overloaded,
+    RequestTimeout,
+    RequestTooLarge,
     ServiceError,
     Unauthorized,
     Unavailable,
@@ -430,11 +432,13 @@ async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
 
 async def _parse_inputs(rt: Runtime, request: Request) -> list[_Input]:
     s = rt.settings
-    limit = s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536
+    limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         try:
             form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
+        except ServiceError:
+            raise  # RequestTooLarge from the body limit, as it is
         except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
             raise BadRequest(f"malformed multipart body: {e}") from None
         files = form.getlist("image")
@@ -514,6 +518,53 @@ async def _wait_or_disconnect(request: Request, futures: list[asyncio.Future]) -
 
 
 # ---- the app --------------------------------------------------------------------------------------
+def server_options(settings: Settings) -> dict:
+    """uvicorn's options for serving this app (one process or each API process).
+    NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
+    are queued or running), then runs the app's shutdown, which drains the step loop."""
+    return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
+            "limit_concurrency": settings.max_connections}
+
+
+class _BodyLimit:
+    """ASGI middleware: an /encode body over `limit` bytes is answered 413 before it is read (declared
+    Content-Length) or as soon as the bytes streamed in pass the limit (chunked), JSON and multipart
+    alike: nothing over the limit is buffered or spooled to disk. A body whose next part takes longer
+    than `timeout_s` to arrive is answered 408."""
+
+    def __init__(self, app, limit: int, timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/encode":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            body = error_body(RequestTooLarge.code, f"request body is {int(declared)} bytes, over the limit of "
+                              f"{self.limit} (--max-request-bytes); send fewer or smaller images")
+            return await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+        seen, body_done = 0, False
+
+        async def counted():
+            nonlocal seen, body_done
+            if body_done:  # later receives wait for a disconnect, as long as a request takes: no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"no part of the request body arrived for {self.timeout_s:g} s "
+                                     "(--body-timeout-s); send the body without pauses") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if seen > self.limit:
+                    raise RequestTooLarge(f"request body is over the limit of {self.limit} bytes "
+                                          "(--max-request-bytes); send fewer or smaller images")
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def create_app(settings: Settings, model: LoadedModel | None = None, remote: RemoteEngine | None = None) -> FastAPI:
     """The app of a single-process service (the model in this process), or, with `remote`, of one
     API process of a supervised service (the model in the engine process)."""
@@ -535,6 +586,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
 
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):

@@ -96,6 +96,14 @@ class Settings(BaseSettings):
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
                                               "private or link-local addresses (off: such fetches are refused)")
     max_images_per_request: int = Field(64, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next part of a request body; "
+                                  "then 408 (a client that stalls mid-body cannot hold a request forever)")
+    keep_alive_s: float = Field(75.0, gt=0, description="idle keep-alive connections are closed after this long "
+                                "(longer than common client pools keep theirs, so a client rarely reuses a closed one)")
+    max_connections: int = Field(2048, gt=0, description="open connections plus requests in progress per HTTP "
+                                 "process; beyond it new requests get 503 (the process keeps file descriptors to spare)")
+    max_request_bytes: int = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
+                                   "refused with 413 before it is read when declared, or as soon as it passes")
 
     # images
     max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)

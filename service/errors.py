@@ -76,6 +76,18 @@ class ImageTooLarge(ImageError):
     code = "image_too_large"
 
 
+class RequestTooLarge(ServiceError):
+    """The whole request body is over --max-request-bytes (refused before or while it is read)."""
+
+    code = "request_too_large"
+
+
+class RequestTimeout(ServiceError):
+    """The client sent the request body too slowly (--body-timeout-s between two parts of it)."""
+
+    code = "request_timeout"
+
+
 class BadAspectRatio(ImageError):
     code = "aspect_ratio_too_extreme"
 
@@ -123,6 +135,8 @@ class ModelLoadError(Exception):
 # subclasses come before their bases.
 HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (ImageTooLarge, 413),
+    (RequestTooLarge, 413),
+    (RequestTimeout, 408),
     (UnsupportedFormat, 415),
     (ImageError, 422),
     (InvalidKey, 422),

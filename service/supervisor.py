@@ -67,13 +67,13 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     child_setup(parent_pid, log_level, f"api{index}")
     import uvicorn
 
-    from .app import RemoteEngine, create_app
+    from .app import RemoteEngine, create_app, server_options
 
     sys.setswitchinterval(0.001)
     app = create_app(settings, remote=RemoteEngine(engine_socket, arena_name, settings.arena_bytes))
     # uvicorn's "auto" picks httptools and uvloop (both dependencies): a request costs ~0.3 ms of CPU
     # instead of ~0.5 with h11 and asyncio's loop.
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=60)
+    config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.app import create_app
+from service.app import create_app, server_options
 
 
 def free_port() -> int:
@@ -31,7 +31,8 @@ def live_server(settings, model, ready_timeout: float = 60.0):
     """Yields (base_url, app); the app's runtime is `app.state.rt`."""
     app = create_app(settings, model)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           **server_options(settings)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -392,6 +392,66 @@ def test_a_store_that_cannot_be_written_turns_health_503_until_a_write_succeeds(
         assert httpx.get(url + "/health").status_code == 200
 
 
+def test_request_size_limit_holds_while_streaming_for_json_and_multipart(tmp_path, tiny_model):
+    import socket
+    from urllib.parse import urlsplit
+
+    limit = 1_000_000
+    with live_server(_settings(tmp_path, max_request_bytes=limit), tiny_model) as (url, app):
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+
+        def raw(head: bytes, body: bytes = b"") -> bytes:
+            """Send a request head (and some body), return what the server answers before we send more."""
+            with socket.create_connection((host, port), timeout=10) as c:
+                c.sendall(head + body)
+                return c.recv(65536)
+
+        # A declared 10 GB body, JSON or multipart: 413 at once, with nothing of the body sent.
+        for ctype in (b"application/json", b"multipart/form-data; boundary=x"):
+            answer = raw(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: " + ctype +
+                         b"\r\nContent-Length: 10000000000\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer, answer[:300]
+
+        # Chunked bodies (no length declared): answered 413 as soon as they pass the limit, while the client
+        # is still sending (the body is never finished here: a server waiting for its end would time out).
+        def chunk(data: bytes) -> bytes:
+            return b"%x\r\n" % len(data) + data + b"\r\n"
+
+        first = {b"application/json": b'{"images": [{"type": "image_url", "image_url": {"url": "data:',
+                 b"multipart/form-data; boundary=x": b'--x\r\nContent-Disposition: form-data; name="image"; '
+                                                     b'filename="a.png"\r\n\r\n'}
+        for ctype, start in first.items():
+            body = chunk(start) + chunk(b"A" * 65536) * 24  # 1.5 MB, no final chunk
+            answer = raw(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: " + ctype +
+                         b"\r\nTransfer-Encoding: chunked\r\n\r\n", body)
+            assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer, answer[:300]
+        # Under the limit, everything as before.
+        assert httpx.post(url + "/encode", json=json_body(_png(970)), timeout=30).status_code == 200
+
+
+def test_a_stalled_body_gets_408_and_idle_connections_close_after_keep_alive(tmp_path, tiny_model):
+    import socket
+    from urllib.parse import urlsplit
+
+    with live_server(_settings(tmp_path, body_timeout_s=0.5, keep_alive_s=1.0), tiny_model) as (url, app):
+        addr = (urlsplit(url).hostname, urlsplit(url).port)
+        with socket.create_connection(addr, timeout=10) as c:  # 1000 bytes promised, 10 sent, then silence
+            t0 = time.monotonic()
+            c.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"images\":")
+            answer = c.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:300]
+            assert time.monotonic() - t0 < 8
+        with socket.create_connection(addr, timeout=10) as c:  # an idle keep-alive connection is closed
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert c.recv(65536).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert c.recv(65536) == b""  # the server closed it
+            assert 0.5 < time.monotonic() - t0 < 8
+        # An ordinary request is unaffected: the timeout covers only the gaps while its body arrives.
+        assert httpx.post(url + "/encode", json=json_body(_png(980)), timeout=30).status_code == 200
+
+
 def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
     import http.server
     import socketserver
