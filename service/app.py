@@ -58,6 +58,7 @@ from .images import PreparedImage, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
+from .supervisor import exit_with
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +112,37 @@ class Runtime:
         self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
         # Seconds per start-up phase: load, compile, graph capture (in Engine), warm-up (in start()).
         self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.startup}
-        workers = self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
-        # NOTE: processes, not threads: PIL decode + bicubic resize hold the GIL for most of their time.
-        # forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        self.decoders = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+        self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
+        self.decoders = self._decode_pool()
         self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
         self.ready = threading.Event()
         self.started = False
         self.warmup_failed = False
         self.key_salt = key_salt(model).encode()
+
+    def _decode_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # NOTE: processes, not threads: PIL decode + bicubic resize hold the GIL for most of their time.
+        # forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
+        # Each worker exits when this process does: a SIGKILL of the service leaves no worker behind (and
+        # then no forkserver: the workers were what kept it alive).
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        return concurrent.futures.ProcessPoolExecutor(self.decode_workers, mp_context=multiprocessing.get_context(method),
+                                                      initializer=exit_with, initargs=(os.getpid(),))
+
+    async def decode(self, data: bytes) -> PreparedImage:
+        """prepare_image in a decode worker. A dead worker (the OOM killer's SIGKILL) breaks the whole
+        pool: it is replaced at once and this image answered 503, so one death costs one request."""
+        pool = self.decoders
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                pool, prepare_image, data, self.model.params, self.settings.image_limits)
+        except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
+            if self.decoders is pool:
+                log.error("a decode worker died (killed, out of memory?); starting a new pool")
+                self.decoders = self._decode_pool()
+                await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+            raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
+                              "retry", retry_after_s=1) from None
 
     def start(self) -> None:
         def warm_then_run():
@@ -783,13 +805,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
             else:
                 todo[key] = i
 
-        loop = asyncio.get_running_loop()
-        limits = rt.settings.image_limits
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(rt.decoders, prepare_image, inputs[i].data, rt.model.params, limits)
-              for i in todo.values()),
-            return_exceptions=True,
-        )
+        prepared = await asyncio.gather(*(rt.decode(inputs[i].data) for i in todo.values()), return_exceptions=True)
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
                 raise _decode_failure(inputs, i, p)

@@ -22,10 +22,12 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,14 +38,41 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+def die_with_parent(parent_pid: int | None, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent exits, SIGKILL of the parent included
+    (Linux). Exits now if the parent is already gone (`parent_pid` None: any parent but init)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() == 1 or (parent_pid is not None and os.getppid() != parent_pid):
+        os._exit(1)
+
+
+def exit_with(pid: int) -> None:
+    """In a pool worker: exit as soon as process `pid` does (SIGKILL included). For workers forked by
+    multiprocessing's forkserver, whose parent (the forkserver) outlives a killed service: they hold
+    its liveness pipe, so it never sees the service go, and PR_SET_PDEATHSIG would never fire."""
+    def watch():
+        try:
+            fd = os.pidfd_open(pid)  # readable once the process has exited (Linux >= 5.3)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):  # no pidfd here, or `pid` already gone: poll
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
+
+
 def child_setup(parent_pid: int, log_level: str, role: str) -> None:
     """In every child: die with the supervisor (SIGKILL of it included), log like it."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent_pid)
 
 
 def default_api_processes() -> int:

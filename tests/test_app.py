@@ -452,6 +452,25 @@ def test_a_stalled_body_gets_408_and_idle_connections_close_after_keep_alive(tmp
         assert httpx.post(url + "/encode", json=json_body(_png(980)), timeout=30).status_code == 200
 
 
+def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_path, tiny_model):
+    import os
+    import signal
+
+    with live_server(_settings(tmp_path, decode_workers=2), tiny_model) as (url, app):
+        rt = app.state.rt
+        assert httpx.post(url + "/encode", json=json_body(_png(990)), timeout=30).status_code == 200
+        old_pool = rt.decoders
+        victim = next(iter(old_pool._processes))  # what the OOM killer does to a decode worker
+        os.kill(victim, signal.SIGKILL)
+        codes = [httpx.post(url + "/encode", json=json_body(_png(991 + k)), timeout=30) for k in range(4)]
+        first = codes[0]
+        assert first.status_code in (200, 503), first.text
+        if first.status_code == 503:
+            assert first.json()["error"]["code"] == "unavailable" and "decode worker died" in first.json()["error"]["message"]
+        assert [r.status_code for r in codes[1:]] == [200, 200, 200]
+        assert rt.decoders is not old_pool and httpx.get(url + "/health").status_code == 200
+
+
 def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
     import http.server
     import socketserver

@@ -152,6 +152,20 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
         assert again.stop()
 
 
+def test_sigkill_of_a_single_process_server_leaves_no_decode_worker(tmp_path, tiny_checkpoint):
+    from tests.test_supervisor import alive, descendants, wait_for
+
+    server = Server(tiny_checkpoint, tmp_path / "store", "--decode-workers", "2")
+    r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=5), "PNG")),
+                   timeout=60)
+    assert r.status_code == 200
+    children = descendants(server.proc.pid)
+    assert len(children) >= 3  # the forkserver and two decode workers (+ multiprocessing's resource tracker)
+    server.proc.kill()
+    server.proc.wait(10)
+    wait_for(lambda: not any(alive(p) for p in children), 15, "every child gone after the server's SIGKILL")
+
+
 def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
     port = free_port()
     proc = subprocess.run(
