@@ -92,6 +92,29 @@ class EncodeResponse(BaseModel):
     items: list[EncodedItem]
 
 
+class ErrorDetail(BaseModel):
+    code: str = Field(description="machine-readable, e.g. not_an_image, key_conflict, overloaded")
+    message: str = Field(description="what was wrong, for a person")
+    index: int | None = Field(None, description="the image's position in the request, for per-image errors")
+
+
+class ErrorResponse(BaseModel):
+    """The shape of every error answer (errors.error_body)."""
+
+    error: ErrorDetail
+
+
+_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "malformed request"), (401, "missing or wrong API key"), (408, "the request body stalled"),
+    (409, "a uuid already names other image bytes"), (413, "an image or the request is too large"),
+    (415, "an image format that is not supported"), (422, "an image that cannot be used, or an invalid key"),
+    (429, "the queue is full: retry after Retry-After seconds"), (500, "an encoding step failed"),
+    (503, "starting, shutting down, or the store is full: retry after Retry-After seconds"))}
+# The JSON request body's schema, with its nested models as OpenAPI components (not dangling $defs).
+_REQUEST_SCHEMA = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+_REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
+
+
 @dataclass
 class _Input:
     data: bytes
@@ -631,6 +654,15 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
 
     keys = [k.encode() for k in settings.api_key]
 
+    generate_openapi = app.openapi
+
+    def openapi() -> dict:
+        doc = generate_openapi()  # cached by FastAPI: the additions below are made once
+        doc["components"]["schemas"].update({"EncodeRequest": _REQUEST_SCHEMA, **_REQUEST_DEFS})
+        return doc
+
+    app.openapi = openapi
+
     def authorize(request: Request) -> None:
         """With --api-key: `Authorization: Bearer <one of the keys>`, compared in constant time."""
         if not keys:
@@ -643,8 +675,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         if not ok:
             raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
 
-    @app.post("/encode", response_model=EncodeResponse, openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": EncodeRequest.model_json_schema()},
+    @app.post("/encode", response_model=EncodeResponse, responses=_ERROR_RESPONSES, openapi_extra={"requestBody": {"content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
         "multipart/form-data": {"schema": {"type": "object", "properties": {
             "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
             "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})

@@ -542,3 +542,34 @@ def test_failed_warmup_is_reported_by_health(tmp_path, tiny_model, monkeypatch):
         _wait_for(lambda: client.get("/health").status_code == 503)
         assert client.get("/ready").status_code == 503
         assert "warm-up failed" in client.get("/health").json()["status"]
+
+
+def test_openapi_document_resolves_every_ref_and_lists_the_error_answers(tmp_path, tiny_model):
+    from service.app import ErrorResponse, create_app
+
+    doc = create_app(_settings(tmp_path), tiny_model).openapi()
+    refs: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            refs.extend(v for k, v in node.items() if k == "$ref")
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(doc)
+    assert refs and all(r.startswith("#/components/schemas/") for r in refs), refs
+    assert {r.rsplit("/", 1)[1] for r in refs} <= set(doc["components"]["schemas"])  # nothing dangling
+    encode = doc["paths"]["/encode"]["post"]
+    assert {"400", "401", "409", "413", "422", "429", "503"} <= set(encode["responses"])
+    assert encode["responses"]["429"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"}
+    assert encode["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/EncodeRequest"}
+    # and the answers really have that shape
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        for r in (httpx.post(url + "/encode", json={"images": "nope"}), httpx.post(url + "/encode", json=json_body(b"x")),
+                  httpx.get(url + "/nowhere")):
+            assert r.status_code >= 400
+            ErrorResponse.model_validate(r.json())
