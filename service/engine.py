@@ -161,6 +161,7 @@ class Engine:
             self.startup["graphs"] = len(self.buckets)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
         self._put_pool = concurrent.futures.ThreadPoolExecutor(settings.store_writers, thread_name_prefix="store-put")
+        self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
         self._step_no = 0
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
@@ -249,6 +250,13 @@ class Engine:
     def stage(self, batch: Batch) -> Staged:
         """Host: write the batch's pixels and geometry into the next pinned slot (after its fence)."""
         slot = self.pool.acquire()  # blocks until the device has finished reading this slot's last step
+        try:
+            return self._stage_into(slot, batch)
+        except BaseException:
+            slot.release()  # a step that fails while staging must not keep its slot: the next one needs it
+            raise
+
+    def _stage_into(self, slot: Slot, batch: Batch) -> Staged:
         bufs = self._np[slot.index]
         spec = self.model.spec
         merge2 = spec.merge_size**2
@@ -307,6 +315,8 @@ class Engine:
         d = self.dev
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             try:
+                if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
+                    torch.cuda._sleep(self.test_stall_cycles)
                 for name, count in (("pixels", nbytes), ("images", nb), ("pos_hw", n), ("interp_idx", n),
                                     ("interp_w", n), ("cu_seqlens", self.cu_length)):
                     d[name][:count].copy_(slot.buffers[name][:count], non_blocking=True)

@@ -93,3 +93,21 @@ def test_one_image_alone_equals_its_slice_of_a_batch(model, tiny_checkpoint):
     for img, t in zip(imgs, together):
         alone = engine.encode_sync([img])[0]
         assert (alone - t).abs().max().item() <= 1e-5
+
+
+def test_a_step_that_fails_while_staging_gives_its_slot_back(model, monkeypatch):
+    # Found on the GPU: an exception between acquire and release left the slot held, and every later
+    # step that came round to it failed ("acquired again before release") -- the loop lived, but half
+    # of all steps failed from then on.
+    import service.engine as engine_mod
+
+    engine = Engine(model, store=None, batcher=None, settings=Settings(device="cpu", dtype="float32", pool_slots=2), metrics=Metrics())
+    img = prepare_image(data.photo("astronaut.png", 64), model.params, Settings().image_limits)
+    real = engine_mod.grid_geometry
+    monkeypatch.setattr(engine_mod, "grid_geometry", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.encode_sync([img])
+    monkeypatch.setattr(engine_mod, "grid_geometry", real)
+    outs = [engine.encode_sync([img])[0] for _ in range(engine.pool.num_slots + 1)]  # every slot, round robin
+    assert all(torch.equal(o, outs[0]) for o in outs)
+

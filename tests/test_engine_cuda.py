@@ -113,3 +113,62 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_checkpoint, blobs):
     ours = torch.cat(graphed.encode_sync(imgs)).float()
     ref = torch.cat(ref32)
     assert ((ours - ref).norm() / ref.norm()).item() < 2e-2
+
+
+# ---- the slot fence on a real GPU (issue 9) --------------------------------------------------------
+# A device that lags the host is what broke vLLM's encoder path: pinned inputs recycled while the GPU
+# had not read them yet. `test_stall_cycles` queues a device sleep before each step's H2D copies, so
+# the host runs ahead of the copies on every step. Without the fence the host then overwrites slots the
+# GPU has not read; the stored embeddings are silently wrong. With it, every one is exact.
+STALL_CYCLES = 20_000_000  # ~10 ms at the H200's ~2 GHz: far longer than the host needs to stage a step
+
+
+def _stalled_run(settings, model, imgs, root, fence: bool):
+    from service.enginep import build_batcher, build_store
+    from service.engine import EncodeJob
+
+    s = settings.model_copy(update={"store": root})
+    store, batcher = build_store(s, model), build_batcher(s)
+    engine = Engine(model, store=store, batcher=batcher, settings=s, metrics=Metrics())
+    engine.pool.fence = fence
+    engine.test_stall_cycles = STALL_CYCLES
+    engine.start()
+    try:
+        tickets = [batcher.submit(f"k{i}", EncodeJob(f"k{i}", img), img.num_tokens) for i, img in enumerate(imgs)]
+        for t in tickets:
+            t.future.result(timeout=120)
+    finally:
+        batcher.close()
+        engine.join(60)
+        store.close()
+    outs = []
+    for i in range(len(imgs)):
+        st = read_embeddings(root, f"k{i}")
+        outs.append(torch.cat([st.main, *st.deepstack], 1))
+    return outs, engine.pool.stats
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph-replayed", "eager"])
+def test_fence_keeps_a_lagging_gpu_exact_and_without_it_embeddings_go_wrong(tmp_path, tiny_checkpoint, graphs):
+    s = Settings(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", compile=False, cuda_graphs=graphs,
+                 max_batch_images=1, pool_slots=2, max_wait_ms=0,
+                 max_queue_images=1000, store_capacity_bytes=1 << 30)
+    m = load_model(s)
+    imgs = [prepare_image(data.encode(data.textured_rgb(96, 96, seed=i), "PNG"), m.params, s.image_limits)
+            for i in range(96)]
+    # The reference: each image alone through the same step path, no stall, fence on.
+    ref_engine = Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
+    assert (ref_engine.graphs is not None) == graphs
+    refs = [ref_engine.encode_sync([img])[0] for img in imgs]
+    assert len({r.float().sum().item() for r in refs}) == len(refs)  # distinct images, distinct outputs
+
+    on, stats_on = _stalled_run(s, m, imgs, tmp_path / "on", fence=True)
+    off, _ = _stalled_run(s, m, imgs, tmp_path / "off", fence=False)
+    wrong_on = [i for i, (o, r) in enumerate(zip(on, refs)) if not torch.equal(o, r)]
+    wrong_off = [i for i, (o, r) in enumerate(zip(off, refs)) if not torch.equal(o, r)]
+    print(f"graphs={graphs}: fence on {len(wrong_on)}/96 wrong "
+          f"({stats_on.waits_blocked} of {stats_on.acquires} acquires waited on the GPU), "
+          f"fence off {len(wrong_off)}/96 wrong")
+    assert stats_on.waits_blocked > 0  # the stall really made the host wait: the fence was exercised
+    assert wrong_on == []
+    assert len(wrong_off) > 0  # the test can see the corruption the fence prevents
