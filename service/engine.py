@@ -41,6 +41,7 @@ from .graphs import StaticInputs, TowerGraphs, graph_buckets, pad_segments, padd
 from .tower import TowerBatch, build_batch, grid_geometry
 
 log = logging.getLogger(__name__)
+FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection, see Engine._inject_faults
 
 
 @dataclass
@@ -162,10 +163,27 @@ class Engine:
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
         self._put_pool = concurrent.futures.ThreadPoolExecutor(settings.store_writers, thread_name_prefix="store-put")
         self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
+        self._inject_faults(os.environ.get(FAULT_ENV, ""))
         self._step_no = 0
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
         self.failed_steps = 0
+
+    def _inject_faults(self, spec: str) -> None:
+        """`QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run (bench/soak.py) proves it
+        catches the corruption a missing fence causes on a lagging GPU. Never set it in service."""
+        if not spec:
+            return
+        for part in spec.split(","):
+            name, _, value = part.strip().partition("=")
+            if name == "stall" and self.cuda:
+                self.test_stall_cycles = int(value)
+            elif name == "no-fence":
+                self.pool.fence = False
+            else:
+                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (stall=CYCLES needs cuda; no-fence)")
+        log.warning("FAULT INJECTION ON (%s=%s): stall %d cycles before each step's copies, fence %s; "
+                    "embeddings may be wrong", FAULT_ENV, spec, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:

@@ -111,3 +111,15 @@ def test_a_step_that_fails_while_staging_gives_its_slot_back(model, monkeypatch)
     outs = [engine.encode_sync([img])[0] for _ in range(engine.pool.num_slots + 1)]  # every slot, round robin
     assert all(torch.equal(o, outs[0]) for o in outs)
 
+
+
+def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, monkeypatch):
+    # The soak's control run turns the fence off through QVE_FAULT_INJECT; a service must never run so by accident.
+    s = Settings(device="cpu", dtype="float32", pool_slots=2)
+    monkeypatch.delenv("QVE_FAULT_INJECT", raising=False)
+    assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is True
+    monkeypatch.setenv("QVE_FAULT_INJECT", "no-fence")
+    assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is False
+    monkeypatch.setenv("QVE_FAULT_INJECT", "no-fense")
+    with pytest.raises(ValueError, match="unknown fault 'no-fense'"):
+        Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
