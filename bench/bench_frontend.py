@@ -167,6 +167,38 @@ def serve(args, mode: int, port: int, store: Path, log: Path) -> subprocess.Pope
     raise RuntimeError(f"server (mode {mode}) not ready:\n{log.read_text()[-3000:]}")
 
 
+def profile(args, server_pid: int, phase: str) -> list:
+    """Start py-spy on the server and its child processes (engine, API processes, decode workers), 1 s
+    into the phase, for --profile-s seconds; returns (process, raw file) pairs for `summarize`."""
+    spy = shutil.which("py-spy")
+    if not args.profile_s or not spy:
+        return []
+    pids = [server_pid]
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    spies = []
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
+        except OSError:
+            continue
+        if "forkserver" in name or "resource_tracker" in name:
+            continue
+        raw = args.out / f"pyspy_{phase}_{pid}.txt"
+        cmd = f"sleep 1; exec {spy} record -p {pid} -d {args.profile_s} -r 200 --gil --nonblocking -f raw -o {raw}"
+        spies.append((subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), raw, name))
+    return spies
+
+
+def summarize(spies: list) -> None:
+    for p, raw, name in spies:
+        p.wait(60)
+        if raw.exists():
+            top = subprocess.run([sys.executable, str(ROOT / "bench/pyspy_top.py"), str(raw)], capture_output=True,
+                                 text=True).stdout
+            raw.with_suffix(".top").write_text(f"{name}\n{top}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -179,6 +211,8 @@ def main() -> int:
     ap.add_argument("--conc8", type=int, default=8, help="connections per client, 8 images per request")
     ap.add_argument("--store-bytes", type=int, default=12 * 1024**3)
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--profile-s", type=int, default=0, help="py-spy (if on PATH) every server process for this "
+                    "many seconds during each load phase, --gil: who holds each process's GIL (DIR/pyspy_*)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.compile_cache = Path(tempfile.mkdtemp(prefix="qve-frontend-cc-"))
@@ -222,11 +256,15 @@ def main() -> int:
                 r = {"idle": idle(port, blobs_idle)}
                 print(f"mode {mode}: idle {r['idle']}", flush=True)
                 s0 = step_counters(port)
+                spies = profile(args, proc.pid, f"mode{mode}_x1")
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
+                summarize(spies)
                 s1 = step_counters(port)
                 r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)
                 print(f"mode {mode}: 1 img/request {r['x1']}", flush=True)
+                spies = profile(args, proc.pid, f"mode{mode}_x8")
                 r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
+                summarize(spies)
                 s2 = step_counters(port)
                 r["x8"]["images_per_step"] = round((s2[1] - s1[1]) / max(1, s2[0] - s1[0]), 1)
                 print(f"mode {mode}: 8 img/request {r['x8']}", flush=True)
