@@ -866,8 +866,10 @@ class EmbeddingStore:
         now = self._clock()
         limit = self.capacity_bytes if limit is None else limit
         while self._bytes_used > limit:
-            victim = next((k for k, e in self._index.items() if k != keep and e.keep_until <= now), None)
-            if victim is None:
+            # The first entry other than `keep`, unless it is still in its residency: then so are all
+            # after it (see _check_room_locked), and nothing may be evicted.
+            victim = next((k for k in self._index if k != keep), None)
+            if victim is None or self._index[victim].keep_until > now:
                 return  # only `keep` and young entries are left (see the class NOTEs)
             entry = self._index.pop(victim)
             self._bytes_used -= entry.nbytes
