@@ -562,7 +562,14 @@ async def _client(cfg: ClientConfig, sink, stop, go, info: dict) -> None:
             await start_send(*got)
 
     async def closed_loop() -> None:
-        await asyncio.gather(*(closed_worker() for _ in range(cfg.concurrency)))
+        workers = [asyncio.create_task(closed_worker()) for _ in range(cfg.concurrency)]
+        try:
+            for w in workers:
+                await w
+        finally:  # one failed or we were cancelled: the others stop too
+            for w in workers:
+                w.cancel()
+            await asyncio.wait(workers)
 
     async def open_loop() -> None:
         rng = random.Random(cfg.seed)
