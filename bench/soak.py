@@ -423,7 +423,8 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
         "server": {"url": url, "serve_args": serve_args, "ready": lt["server"] if lt else None, "log": str(log) if log else None,
                    "exit_status": exit_status, "shutdown_clean": shutdown_clean},
         "load": {"loadtest_exit_status": lt_rc, "report": str(lt_report), "plot": lt.get("plot") if lt else None,
-                 "wall_s": round(load_s, 2), "images_requested": args.images, "requests": s.get("requests"),
+                 "load_wall_s": s.get("wall_s"), "tool_s": round(load_s, 2),  # the load itself; with set-up
+                 "images_requested": args.images, "requests": s.get("requests"),
                  "ok_images": s.get("ok_images"), "cached_images": s.get("cached_images"),
                  "non_2xx": (s.get("requests", 0) - s.get("ok_requests", 0)), "status_counts": s.get("status_counts"),
                  "retries": s.get("retries"), "images_per_s": s.get("images_per_s"), "latency_ms": s.get("latency_ms"),
@@ -441,11 +442,39 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
     }
     report["checks"] = checks(report, args)
     report["passed"] = all(report["checks"].values())
+    report["resources"]["plot"] = plot_resources(args.out_dir / "resources.png", samples)
     (args.out_dir / "soak.json").write_text(json.dumps(loadtest.strict_json(report), indent=2) + "\n")
     table = markdown(report)
     (args.out_dir / "soak.md").write_text(table + "\n")
     print(table)
     return 0 if report["passed"] else 1
+
+
+def plot_resources(path: Path, samples: list[list[float]]) -> str | None:
+    """The server's RSS and open file descriptors over the run, as a PNG (None without matplotlib or samples)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not samples:
+        return None
+    t = [s[0] for s in samples]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
+    ax1.plot(t, [s[1] for s in samples], color="tab:blue")
+    ax1.set_ylabel("server RSS (MiB)")
+    ax1.grid(alpha=0.3)
+    ax2.plot(t, [s[2] for s in samples], color="tab:purple")
+    ax2.set_ylabel("open file descriptors")
+    ax2.set_xlabel("seconds since sampling started")
+    ax2.grid(alpha=0.3)
+    fig.suptitle("server process tree (summed)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return str(path)
 
 
 def checks(r: dict, args) -> dict[str, bool]:
@@ -482,7 +511,7 @@ def markdown(r: dict) -> str:
         ("server", f"{ready.get('model')} on {ready.get('device')} ({ready.get('dtype')})"),
         ("images", f"{load['ok_images']} encoded of {load['images_requested']} requested, {load['cached_images']} cached; "
                    f"{load['requests']} requests, non-2xx {load['non_2xx']}, retries {load['retries']}"),
-        ("throughput", f"{num(load['images_per_s'])} img/s over {load['wall_s']} s; latency p50 {num(lat.get('p50'))} ms, "
+        ("throughput", f"{num(load['images_per_s'])} img/s over {num(load['load_wall_s'], '{:.1f}')} s; latency p50 {num(lat.get('p50'))} ms, "
                        f"p99 {num(lat.get('p99'))} ms"),
         ("replayed (every 10th)" if rep.get("every") == 10 else f"replayed (every {rep.get('every')})",
          f"{rep.get('ok')} ok, {rep.get('missing')} missing, {rep.get('wrong')} wrong"),
