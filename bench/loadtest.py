@@ -763,6 +763,15 @@ class Run:
     cancelled: int = 0  # requests in flight when Ctrl-C stopped the run (not in the results)
     client_errors: list[str] = field(default_factory=list)
     start: float | None = None  # time.monotonic() when the clients were told to go
+    status_counts: Counter = field(default_factory=Counter)  # kept as results arrive, for the live display
+    retries: int = 0
+
+    def add(self, results: list[Result]) -> None:
+        for r in results:
+            r.t_end -= self.start  # the clients' time.monotonic() -> seconds since the start
+            self.status_counts[str(r.status)] += 1
+            self.retries += r.retried
+        self.results.extend(results)
 
 
 class Progress:
@@ -772,7 +781,7 @@ class Progress:
     def __init__(self, args, quiet: bool):
         self.args, self.quiet = args, quiet
         self.live = None
-        self.last_line = 0.0
+        self.last_line = self.last_update = 0.0
         if quiet:
             return
         try:
@@ -788,9 +797,11 @@ class Progress:
             self.live.start()
 
     def update(self, run: Run, verifier: Verifier | None, force: bool = False) -> None:
-        if self.quiet or run.start is None:
-            return
         now = time.monotonic()
+        # At most 4 times a second: with one client, its requests share this process's GIL.
+        if self.quiet or run.start is None or (now - self.last_update < 0.25 and not force):
+            return
+        self.last_update = now
         elapsed = now - run.start
         done = max(len(run.results) / self.args.requests, min(1.0, elapsed / self.args.duration_s))
         text = self.stats_line(run, verifier, now)
@@ -801,17 +812,17 @@ class Progress:
             print(f"[{elapsed:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     def stats_line(self, run: Run, verifier: Verifier | None, now: float) -> str:
-        recent = [r for r in run.results[-5000:] if r.t_end >= now - 5.0 - (run.start or 0) and r.status == 200]
-        window = min(5.0, now - run.start) if run.start else 0.0
+        """Requests so far; img/s and p50/p99 of the last 5 s (or the last 2,000 answers); status counts."""
+        t = now - run.start
+        recent = [r for r in run.results[-5000:] if r.t_end >= t - 5.0 and r.status == 200]
+        window = min(5.0, t)
         rate = sum(r.images for r in recent) / window if window > 0 else 0.0
         lat = [r.latency_s * 1000 for r in run.results[-2000:] if r.status == 200]
-        counts = Counter(str(r.status) for r in run.results)
         parts = [f"{len(run.results)} req", f"{rate:.1f} img/s",
                  f"p50 {percentile(lat, 50):.0f} ms" if lat else "p50 -", f"p99 {percentile(lat, 99):.0f} ms" if lat else "p99 -",
-                 " ".join(f"{k}:{v}" for k, v in sorted(counts.items())) or "-"]
-        retries = sum(r.retried for r in run.results)
-        if retries:
-            parts.append(f"retries {retries}")
+                 " ".join(f"{k}:{v}" for k, v in sorted(run.status_counts.items())) or "-"]
+        if run.retries:
+            parts.append(f"retries {run.retries}")
         if self.args.replay_every:
             parts.append(f"replay {run.replay.ok} ok/{run.replay.missing} missing/{run.replay.wrong} wrong")
         if verifier is not None:
@@ -882,9 +893,7 @@ def run_load(args, verifier: Verifier | None, quiet: bool = False) -> Run:
                     ready.add(msg[1])
                 elif kind == "batch":
                     _, _, results, replays, lags = msg
-                    for r in results:
-                        r.t_end -= run.start
-                    run.results.extend(results)
+                    run.add(results)
                     for outcome, problem in replays:
                         run.replay.add(outcome, problem)
                     run.lags.extend(lags)
