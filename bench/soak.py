@@ -12,9 +12,10 @@ server's log, health, memory and file descriptors. One JSON report and a short m
 What runs: `bench/loadtest.py` with every image distinct, every --replay-every'th answered image read
 back from the store as a consumer reads it (shape, grid, finite values) and every --verify-every'th
 replay compared with a float32 reference of the same weights (the service's own tower on the CPU).
-Meanwhile --readers threads (in a process of their own) read random entries of the store as fast as
-they can: a read that races an eviction may find the entry gone (counted as `vanished`, which is
-fine); a file that does not parse, does not match its own metadata, holds non-finite values, or
+Meanwhile --readers threads (in a process of their own) read random entries of the store, pausing
+--read-pause-ms between reads: a read that races an eviction may find the entry gone, and one that
+races a write may find its directory before its file (both counted as `vanished`, which is fine); a
+file that does not parse, does not match its own metadata, holds non-finite values, or
 reads back different bytes for the same key is `inconsistent`, which must never happen. The server
 processes' memory (RSS) and open file descriptors are sampled throughout. After the load: /health,
 the store's eviction count (/metrics), temp files left in the store, and the server log scanned for
@@ -86,8 +87,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "service", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # This checkout's `service` (PYTHONPATH, not cwd: relative paths in ARGS stay the caller's).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -224,7 +227,7 @@ def readers_main(root: str, threads: int, pause_s: float, stop, out) -> None:
         key = rng.choice(keys)
         try:
             emb = read_embeddings(root, key)
-        except (KeyError, FileNotFoundError):  # evicted between the listing and the read: fine
+        except (KeyError, FileNotFoundError):  # evicted since the listing, or still being written: fine
             with lock:
                 tally["reads"] += 1
                 tally["vanished"] += 1
@@ -321,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.serve is not None:
             serve_args = shlex.split(args.serve)
-            settings = serve_settings(serve_args)
+            try:
+                settings = serve_settings(serve_args)
+            except ValueError as e:  # pydantic's ValidationError: a bad value in ARGS
+                print(f"error: --serve {args.serve!r}: {e}", file=sys.stderr)
+                return 2
             explicit_store = "--store" in serve_args or any(a.startswith("--store=") for a in serve_args)
             if explicit_store:
                 store = settings.store
@@ -520,7 +527,7 @@ def markdown(r: dict) -> str:
     ]
     if rd:
         rows.append(("store readers", f"{rd['reads']} reads on {rd['threads']} threads: {rd['ok']} ok, "
-                                      f"{rd['vanished']} vanished (raced an eviction), {rd['inconsistent']} inconsistent"))
+                                      f"{rd['vanished']} vanished (raced an eviction or a write), {rd['inconsistent']} inconsistent"))
     rows += [
         ("store", f"{num(st['evictions'], '{:.0f}')} evictions; temp files left: {len(st['temp_files_after_load'])} after "
                   f"the load" + ("" if st["temp_files_after_stop"] is None else f", {len(st['temp_files_after_stop'])} after stop")),
