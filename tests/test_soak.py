@@ -1,8 +1,8 @@
 """The CI soak (issues 8 and 9), scaled down for a CPU: bench/soak.py starts a real server on 127.0.0.1
 (tiny preset) with a store small enough that nearly every write evicts, sends 2,000 distinct images
 through the load tool, replays every 10th from the store and verifies it against the float32
-reference, while reader threads read random store entries. ~1.5 min on the 2-core development
-machine (bench/results/2026-11-30-cpu-soak/ has one run's report)."""
+reference, while reader threads read random store entries. 60-66 s under pytest on the 2-core
+development machine (bench/results/2026-11-30-cpu-soak/ has one run's report)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SERVE = (f"--model tiny --device cpu --store-capacity-bytes {CAPACITY} --store-m
          "--min-pixels 16384 --max-pixels 16384")
 
 # RSS: late-window median minus early-window median (soak.windows: 20-40% vs the last 20% of the
-# samples, ~1,200 images apart). Measured here: +8 MiB with these images. The server's RSS does move
+# samples, ~1,200 images apart). Measured here: +6 to +9 MiB in four runs with these images. The server's RSS does move
 # without a leak: per-image batcher objects (WorkItem, Ticket, EncodeJob, the PreparedImage and its
 # pixels, three futures) sit in reference cycles and are freed only when the cyclic GC runs, so RSS
 # climbs and falls back in a sawtooth (+42 MiB over 2,500 256px images, then back, in a longer run).
