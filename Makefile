@@ -14,14 +14,15 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run serve-tiny loadtest lint docker-build compose-test clean help
+.PHONY: install test run serve-tiny loadtest soak lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
 	@echo "make run         serve the default preset on 127.0.0.1:8080 (ARGS=... for more flags)"
 	@echo "make serve-tiny  serve the tiny preset on the CPU (fast start, for trying the API)"
 	@echo "make test        run the test suite"
-	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only)"
+	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot)"
+	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
 	@echo "make compose-test  build the CPU image, run docker/docker-compose.cpu.yml, check a chat answer"
@@ -49,6 +50,12 @@ serve-tiny: install
 
 loadtest: install
 	$(PY) bench/loadtest.py --url $(URL) $(ARGS)
+
+# The soak CI runs (tests/test_soak.py), with its report in $(OUT).
+OUT ?= soak-out
+soak: install
+	$(PY) bench/soak.py --serve "--model tiny --device cpu --store-capacity-bytes 2000000 --store-min-residency-s 1 \
+		--min-pixels 16384 --max-pixels 16384" --images 2000 --sizes 128x128 --read-pause-ms 2 --out-dir $(OUT) $(ARGS)
 
 lint: install
 	$(PY) -m compileall -q service kernels bench tests
