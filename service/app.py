@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from .batcher import Ticket
 from .config import ImageLimits, Settings
+from .docs import mount_docs
 from .engine import EncodeJob, Engine
 from .enginep import build_batcher, build_store, key_salt, model_info
 from .errors import (
@@ -629,8 +630,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         finally:
             await rt.shutdown()
 
-    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+    mount_docs(app)  # /docs from the package, not a CDN
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)
