@@ -111,6 +111,8 @@ _ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for st
     (415, "an image format that is not supported"), (422, "an image that cannot be used, or an invalid key"),
     (429, "the queue is full: retry after Retry-After seconds"), (500, "an encoding step failed"),
     (503, "starting, shutting down, or the store is full: retry after Retry-After seconds"))}
+_HEALTH = {"description": "the service's state, in words", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}}
 # The JSON request body's schema, with its nested models as OpenAPI components (not dangling $defs).
 _REQUEST_SCHEMA = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
 _REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
@@ -703,7 +705,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             rt.metrics.requests.labels(status=str(status)).inc()
             rt.metrics.encode_latency.observe(time.perf_counter() - t0)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
+                                                        "not running, warm-up failed, or the store cannot be written"}})
     async def health(request: Request):
         """200 while the step loop is alive (or still warming up) and the store takes writes; 503 otherwise."""
         rt = request.app.state.rt
@@ -726,7 +729,10 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             return JSONResponse({"status": "step loop is not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "not ready yet (loading, warming up) or the engine is gone",
+                                        "content": {"application/json": {"schema": {
+                                            "type": "object", "properties": {"ready": {"type": "boolean"}},
+                                            "required": ["ready"]}}}}})
     async def ready(request: Request):
         """200 once the model is loaded and warmed up."""
         rt = request.app.state.rt
@@ -742,7 +748,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             return JSONResponse({"ready": False}, status_code=503)
         return model_info(rt.model, rt.engine, rt.startup, ready=True)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}},
+        401: _ERROR_RESPONSES[401]})
     async def metrics(request: Request):
         if settings.api_key_metrics:
             authorize(request)
