@@ -58,6 +58,7 @@ from .errors import (
 from .images import PreparedImage, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
+from .protocol import header_timeout_protocol
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
 from .supervisor import exit_with
 
@@ -569,9 +570,10 @@ async def _wait_or_disconnect(request: Request, futures: list[asyncio.Future]) -
 def server_options(settings: Settings) -> dict:
     """uvicorn's options for serving this app (one process or each API process).
     NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
-    are queued or running), then runs the app's shutdown, which drains the step loop."""
+    are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
+    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
     return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
-            "limit_concurrency": settings.max_connections}
+            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
 
 
 class _BodyLimit:
