@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
-from .batcher import Ticket
+from .batcher import Reservation, Ticket
 from .config import ImageLimits, Settings
 from .docs import mount_docs
 from .engine import EncodeJob, Engine
@@ -55,7 +55,7 @@ from .errors import (
     error_body,
     http_status,
 )
-from .images import PreparedImage, prepare_image
+from .images import PreparedImage, header_tokens, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
 from .protocol import header_timeout_protocol
@@ -839,6 +839,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         for t in tickets.values():
             t.cancel()
 
+    places: dict[str, Reservation] = {}  # key -> its queue place while the image is decoded
     try:
         for i, key in enumerate(keys):
             if key in answers or key in tickets or key in todo or cache_hit(i):
@@ -849,6 +850,13 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
             else:
                 todo[key] = i
 
+        # Admission before decode: each image to decode takes its queue place (its tokens read from its
+        # header) now, so a full queue answers 429 before any pixels exist; an admitted image is queued
+        # once decoded, whatever the queue holds by then.
+        for key, i in todo.items():
+            tokens = await asyncio.to_thread(header_tokens, inputs[i].data, rt.model.params, rt.settings.image_limits)
+            places[key] = rt.batcher.reserve(tokens)
+
         prepared = await asyncio.gather(*(rt.decode(inputs[i].data) for i in todo.values()), return_exceptions=True)
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
@@ -856,10 +864,14 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
 
         for (key, i), prep in zip(todo.items(), prepared):
             if not cache_hit(i):  # it may have landed while we decoded
-                claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens))
+                claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens,
+                                           reservation=places[key]))
     except ServiceError:
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
+    finally:
+        for place in places.values():
+            place.release()  # those not used by a submit (a no-op for the others)
     rt.metrics.coalesced.inc(sum(t.coalesced for t in tickets.values()))
     futures = [asyncio.wrap_future(t.future) for t in tickets.values()]
     if not await _wait_or_disconnect(request, futures):
