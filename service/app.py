@@ -340,7 +340,11 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
         firsts: dict[str, int] = {}
         for i, key in enumerate(keys):
             firsts.setdefault(key, i)
-        claims = await asyncio.gather(*(rt.client.claim(k, shas[i]) for k, i in firsts.items()), return_exceptions=True)
+        # Each claim names the image's tokens by its header: the engine admits by images and tokens before decode.
+        tokens = [await asyncio.to_thread(header_tokens, inputs[i].data, rt.params, rt.settings.image_limits)
+                  for i in firsts.values()]
+        claims = await asyncio.gather(*(rt.client.claim(k, shas[i], n) for (k, i), n in zip(firsts.items(), tokens)),
+                                      return_exceptions=True)
         for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
             if isinstance(c, KeyConflict):
                 claims[j] = conflict(i, c.message)
