@@ -176,3 +176,14 @@ def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint):
     server.proc.wait(10)
     wait_for(lambda: not any(alive(p) for p in children), 15, "every child gone after the supervisor's SIGKILL")
     wait_for(lambda: leaked_segments(sup) == [], 10, "the arenas' segments removed")
+
+
+def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_checkpoint):
+    from tests.test_server import stalled_heads_are_cut_off
+
+    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2", "--header-timeout-s", "1")
+    try:
+        stalled_heads_are_cut_off(server, 1.0)
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log.read_text()
