@@ -82,15 +82,17 @@ def serve_settings(serve_args: list[str]):
 class Server:
     """`python -m service serve ARGS` on 127.0.0.1 (always: later flags win), its output in `log`."""
 
-    def __init__(self, serve_args: list[str], log: Path, ready_timeout_s: float):
+    def __init__(self, serve_args: list[str], log: Path, ready_timeout_s: float, fault_inject: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "service", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
         # This checkout's `service` (PYTHONPATH, not cwd: relative paths in ARGS stay the caller's).
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        if fault_inject:  # the server's alone: the load tool's reference engine must stay exact
+            env["QVE_FAULT_INJECT"] = fault_inject
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each reader's pause between reads (keeps a small machine's cores for the server)")
     p.add_argument("--sample-interval-s", type=float, default=0.5, help="RSS / file-descriptor sampling period")
     p.add_argument("--ready-timeout-s", type=float, default=600.0, help="--serve: how long the server may take to start")
+    p.add_argument("--fault-inject", metavar="SPEC", help="--serve only, the control run: QVE_FAULT_INJECT for the server "
+                   "(e.g. stall=20000000,no-fence on cuda), to show the soak catches what a missing fence corrupts")
     p.add_argument("--loadtest-args", default="", help="more bench/loadtest.py flags (quoted), e.g. '--model DIR'")
     p.add_argument("--out-dir", type=Path, default=Path("soak-out"))
     return p
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     reference_args += [flag, str(value)]
             log = args.out_dir / "server.log"
             print(f"starting: python -m service serve {shlex.join(serve_args)}", file=sys.stderr, flush=True)
-            server = Server(serve_args, log, args.ready_timeout_s)
+            server = Server(serve_args, log, args.ready_timeout_s, args.fault_inject)
             url, pid = server.url, server.proc.pid
         else:
             if not loadtest.is_loopback_url(args.url):

@@ -178,12 +178,12 @@ class Engine:
             return
         for part in spec.split(","):
             name, _, value = part.strip().partition("=")
-            if name == "stall" and self.cuda:
-                self.test_stall_cycles = int(value)
+            if name == "stall":
+                self.test_stall_cycles = int(value) if self.cuda else 0  # a CPU step has no device to lag
             elif name == "no-fence":
                 self.pool.fence = False
             else:
-                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (stall=CYCLES needs cuda; no-fence)")
+                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (known: stall=CYCLES, no-fence)")
         log.warning("FAULT INJECTION ON (%s=%s): stall %d cycles before each step's copies, fence %s; "
                     "embeddings may be wrong", FAULT_ENV, spec, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
 

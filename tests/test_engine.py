@@ -120,6 +120,9 @@ def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, m
     assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is True
     monkeypatch.setenv("QVE_FAULT_INJECT", "no-fence")
     assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is False
+    monkeypatch.setenv("QVE_FAULT_INJECT", "stall=1000,no-fence")  # a CPU engine has nothing to stall: accepted
+    e = Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
+    assert e.test_stall_cycles == 0 and e.pool.fence is False
     monkeypatch.setenv("QVE_FAULT_INJECT", "no-fense")
     with pytest.raises(ValueError, match="unknown fault 'no-fense'"):
         Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
