@@ -9,7 +9,7 @@ from service.config import Settings
 
 def _from_cli(*argv):
     args = vars(build_parser().parse_args(["serve", *argv]))
-    args.pop("command"), args.pop("log_level")
+    args.pop("command")
     return Settings(**args)
 
 
