@@ -52,6 +52,13 @@ def _default_text(field) -> str:
     return str(value)
 
 
+def _local_url() -> str:
+    """The server `serve` would start in this environment (QVE_HOST, QVE_PORT), seen from this machine."""
+    host = os.environ.get("QVE_HOST", "127.0.0.1")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{os.environ.get('QVE_PORT', '8080')}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
                                      "(also `python -m service`)")
@@ -73,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     try_ = sub.add_parser("try", help="post an image to a running server; print the answer and where the "
                           "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    try_.add_argument("--url", default="http://127.0.0.1:8080", help="the server")
+    try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
+                      "QVE_PORT describe, as `serve` reads them")
     try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, help="the image to post (JPEG, PNG, WebP, ...)")
     try_.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a server still starting")
 

@@ -116,6 +116,7 @@ class Supervisor:
         self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
         self.engine: multiprocessing.Process | None = None
         self.stopping = False
+        self.stop_signal: int | None = None
 
     def _start_api(self, i: int) -> None:
         self.generation[i] += 1
@@ -154,13 +155,14 @@ class Supervisor:
                     self._unlink_segment(i)
                     self._start_api(i)
         self._stop()
-        return code
+        return 130 if code == 0 and self.stop_signal == signal.SIGINT else code  # a shell's "interrupted"
 
     def _on_signal(self, signum, frame) -> None:
         if not self.stopping:
             log.info("%s: stopping; the API processes finish their open requests, then the engine its queue",
                      signal.Signals(signum).name)
         self.stopping = True
+        self.stop_signal = self.stop_signal or signum
 
     def _unlink_segment(self, i: int) -> None:
         unlink_segment(segment_name(self.pid, i, self.generation[i]))
