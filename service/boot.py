@@ -136,7 +136,9 @@ class Booting:
     async def _boot(self) -> None:
         try:
             model = await _in_daemon_thread(self.load or _load_model, self.settings)
-            if model.device.type == "cuda" and (self.settings.compile or self.settings.cuda_graphs):
+            # What the Engine does before it is ready on a GPU (engine.py: cuda + bfloat16 only).
+            if model.device.type == "cuda" and str(model.dtype) == "torch.bfloat16" and (
+                    self.settings.compile or self.settings.cuda_graphs):
                 self.phase = "compiling"
             from .app import create_app
 
