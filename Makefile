@@ -40,19 +40,22 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The stamps make re-runs instant; each is refreshed whenever pyproject.toml changes.
+# NOTE: --no-compile: pip would byte-compile every installed file (torch and transformers hold
+# thousands the service never imports); Python compiles what it imports on first use instead and
+# caches it. Measured on a fresh clone here: install 56 s instead of 101 s, the first start no slower.
 $(SERVE_STAMP): pyproject.toml | $(PY)
 	@echo "==> upgrading pip in $(VENV)"
 	$(PY) -m pip install -q --upgrade pip
 	@echo "==> installing $(TORCH_SPEC) (CPU build where a local wheel is configured; the largest step)"
-	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install --no-compile "$(TORCH_SPEC)"
 	@echo "==> installing the service and what serving needs (no dev extras)"
-	$(PY) -m pip install -e .
+	$(PY) -m pip install --no-compile -e .
 	@echo "==> installed: $(VENV) is ready to serve"
 	touch $@
 
 $(DEV_STAMP): $(SERVE_STAMP) pyproject.toml
 	@echo "==> installing the dev extras (test suite, load test)"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install --no-compile -e ".[dev]"
 	touch $@
 
 test: $(DEV_STAMP)
