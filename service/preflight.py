@@ -8,7 +8,9 @@ second and one line instead of a model load and a traceback:
               by others, not locked by another service
 
 Each failure is a StartupError whose message is the line the CLI prints. Only the store check
-imports torch (service/store.py does at module level): it runs last.
+imports torch (service/store.py does at module level): it runs last. Measured here through the CLI
+(tests/test_main.py prints it): a failed model, device or port check exits in 0.4-0.6 s; a failed
+store check in 3.6-3.8 s, most of it importing torch.
 """
 
 from __future__ import annotations
