@@ -4,8 +4,8 @@
 
 Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
 variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks what it
-can (service/preflight.py: model, device, port, store) and binds the port, so a mistake fails in
-a second with one line, and clients that connect while the model loads get /ready 503, not a refusal.
+can (service/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
+one line before the model loads, and clients that connect while it loads get /ready 503, not a refusal.
 """
 
 from __future__ import annotations

@@ -52,10 +52,10 @@ def exit_with(pid: int) -> None:
     """In a pool worker: exit as soon as process `pid` does (SIGKILL included). For workers forked by
     multiprocessing's forkserver, whose parent (the forkserver) outlives a killed service: they hold
     its liveness pipe, so it never sees the service go, and PR_SET_PDEATHSIG would never fire.
-    The worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C (or a service manager's SIGTERM to the
-    whole group) reaches it too, and the service, which still needs it to drain, ends it itself."""
+    The worker ignores SIGINT: a terminal's Ctrl-C reaches it too (a KeyboardInterrupt traceback per
+    worker), and the service, which may still need it to drain, ends it itself. NOTE: not SIGTERM:
+    the pool terminates the survivors of a broken pool with it (a killed worker's replacement)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def watch():
         try:
