@@ -17,7 +17,7 @@ PY := $(VENV)/bin/python
 SERVE_STAMP := $(VENV)/.installed-serve
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install install-serve test run serve-tiny try loadtest lint docker-build compose-test clean help
+.PHONY: install install-serve test run serve-tiny try loadtest soak lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
@@ -26,7 +26,8 @@ help:
 	@echo "make serve-tiny  serve the tiny preset on the CPU (fast start, for trying the API)"
 	@echo "make try         post a test image to the server at URL=$(URL), print the answer and the file"
 	@echo "make test        run the test suite"
-	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only)"
+	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot)"
+	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
 	@echo "make compose-test  build the CPU image, run docker/docker-compose.cpu.yml, check a chat answer"
@@ -73,6 +74,12 @@ try: $(SERVE_STAMP)
 
 loadtest: $(DEV_STAMP)
 	$(PY) bench/loadtest.py --url $(URL) $(ARGS)
+
+# The soak CI runs (tests/test_soak.py), with its report in $(OUT).
+OUT ?= soak-out
+soak: $(DEV_STAMP)
+	$(PY) bench/soak.py --serve "--model tiny --device cpu --store-capacity-bytes 2000000 --store-min-residency-s 1 \
+		--min-pixels 16384 --max-pixels 16384" --images 2000 --sizes 128x128 --read-pause-ms 2 --out-dir $(OUT) $(ARGS)
 
 lint: $(DEV_STAMP)
 	$(PY) -m compileall -q service kernels bench tests

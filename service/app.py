@@ -33,9 +33,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
-from .batcher import Ticket
+from .batcher import Reservation, Ticket
 from .boot import server_options  # noqa: F401  (re-exported: the supervisor and the tests take it from here)
 from .config import ImageLimits, Settings
+from .docs import mount_docs
 from .engine import EncodeJob, Engine
 from .enginep import build_batcher, build_store, key_salt, model_info
 from .errors import (
@@ -55,7 +56,7 @@ from .errors import (
     error_body,
     http_status,
 )
-from .images import PreparedImage, prepare_image
+from .images import PreparedImage, header_tokens, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
@@ -111,6 +112,8 @@ _ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for st
     (415, "an image format that is not supported"), (422, "an image that cannot be used, or an invalid key"),
     (429, "the queue is full: retry after Retry-After seconds"), (500, "an encoding step failed"),
     (503, "starting, shutting down, or the store is full: retry after Retry-After seconds"))}
+_HEALTH = {"description": "the service's state, in words", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}}
 # The JSON request body's schema, with its nested models as OpenAPI components (not dangling $defs).
 _REQUEST_SCHEMA = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
 _REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
@@ -337,7 +340,11 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
         firsts: dict[str, int] = {}
         for i, key in enumerate(keys):
             firsts.setdefault(key, i)
-        claims = await asyncio.gather(*(rt.client.claim(k, shas[i]) for k, i in firsts.items()), return_exceptions=True)
+        # Each claim names the image's tokens by its header: the engine admits by images and tokens before decode.
+        tokens = [await asyncio.to_thread(header_tokens, inputs[i].data, rt.params, rt.settings.image_limits)
+                  for i in firsts.values()]
+        claims = await asyncio.gather(*(rt.client.claim(k, shas[i], n) for (k, i), n in zip(firsts.items(), tokens)),
+                                      return_exceptions=True)
         for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
             if isinstance(c, KeyConflict):
                 claims[j] = conflict(i, c.message)
@@ -624,8 +631,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         finally:
             await rt.shutdown()
 
-    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+    mount_docs(app)  # /docs from the package, not a CDN
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)
@@ -696,7 +704,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             rt.metrics.requests.labels(status=str(status)).inc()
             rt.metrics.encode_latency.observe(time.perf_counter() - t0)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
+                                                        "not running, warm-up failed, or the store cannot be written"}})
     async def health(request: Request):
         """200 while the step loop is alive (or still warming up) and the store takes writes; 503 otherwise."""
         rt = request.app.state.rt
@@ -719,7 +728,10 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             return JSONResponse({"status": "step loop is not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "not ready yet (loading, warming up) or the engine is gone",
+                                        "content": {"application/json": {"schema": {
+                                            "type": "object", "properties": {"ready": {"type": "boolean"}},
+                                            "required": ["ready"]}}}}})
     async def ready(request: Request):
         """200 once the model is loaded and warmed up."""
         rt = request.app.state.rt
@@ -735,7 +747,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             return JSONResponse({"ready": False, "phase": "failed" if rt.warmup_failed else "warming"}, status_code=503)
         return model_info(rt.model, rt.engine, rt.startup, ready=True)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}},
+        401: _ERROR_RESPONSES[401]})
     async def metrics(request: Request):
         if settings.api_key_metrics:
             authorize(request)
@@ -822,6 +836,7 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
         for t in tickets.values():
             t.cancel()
 
+    places: dict[str, Reservation] = {}  # key -> its queue place while the image is decoded
     try:
         for i, key in enumerate(keys):
             if key in answers or key in tickets or key in todo or cache_hit(i):
@@ -832,6 +847,13 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
             else:
                 todo[key] = i
 
+        # Admission before decode: each image to decode takes its queue place (its tokens read from its
+        # header) now, so a full queue answers 429 before any pixels exist; an admitted image is queued
+        # once decoded, whatever the queue holds by then.
+        for key, i in todo.items():
+            tokens = await asyncio.to_thread(header_tokens, inputs[i].data, rt.model.params, rt.settings.image_limits)
+            places[key] = rt.batcher.reserve(tokens)
+
         prepared = await asyncio.gather(*(rt.decode(inputs[i].data) for i in todo.values()), return_exceptions=True)
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
@@ -839,10 +861,14 @@ async def _encode(rt: Runtime, request: Request) -> list[EncodedItem] | None:
 
         for (key, i), prep in zip(todo.items(), prepared):
             if not cache_hit(i):  # it may have landed while we decoded
-                claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens))
+                claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens,
+                                           reservation=places[key]))
     except ServiceError:
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
+    finally:
+        for place in places.values():
+            place.release()  # those not used by a submit (a no-op for the others)
     rt.metrics.coalesced.inc(sum(t.coalesced for t in tickets.values()))
     futures = [asyncio.wrap_future(t.future) for t in tickets.values()]
     if not await _wait_or_disconnect(request, futures):

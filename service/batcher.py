@@ -13,8 +13,11 @@ Life of an item::
 
 - Coalescing: a key that is queued or in flight is encoded once; later submits of it join the
   existing item (`waiters += 1`) instead of adding work, so they also bypass admission.
-- Admission: at most `max_queue_images` items wait unscheduled; beyond that `submit` raises
-  `Overloaded` (429). In-flight items are bounded by the step loop, not here.
+- Admission: at most `max_queue_images` items (and `max_queue_tokens` tokens) wait unscheduled;
+  beyond that `submit` raises `Overloaded` (429). In-flight items are bounded by the step loop, not
+  here. Admission can come before decode: `reserve` holds a queue place (and the image's tokens, from
+  its header) while the image is decoded, and `submit(..., reservation=)` uses it up, so a full queue
+  refuses an image before its pixels exist and an admitted one is never refused after decoding.
 - A batch closes on the token budget, the image limit, at once when the step loop says the device
   is idle (continuous batching: nothing would be gained by waiting), `max_wait_s` after its oldest
   item was enqueued while the device is busy, or at once while draining after `close()`.
@@ -149,6 +152,22 @@ class Ticket:
             pass  # lost a race with this waiter's cancel(): it no longer wants the result
 
 
+class Reservation:
+    """A queue place held for one image while it is decoded (admission before decode): counted like a
+    queued image of `tokens` tokens until `Batcher.submit(..., reservation=)` uses it or `release()`."""
+
+    def __init__(self, batcher: Batcher, tokens: int):
+        self.tokens = tokens  # the image's output tokens, as its header declares them
+        self._batcher = batcher
+        self.held = True
+
+    def release(self) -> None:
+        """Give the place back (the image failed to decode, was a cache hit after all, or its request
+        failed). A no-op once used or released."""
+        with self._batcher._cond:
+            self._batcher._unreserve_locked(self)
+
+
 class Batcher:
     """Bounded FIFO of work items; see the module docstring for the life of an item."""
 
@@ -169,17 +188,23 @@ class Batcher:
         self._queued: OrderedDict[str, WorkItem] = OrderedDict()
         self._in_flight: dict[str, WorkItem] = {}
         self._queued_tokens = 0  # sum of the queued items' tokens
+        self._reserved = 0  # held Reservations: images being decoded, admitted already
+        self._reserved_tokens = 0  # their tokens
         self._closed = False
         self._stats = BatcherStats()
 
     # ---- producer side (HTTP handlers) -----------------------------------------------------------
-    def submit(self, key: str, payload: object, tokens: int) -> Ticket:
+    def submit(self, key: str, payload: object, tokens: int, reservation: Reservation | None = None) -> Ticket:
         """Queue one image, or join the queued / in-flight item with the same key. Never blocks.
 
-        Raises `Overloaded` when the queue is full and `Unavailable` after `close()`.
+        With `reservation` (from `reserve`, before the image was decoded) the image was admitted then:
+        the reservation is used up and the image is queued whatever the queue holds now. Without one,
+        raises `Overloaded` when the queue is full. Raises `Unavailable` after `close()`.
         """
         assert tokens > 0, f"an image has at least one output token, got {tokens}: this is a bug"
         with self._cond:
+            if reservation is not None:
+                self._unreserve_locked(reservation)
             if self._closed:
                 raise Unavailable("the encoder is shutting down and takes no new work; retry on another instance")
             item = self._queued.get(key) or self._in_flight.get(key)
@@ -189,21 +214,8 @@ class Batcher:
                 self._stats.coalesced += 1
                 ticket = Ticket(self, item, coalesced=True)
             else:
-                depth, max_tokens = len(self._queued), self.limits.max_queue_tokens
-                if depth + 1 > self.limits.max_queue_images:
-                    self._stats.rejected += 1
-                    raise Overloaded(
-                        f"encode queue is full ({depth} images waiting, limit {self.limits.max_queue_images}); "
-                        f"retry in about {RETRY_AFTER_S}s",
-                        retry_after_s=RETRY_AFTER_S,
-                    )
-                if depth and max_tokens is not None and self._queued_tokens + tokens > max_tokens:
-                    self._stats.rejected += 1
-                    raise Overloaded(
-                        f"encode queue is full ({depth} images of {self._queued_tokens} tokens waiting; this image "
-                        f"adds {tokens}, limit {max_tokens} tokens); retry in about {RETRY_AFTER_S}s",
-                        retry_after_s=RETRY_AFTER_S,
-                    )
+                if reservation is None:
+                    self._admit_locked(tokens)
                 item = WorkItem(key, payload, tokens, Future(), waiters=1, enqueued_at=self._clock())
                 self._queued[key] = item
                 self._queued_tokens += tokens
@@ -214,6 +226,46 @@ class Batcher:
             self._stats.submitted += 1
         ticket._attach()
         return ticket
+
+    def reserve(self, tokens: int) -> Reservation:
+        """Admission before decode: hold a queue place for one image of `tokens` output tokens (from its
+        header) while it is decoded. Raises `Overloaded` when the queue (queued images plus the places
+        already held) is full, `Unavailable` after `close()`. Use it up with `submit(..., reservation=)`
+        or give it back with `release()`."""
+        tokens = max(1, tokens)
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the encoder is shutting down and takes no new work; retry on another instance")
+            self._admit_locked(tokens)
+            self._reserved += 1
+            self._reserved_tokens += tokens
+            return Reservation(self, tokens)
+
+    def _admit_locked(self, tokens: int) -> None:
+        """Raise Overloaded if one more image of `tokens` tokens does not fit. Caller holds _cond."""
+        depth = len(self._queued) + self._reserved
+        queued_tokens = self._queued_tokens + self._reserved_tokens
+        max_tokens = self.limits.max_queue_tokens
+        if depth + 1 > self.limits.max_queue_images:
+            self._stats.rejected += 1
+            raise Overloaded(
+                f"encode queue is full ({depth} images waiting or being decoded, limit "
+                f"{self.limits.max_queue_images}); retry in about {RETRY_AFTER_S}s",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        if depth and max_tokens is not None and queued_tokens + tokens > max_tokens:
+            self._stats.rejected += 1
+            raise Overloaded(
+                f"encode queue is full ({depth} images of {queued_tokens} tokens waiting or being decoded; this "
+                f"image adds {tokens}, limit {max_tokens} tokens); retry in about {RETRY_AFTER_S}s",
+                retry_after_s=RETRY_AFTER_S,
+            )
+
+    def _unreserve_locked(self, r: Reservation) -> None:
+        if r.held:
+            r.held = False
+            self._reserved -= 1
+            self._reserved_tokens -= r.tokens
 
     def join(self, key: str) -> Ticket | None:
         """Join the queued or in-flight item for `key`, if there is one (no payload needed).
@@ -355,9 +407,14 @@ class Batcher:
         return self._closed
 
     def queue_depth(self) -> int:
-        """Images queued and not yet scheduled (what admission counts)."""
+        """Images queued and not yet scheduled (admission counts these plus the held reservations)."""
         with self._cond:
             return len(self._queued)
+
+    def reserved(self) -> int:
+        """Queue places held by images being decoded (Reservations not yet used or released)."""
+        with self._cond:
+            return self._reserved
 
     def in_flight(self) -> int:
         """Items handed out by next_batch and not yet finished."""

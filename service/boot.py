@@ -32,6 +32,7 @@ import uvicorn
 
 from .config import Settings
 from .errors import StartupError, error_body
+from .protocol import header_timeout_protocol
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ log = logging.getLogger(__name__)
 def server_options(settings: Settings) -> dict:
     """uvicorn's options for serving this app (one process or each API process).
     NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
-    are queued or running), then runs the app's shutdown, which drains the step loop."""
+    are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
+    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
     return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
-            "limit_concurrency": settings.max_connections}
+            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
 
 
 class Server(uvicorn.Server):

@@ -98,6 +98,10 @@ class Settings(BaseSettings):
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
                                               "private or link-local addresses (off: such fetches are refused)")
     max_images_per_request: int = Field(64, gt=0)
+    header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
+                                    "headers) may take to arrive, from the connection's start or the request's first "
+                                    "byte; then 408 and the connection closed (slowloris clients cannot hold "
+                                    "connections)")
     body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next part of a request body; "
                                   "then 408 (a client that stalls mid-body cannot hold a request forever)")
     keep_alive_s: float = Field(75.0, gt=0, description="idle keep-alive connections are closed after this long "

@@ -17,10 +17,10 @@ import time
 from dataclasses import astuple
 
 from .arena import ArenaReader
-from .batcher import BatchLimits, Batcher, Ticket
+from .batcher import BatchLimits, Batcher, Reservation, Ticket
 from .config import Settings
 from .engine import EncodeJob, Engine
-from .errors import KeyConflict, Overloaded, ServiceError
+from .errors import KeyConflict, ServiceError
 from .images import PreparedImage
 from .ipc import EngineServer, error_to_wire, item_to_wire
 from .loader import LoadedModel, load_model
@@ -66,7 +66,7 @@ class _Conn:
     def __init__(self, send):
         self.send = send
         self.tickets: dict[int, Ticket] = {}
-        self.grants: set[int] = set()
+        self.grants: dict[int, Reservation] = {}  # claim id -> the queue place it was granted
         self.open = True
 
 
@@ -79,7 +79,6 @@ class EngineHost:
             settings, model, store, batcher, engine, metrics)
         self.reader = ArenaReader()
         self.server: EngineServer | None = None
-        self.granted = 0  # claims answered "decode" and not yet submitted or cancelled
         self.ready = threading.Event()
         self.startup: dict[str, float] = {}
 
@@ -93,7 +92,8 @@ class EngineHost:
         for t in conn.tickets.values():
             t.cancel()
         conn.tickets.clear()
-        self.granted -= len(conn.grants)
+        for place in conn.grants.values():
+            place.release()
         conn.grants.clear()
 
     def _post(self, conn: _Conn, msg: list) -> None:
@@ -105,16 +105,16 @@ class EngineHost:
         kind, rid = msg[0], msg[1]
         try:
             if kind == "claim":
-                self._claim(conn, rid, msg[2], msg[3])
+                self._claim(conn, rid, msg[2], msg[3], msg[4])
             elif kind == "submit":
                 self._submit(conn, rid, *msg[2:])
             elif kind == "cancel":
                 t = conn.tickets.pop(rid, None)
                 if t is not None:
                     t.cancel()
-                if rid in conn.grants:
-                    conn.grants.discard(rid)
-                    self.granted -= 1
+                place = conn.grants.pop(rid, None)
+                if place is not None:
+                    place.release()
             elif kind == "status":
                 conn.send(["status", rid, self.status()])
             elif kind == "metrics":
@@ -128,7 +128,7 @@ class EngineHost:
             log.exception("engine: %s message %s failed", kind, rid)
             conn.send(["error", rid, *error_to_wire(e)])
 
-    def _claim(self, conn: _Conn, rid: int, key: str, sha: str) -> None:
+    def _claim(self, conn: _Conn, rid: int, key: str, sha: str, tokens: int) -> None:
         validate_key(key)
         hit = self.store.lookup(key)
         if hit is not None and hit.content_sha256 is not None:  # an entry without a recorded hash: encode again
@@ -145,20 +145,14 @@ class EngineHost:
             self._wait(conn, rid, joined)
             conn.send(["joined", rid])
             return
-        # Admission before decode: a grant holds a queue place until its submit.
-        depth = self.batcher.queue_depth() + self.granted
-        if depth >= self.settings.max_queue_images:  # counted as rejected by the API process that answers 429
-            raise Overloaded(f"encode queue is full ({depth} images waiting or being decoded, limit "
-                             f"{self.settings.max_queue_images}); retry in about 1s", retry_after_s=1)
-        conn.grants.add(rid)
-        self.granted += 1
+        # Admission before decode: a grant holds a queue place (with the image's tokens by its header) until
+        # its submit; a full queue is Overloaded (the API process that answers 429 counts it as rejected).
+        conn.grants[rid] = self.batcher.reserve(int(tokens))
         conn.send(["decode", rid])
 
     def _submit(self, conn: _Conn, rid: int, grant: int, key: str, sha: str, segment: str, offset: int,
                 nbytes: int, h: int, w: int, grid: list[int], tokens: int) -> None:
-        if grant in conn.grants:
-            conn.grants.discard(grant)
-            self.granted -= 1
+        place = conn.grants.pop(grant, None)  # used up by this submit, whatever its outcome
         cell = ["cell_free", segment, offset, nbytes]
         try:
             validate_key(key)
@@ -168,8 +162,10 @@ class EngineHost:
             pixels = self.reader.view(segment, offset, nbytes).reshape(h, w, 3)
             image = PreparedImage(pixels=pixels, grid_thw=(t_, gh, gw), num_patches=t_ * gh * gw, num_tokens=tokens,
                                   orig_size=(w, h))
-            ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens)
+            ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens, reservation=place)
         except Exception:
+            if place is not None:
+                place.release()
             conn.send(cell)
             raise
         if ticket.coalesced:  # joined an item queued meanwhile: our pixels are not needed

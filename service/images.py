@@ -40,6 +40,7 @@ from service.errors import (
     BadAspectRatio,
     CorruptImage,
     EmptyImage,
+    ImageError,
     ImageTooLarge,
     NotAnImage,
     TruncatedImage,
@@ -91,6 +92,34 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits) ->
         num_tokens=preprocess.num_tokens(grid, params),
         orig_size=img.size,
     )
+
+
+def header_tokens(data: bytes, params: PreprocessParams, limits: ImageLimits) -> int:
+    """The output tokens this image will take, from its header alone (nothing decoded): what admission
+    counts before the image is decoded. Cheap enough for the event loop (a header parse, no pixels).
+
+    1 when the header does not give an acceptable size: decoding will refuse the image with the reason,
+    and until then it costs a queue place, not pixels. EXIF orientation does not matter: smart_resize
+    is symmetric in height and width, so a transposed image has the same number of tokens."""
+    sniffed = _sniff_format(data)
+    if sniffed == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
+        size = _declared_size("WEBP", data)
+    else:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
+                    size = img.size
+        except Exception:  # whatever the header's fault: the decode says what it is
+            size = None
+    if size is None:
+        return 1
+    try:
+        _check_geometry(size, limits)
+        height, width = preprocess.smart_resize(size[1], size[0], params)
+    except ImageError:
+        return 1
+    return preprocess.num_tokens(preprocess.grid_for(height, width, params), params)
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:

@@ -3,7 +3,7 @@
 Frames: a 4-byte little-endian length, then a msgpack list whose first element names the message.
 
     API -> engine                                   engine -> API
-    ["claim", id, key, sha256]                      ["hit", id, item] | ["joined", id] | ["decode", id]
+    ["claim", id, key, sha256, tokens]              ["hit", id, item] | ["joined", id] | ["decode", id]
                                                     | ["error", id, code, message, retry_after]
     ["submit", id, grant, key, sha256, segment,     ["queued", id] | ["error", ...], later
       offset, nbytes, h, w, grid_thw, tokens]         ["result", id, item] | ["error", ...]
@@ -12,8 +12,8 @@ Frames: a 4-byte little-endian length, then a msgpack list whose first element n
     ["metrics", id]                                 ["metrics", id, prometheus text]
                                                     ["cell_free", segment, offset, nbytes]
 
-A claim is admission before decode: "decode" is a grant of one queue place, held until the submit
-(or a cancel, or the connection closing). A joined claim or a queued submit gets its "result" later.
+A claim is admission before decode: "decode" is a grant of one queue place (and of the image's
+`tokens`, read from its header), held until the submit (or a cancel, or the connection closing). A joined claim or a queued submit gets its "result" later.
 Cells: the engine sends exactly one "cell_free" per submit, once nothing will read the cell again
 (its item was staged into a pinned slot, dropped, or was never queued), and the API process reuses
 the cell only then.
@@ -172,10 +172,11 @@ class EngineClient:
             raise error_from_wire(*answer[2:5])
         return answer, later
 
-    async def claim(self, key: str, sha: str) -> tuple[str, object]:
-        """("hit", StoredItem) | ("joined", (id, future of a StoredItem)) | ("decode", grant id)."""
+    async def claim(self, key: str, sha: str, tokens: int) -> tuple[str, object]:
+        """("hit", StoredItem) | ("joined", (id, future of a StoredItem)) | ("decode", grant id).
+        `tokens`: the image's output tokens by its header, what its queue place counts."""
         rid = next(self._ids)
-        answer, later = await self._ask(["claim", rid, key, sha], rid, keep_result=True)
+        answer, later = await self._ask(["claim", rid, key, sha, tokens], rid, keep_result=True)
         if answer[0] == "hit":
             self._results.pop(rid, None)
             return "hit", item_from_wire(answer[2])

@@ -79,12 +79,17 @@ def _from_preset(name: str, seed: int, device: torch.device, dtype: torch.dtype)
     cfg = preset_vision_config(name)
     spec = TowerSpec.from_config(cfg)
     tower = _empty_tower(spec, device, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    # Drawn on the CPU in float32 whatever the target, then cast and copied: a seed means the same
+    # weights on every device and dtype, so a float32 CPU reference (the load tool's --verify, the
+    # consumer's tests) reproduces a CUDA bf16 server's. (A generator on the device drew other numbers:
+    # an H200 soak's verify found every tiny-preset embedding wrong against the CPU reference.)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         # transformers' initialisation: N(0, initializer_range) weights, zero biases, unit norms.
         for mod in tower.modules():
             if isinstance(mod, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Embedding)):
-                mod.weight.normal_(0.0, cfg.initializer_range, generator=gen)
+                drawn = torch.empty(mod.weight.shape, dtype=torch.float32).normal_(0.0, cfg.initializer_range, generator=gen)
+                mod.weight.copy_(drawn)
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.zero_()
             elif isinstance(mod, torch.nn.LayerNorm):

@@ -43,11 +43,24 @@ def _ours_to_outlive(pid: str) -> bool:
     return False
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _in_this_checkout(pid: str) -> bool:
+    """Started from this checkout (the tests start everything with it as the working directory). Other
+    checkouts on the same machine (another worktree's tests or servers) are not this run's business."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return cwd == _ROOT or cwd.startswith(_ROOT + os.sep)
+
+
 def _leftovers(since_ticks: int) -> list[str]:
     """Processes like ours started during this session that are still alive and no longer ours."""
     found = []
     for pid in (p.name for p in Path("/proc").iterdir() if p.name.isdigit()):
-        if _ours_to_outlive(pid):
+        if _ours_to_outlive(pid) or not _in_this_checkout(pid):
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -573,3 +573,58 @@ def test_openapi_document_resolves_every_ref_and_lists_the_error_answers(tmp_pat
                   httpx.get(url + "/nowhere")):
             assert r.status_code >= 400
             ErrorResponse.model_validate(r.json())
+
+
+def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_them(tmp_path, tiny_model):
+    from PIL import Image
+
+    # 4000x4000 = 16M pixels (48 MB decoded) in a 48 KB PNG: the 24 concurrent huge images.
+    huge = data.encode(Image.new("RGB", (4000, 4000), (40, 90, 160)), "PNG")
+    s = _settings(tmp_path, max_queue_images=2, max_batch_images=1, max_queue_tokens=600)
+    with live_server(s, tiny_model) as (url, app):
+        rt = app.state.rt
+        gate = _Gate(rt.engine)
+        decoded, real_decode = [], rt.decode
+
+        async def counting_decode(blob):
+            decoded.append(len(blob))
+            return await real_decode(blob)
+
+        rt.decode = counting_decode
+        with ThreadPoolExecutor(24) as pool:
+            first = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1100)), timeout=60)
+            assert gate.entered.wait(10)  # image 1100 is in the step loop, held
+            queued = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(1101 + i)), timeout=60)
+                      for i in range(2)]
+            _wait_for(lambda: rt.batcher.queue_depth() == 2)
+            before = len(decoded)
+            # The queue is full by count: 24 concurrent huge images (distinct keys) all 429, none decoded.
+            over = list(pool.map(lambda k: httpx.post(url + "/encode", json=json_body(huge, uuids=[f"huge-{k}"]),
+                                                      timeout=60), range(24)))
+            assert [r.status_code for r in over] == [429] * 24, [r.text for r in over if r.status_code != 429]
+            assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded" for r in over)
+            assert len(decoded) == before, "images refused by admission were decoded"
+            gate.release.set()
+            assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
+        _wait_for(lambda: rt.batcher.queue_depth() == 0 and rt.batcher.in_flight() == 0)
+
+        # By tokens: with one small image queued, a large one (1444 tokens by its header: 1216x1216 once resized) is
+        # over the 600-token bound: 429 before its decode; a small one still fits.
+        large = data.encode(data.textured_rgb(1200, 1200, seed=1199), "JPEG")
+        gate = _Gate(rt.engine)
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1200)), timeout=60)
+            assert gate.entered.wait(10)
+            small = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1201)), timeout=60)
+            _wait_for(lambda: rt.batcher.queue_depth() == 1)
+            before = len(decoded)
+            r = httpx.post(url + "/encode", json=json_body(large), timeout=60)
+            assert r.status_code == 429 and "this image adds 1444," in r.json()["error"]["message"], r.text
+            assert len(decoded) == before
+            gate.release.set()
+            assert held.result().status_code == 200 and small.result().status_code == 200
+        # A request that fails after taking its places gives them back.
+        bad = httpx.post(url + "/encode", json=json_body(_png(1300), b"\x89PNG\r\n\x1a\n broken"), timeout=60)
+        assert bad.status_code == 422
+        assert rt.batcher.reserved() == 0
+        assert httpx.post(url + "/encode", json=json_body(large), timeout=60).status_code == 200  # alone: admitted

@@ -120,6 +120,31 @@ def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, m
     assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is True
     monkeypatch.setenv("QVE_FAULT_INJECT", "no-fence")
     assert Engine(model, store=None, batcher=None, settings=s, metrics=Metrics()).pool.fence is False
+    monkeypatch.setenv("QVE_FAULT_INJECT", "stall=1000,no-fence")  # a CPU engine has nothing to stall: accepted
+    e = Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
+    assert e.test_stall_cycles == 0 and e.pool.fence is False
     monkeypatch.setenv("QVE_FAULT_INJECT", "no-fense")
     with pytest.raises(ValueError, match="unknown fault 'no-fense'"):
         Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
+
+
+@pytest.mark.parametrize("writers", [1, 3, 4])
+def test_store_writes_of_a_step_are_shared_among_the_writer_threads_in_order(model, writers):
+    import threading
+    import time
+
+    engine = Engine(model, store=None, batcher=None, metrics=Metrics(),
+                    settings=Settings(device="cpu", dtype="float32", store_writers=writers))
+    seen: dict[int, str] = {}
+
+    def work(a, b):
+        seen[a] = threading.current_thread().name
+        time.sleep(0.001)  # long enough that the shares run at the same time, on different threads
+        return a * 10 + b
+
+    for n in (1, 2, 7, 64):
+        assert engine._in_parallel(work, list(range(n)), [1] * n) == [a * 10 + 1 for a in range(n)]
+    # 64 images: `writers` contiguous shares, one run by the calling thread, the rest by the pool.
+    threads = [seen[a] for a in range(64)]
+    assert len(set(threads)) == writers and threads[0] == threading.current_thread().name
+    assert threads == sorted(threads, key=threads.index)  # each thread's share is one contiguous run

@@ -355,3 +355,17 @@ def _tiff_with_size(data: bytes, width: int, height: int) -> bytes:
             fmt = "<H" if typ == 3 else "<I"
             out[entry + 8 : entry + 12] = struct.pack(fmt, value).ljust(4, b"\x00")
     return bytes(out)
+
+
+def test_header_tokens_are_the_tokens_decoding_gives_without_decoding():
+    from service.images import header_tokens
+    from tests import imagedata as data
+
+    params, limits = PreprocessParams(), ImageLimits()
+    for name, blob in data.valid_images().items():
+        assert header_tokens(blob, params, limits) == prepare_image(blob, params, limits).num_tokens, name
+    # what decoding would refuse costs one token until the decode says why
+    for blob in (b"", b"not an image", data.png_header_only(9000, 9000), data.png_header_only(4020, 20),
+                 data.png_header_only(0, 20), data.webp_declaring(16000, 16000)):
+        assert header_tokens(blob, params, limits) == 1
+    assert header_tokens(data.webp_declaring(4000, 4000), params, limits) == 15625  # read, never allocated

@@ -1,14 +1,25 @@
-"""bench/loadtest.py: its pure helpers, the payloads it builds, the loopback guard, and one real run
-against the service (tiny model, in process)."""
+"""bench/loadtest.py: its pure helpers, the payloads it builds, the loopback guard, the pre-flight
+check, the stale-connection retry, and real runs against the service (tiny model): closed loop, --rate,
+--processes, --images DIR, replays that catch a corrupted store file, Ctrl-C, the report and the plot."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import http.server
 import io
 import json
 import math
+import os
+import random
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import httpx
 
 import numpy as np
 import pytest
@@ -16,9 +27,10 @@ from PIL import Image
 
 from service.config import Settings
 from service.loader import load_model
-from tests.live import live_server
+from tests.live import free_port, live_server
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+ROOT = BENCH.parent
 
 
 @pytest.fixture
@@ -97,12 +109,12 @@ def test_summarize_and_format_table(lt):
     R = lt.Result
     results = [
         R(200, 0.010, 2, cached=1),
-        R(200, 0.030, 2),
+        R(200, 0.030, 2, retried=True),
         R(200, 0.020, 2, cached=2),
-        R(429, 0.001, 2),
-        R(429, 0.002, 2),
-        R(500, 0.5, 2),
-        R("error:ConnectError", 0.003, 0),
+        R(429, 0.001, 2, error="overloaded"),
+        R(429, 0.002, 2, error="overloaded"),
+        R(500, 0.5, 2, error="backend_error"),
+        R("error:ConnectError", 0.003, 0, retried=True, error="All connection attempts failed"),
     ]
     s = lt.summarize(results, wall_s=2.0)
     assert (s.requests, s.ok_requests, s.ok_images, s.cached_images, s.rejected_429) == (7, 3, 6, 3, 2)
@@ -112,18 +124,32 @@ def test_summarize_and_format_table(lt):
     assert lat["p90"] == pytest.approx(float(np.percentile([10, 20, 30], 90)))
     assert lat["p99"] == pytest.approx(float(np.percentile([10, 20, 30], 99)))
     assert s.status_counts == {"200": 3, "429": 2, "500": 1, "error:ConnectError": 1}
+    assert s.retries == 2
+    assert s.errors == {"429 overloaded": 2, "500 backend_error": 1,
+                        "error:ConnectError All connection attempts failed": 1}
 
-    table = lt.format_table(s)
+    replay, verify = lt.Tally(), lt.Tally()
+    for outcome in ("ok", "ok", "missing", "wrong"):
+        replay.add(outcome, "k: bad" if outcome == "wrong" else "")
+    verify.add("ok")
+    verify.worst_rel_err = 3.5e-7
+    table = lt.format_table(s, replay, verify)
     lines = table.splitlines()
-    assert len(lines) == 6
+    assert len(lines) == 10
     assert lines[0].split() == ["wall", "time", "2.00", "s"]
     assert "7 (3 ok, 2 rejected with 429)" in lines[1]
     assert "6 (3 cached)" in lines[2]
     assert "3.00 images/s, 1.50 requests/s" in lines[3]
     assert "p50 20.0  p90 28.0  p99 29.8  max 30.0" in lines[4]
     assert lines[5].endswith("200: 3, 429: 2, 500: 1, error:ConnectError: 1")
+    assert lines[6].endswith("2 (stale keep-alive connections)")
+    assert lines[7].startswith("errors") and "429 overloaded: 2" in lines[7]
+    assert lines[8].endswith("4: 2 ok, 1 missing, 1 wrong") and replay.problems == ["k: bad"]
+    assert lines[9].endswith("1: 1 ok, 0 wrong; worst rel. error 3.50e-07")
     # Values line up in one column.
     assert len({len(line) - len(line[len("throughput"):].lstrip()) for line in lines}) == 1
+    # Without retries, errors or checks: the six basic rows only.
+    assert len(lt.format_table(lt.summarize(results[:1], 1.0)).splitlines()) == 6
 
 
 def test_summarize_with_no_successes(lt):
@@ -206,21 +232,68 @@ def test_bad_pattern_and_format(lt):
         lt.encode_image(np.zeros((4, 4, 3), np.uint8), "gif")
 
 
+def test_timeseries_bins(lt):
+    R = lt.Result
+    results = [R(200, 0.1, 2, t_end=0.5), R(200, 0.3, 2, t_end=0.9), R(429, 0.01, 2, t_end=1.2), R(200, 0.2, 1, t_end=2.4)]
+    ts = lt.timeseries(results, wall_s=2.5, bin_s=1.0)
+    assert [p["t"] for p in ts] == [1.0, 2.0, 2.5]  # the last bin ends with the run
+    assert [p["images_per_s"] for p in ts] == [4.0, 0.0, pytest.approx(2.0)]  # 1 image in a 0.5 s bin
+    assert ts[0]["p50_ms"] == pytest.approx(200.0) and ts[0]["p99_ms"] == pytest.approx(298.0)
+    assert ts[1]["p50_ms"] is None and ts[1]["status"] == {"429": 1}
+    assert ts[2]["status"] == {"200": 1} and ts[2]["p99_ms"] == pytest.approx(200.0)
+    assert lt.timeseries([], 0.0) == []
+    assert len(lt.timeseries(results, wall_s=500.0)) == 100  # default: about 100 bins
+
+
+def test_compare_embeddings(lt):
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((8, 12)).astype(np.float32)
+    assert lt.compare_embeddings(ref.copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3) == (True, 0.0, "")
+    noisy = ref + 1e-4 * rng.standard_normal(ref.shape).astype(np.float32)
+    ok, rel, problem = lt.compare_embeddings(noisy, [1, 4, 8], ref, (1, 4, 8), 1e-3)
+    assert ok and 1e-5 < rel < 1e-3 and problem == ""
+    ok, rel, problem = lt.compare_embeddings(ref[::-1].copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3)  # rows of another image
+    assert not ok and rel > 0.5 and problem.startswith("relative L2 error")
+    nan = ref.copy()
+    nan[0, 0] = np.nan
+    assert lt.compare_embeddings(nan, (1, 4, 8), ref, (1, 4, 8), 1.0)[0] is False
+    ok, rel, problem = lt.compare_embeddings(ref, (1, 8, 4), ref, (1, 4, 8), 1e-3)
+    assert (ok, rel) == (False, None) and "--max-pixels" in problem
+    ok, rel, problem = lt.compare_embeddings(ref[:4], (1, 4, 8), ref, (1, 4, 8), 1e-3)
+    assert (ok, rel) == (False, None) and problem == "shape [4, 12] != reference [8, 12]"
+
+
+def test_reference_model_from_id_and_strict_json(lt):
+    assert lt.reference_model_from_id("preset:tiny:seed0") == ("tiny", 0)
+    assert lt.reference_model_from_id("preset:qwen3-vl-4b:seed12") == ("qwen3-vl-4b", 12)
+    assert lt.reference_model_from_id("Qwen3-VL-4B@0123abcd") is None
+    assert lt.reference_model_from_id("preset:tiny:x") is None
+    assert lt.strict_json({"a": [math.nan, 1.5, (math.inf, 2)], "b": "NaN"}) == {"a": [None, 1.5, [None, 2]], "b": "NaN"}
+
+
+def test_image_files_and_folder_payloads(lt, tmp_path):
+    for name in ("b.png", "a.JPG", "notes.txt", "c.webp"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub.png").mkdir()
+    files = lt.image_files(tmp_path)
+    assert [Path(f).name for f in files] == ["a.JPG", "b.png", "c.webp"]
+    spec = lt.ImageSpec(((8, 8),), 2, True, "gradient", "png", 0, tuple(files))
+    images = lt.request_images(spec, 1, keep_every=3)  # flat indices 2 and 3: files c, a
+    assert [url.split(",")[0] for url, _ in images] == ["data:image/webp;base64", "data:image/jpeg;base64"]
+    assert [blob for _, blob in images] == [None, b"x"]  # bytes kept for flat index 3 only
+
+
 # ---- the command line ----------------------------------------------------------------------------------
 def _no_traffic(monkeypatch, lt):
-    """Make any attempt to run the load fail the test (and record it)."""
+    """Make any attempt to reach a server or run the load fail the test (and record it)."""
     calls = []
 
-    async def forbidden_run(args):
+    def forbidden(*args, **kwargs):
         calls.append(args)
-        raise AssertionError("the load run started")
+        raise AssertionError("the server was contacted or the load started")
 
-    class ForbiddenClient:
-        def __init__(self, *a, **kw):
-            raise AssertionError("an HTTP client was created")
-
-    monkeypatch.setattr(lt, "run", forbidden_run)
-    monkeypatch.setattr(lt.httpx, "AsyncClient", ForbiddenClient)
+    monkeypatch.setattr(lt, "preflight", forbidden)
+    monkeypatch.setattr(lt, "run_load", forbidden)
     return calls
 
 
@@ -237,14 +310,10 @@ def test_remote_url_refused_without_allow_remote(lt, monkeypatch, capsys, tmp_pa
 
 
 def test_allow_remote_lets_the_run_start(lt, monkeypatch, capsys):
-    """The guard is what refused above: with --allow-remote the same URL reaches run() (stubbed here)."""
+    """The guard is what refused above: with --allow-remote the same URL reaches the load (stubbed here)."""
     seen = []
-
-    async def fake_run(args):
-        seen.append(args.url)
-        return [], 1.0
-
-    monkeypatch.setattr(lt, "run", fake_run)
+    monkeypatch.setattr(lt, "preflight", lambda url, headers, wait: seen.append(url) or {"model": "m"})
+    monkeypatch.setattr(lt, "run_load", lambda args, verifier, quiet: lt.Run(wall_s=1.0))
     assert lt.main(["--url", "http://10.0.0.1:8080", "--allow-remote", "--requests", "1"]) == 1  # 0 ok requests
     assert seen == ["http://10.0.0.1:8080"]
     assert "0 ok" in capsys.readouterr().out
@@ -257,7 +326,12 @@ def test_allow_remote_lets_the_run_start(lt, monkeypatch, capsys):
         (["--concurrency", "0"], "must be positive"),
         (["--requests", "0"], "must be positive"),
         (["--duration-s", "0"], "must be positive"),
+        (["--processes", "0"], "must be positive"),
+        (["--rate", "-1"], "not negative"),
         (["--unique", "--repeat"], "not allowed with"),
+        (["--concurrency", "2", "--processes", "3"], "each process needs one"),
+        (["--verify"], "give --replay-every N too"),
+        (["--images", "/nonexistent/dir"], "not a directory with image files"),
     ],
 )
 def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
@@ -267,34 +341,360 @@ def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
     assert exc.value.code == 2 and message in capsys.readouterr().err and calls == []
 
 
-# ---- a real run against the service ------------------------------------------------------------------
-def test_real_run_against_the_service(lt, tmp_path, capsys):
-    settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", max_pixels=256 * 256,
-                        decode_workers=1, max_wait_ms=20)
-    model = load_model(Settings(model="tiny", device="cpu"))
+# ---- pre-flight -----------------------------------------------------------------------------------------
+def test_unreachable_server_is_one_clear_line_and_exit_2(lt, capsys, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    out = tmp_path / "r.json"
+    t0 = time.monotonic()
+    assert lt.main(["--url", url, "--out", str(out)]) == 2
+    assert time.monotonic() - t0 < 10  # fails fast, no load started
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table of NaNs
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"error: cannot reach the encoder service at {url} (connection refused): start one (`make run`, "
+                     "or `make serve-tiny` for a quick one) or pass --url"]
+    assert not out.exists()
+
+
+class _FixedAnswer(http.server.BaseHTTPRequestHandler):
+    status = 503
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        body = b'{"ready": false}'
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, message", [
+    (503, "is not ready (/ready answered 503): it may still be loading its model; wait, or pass --wait-ready SECONDS"),
+    (404, "/ready answered HTTP 404: is this the encoder service?"),
+])
+def test_a_server_that_is_not_ready_or_not_ours(lt, capsys, status, message):
+    handler = type("Handler", (_FixedAnswer,), {"status": status})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        t0 = time.monotonic()
+        assert lt.main(["--url", url, "--wait-ready", "1"]) == 2
+        assert time.monotonic() - t0 >= (1 if status == 503 else 0)  # 503 is retried for --wait-ready, 404 is not
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+
+
+# ---- the stale keep-alive retry -------------------------------------------------------------------------
+class _RawServer:
+    """A raw HTTP/1.1 server: `script(conn_no, req_no)` says whether to answer a request (200 JSON,
+    keep-alive) or to close the connection without answering (what a server's idle close looks like
+    to a client that has just sent on that connection)."""
+
+    def __init__(self, script):
+        self.script, self.connections, self.requests = script, 0, 0
+
+    async def handle(self, reader, writer):
+        self.connections += 1
+        conn, req = self.connections, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                req += 1
+                if not self.script(conn, req):
+                    return
+                body = json.dumps({"items": [{"key": "k", "cached": False}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            return
+        finally:
+            writer.close()
+
+
+def _post_twice(lt, script):
+    async def scenario():
+        server = _RawServer(script)
+        tcp = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        port = tcp.sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                first = await lt.post_encode(client, lt.build_payload(["data:image/png;base64,AA=="]))
+                second = await lt.post_encode(client, lt.build_payload(["data:image/png;base64,AA=="]))
+        finally:
+            tcp.close()
+            await tcp.wait_closed()
+        return first, second, server
+
+    return asyncio.run(scenario())
+
+
+def test_post_encode_retries_once_on_a_stale_keep_alive_connection(lt):
+    # Connection 1 answers its first request, then closes on the second: the client sent it on a
+    # reused connection, so it is sent again, on connection 2, and answered.
+    (r1, retried1), (r2, retried2), server = _post_twice(lt, lambda conn, req: not (conn == 1 and req == 2))
+    assert isinstance(r1, httpx.Response) and r1.status_code == 200 and retried1 is False
+    assert isinstance(r2, httpx.Response) and r2.status_code == 200 and retried2 is True
+    assert (server.connections, server.requests) == (2, 3)
+
+
+def test_post_encode_does_not_retry_on_a_fresh_connection(lt):
+    # Every connection closes on its first request: that says something about the server, not about a
+    # stale connection, so it is reported as is (one request each, no retry).
+    (r1, retried1), (r2, retried2), server = _post_twice(lt, lambda conn, req: False)
+    assert isinstance(r1, httpx.RemoteProtocolError) and retried1 is False
+    assert isinstance(r2, httpx.RemoteProtocolError) and retried2 is False
+    assert (server.connections, server.requests) == (2, 2)
+
+
+# ---- real runs against the service -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model(Settings(model="tiny", device="cpu"))
+
+
+def _serve(tmp_path, model):
+    settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", decode_workers=1, max_wait_ms=20)
+    return live_server(settings, model)
+
+
+def _entries(store: Path) -> list[str]:
+    return sorted(p.parent.name for p in store.glob("*/encoder_cache.safetensors"))
+
+
+def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
     out = tmp_path / "results.json"
-    with live_server(settings, model) as (url, app):
-        rc = lt.main(["--url", url, "--requests", "12", "--concurrency", "4", "--sizes", "64x64",
-                      "--gen-workers", "1", "--timeout-s", "60", "--out", str(out)])
-        stored = sorted(p.parent.name for p in (tmp_path / "store").glob("*/encoder_cache.safetensors"))
+    with _serve(tmp_path, tiny_model) as (url, app):
+        rc = lt.main(["--url", url, "--requests", "12", "--concurrency", "4", "--sizes", "64x64", "--gen-workers", "1",
+                      "--timeout-s", "60", "--replay-every", "3", "--verify", "--store-root", str(tmp_path / "store"),
+                      "--out", str(out)])
+        stored = _entries(tmp_path / "store")
     assert rc == 0
     printed = capsys.readouterr().out
     assert "12 (12 ok, 0 rejected with 429)" in printed
+    assert "replayed    4: 4 ok, 0 missing, 0 wrong" in printed
+    assert f"report: {out}" in printed and f"plot: {out.with_suffix('.png')}" in printed
 
     report = json.loads(out.read_text())  # strict JSON (no NaN)
+    assert set(report) == {"settings", "server", "summary", "interrupted", "cancelled_in_flight", "client_errors",
+                           "timeseries", "plot", "replay", "verify"}
+    assert report["server"]["model"] == "preset:tiny:seed0" and report["server"]["dtype"] == "float32"
+    assert report["interrupted"] is False and report["cancelled_in_flight"] == 0 and report["client_errors"] == []
     s = report["summary"]
     assert s["requests"] == 12 and s["ok_requests"] == 12 and s["ok_images"] == 12
-    assert s["status_counts"] == {"200": 12} and s["rejected_429"] == 0
+    assert s["status_counts"] == {"200": 12} and s["rejected_429"] == 0 and s["retries"] == 0 and s["errors"] == {}
     assert s["cached_images"] == 0  # --unique (default): every image a fresh encode
-    assert s["wall_s"] > 0 and s["images_per_s"] > 0 and s["requests_per_s"] > 0
-    assert s["images_per_s"] == pytest.approx(12 / s["wall_s"])
+    assert s["wall_s"] > 0 and s["images_per_s"] == pytest.approx(12 / s["wall_s"])
     lat = s["latency_ms"]
     assert set(lat) == {"p50", "p90", "p99", "mean", "max"}
     assert all(isinstance(v, float) and v > 0 for v in lat.values())
-    assert lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
-    assert lat["max"] <= s["wall_s"] * 1000
+    assert lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"] <= s["wall_s"] * 1000
+
+    # Every request lands in one time bin; the bins' images add up to the total.
+    ts = report["timeseries"]
+    assert ts and [p["t"] for p in ts] == sorted(p["t"] for p in ts) and ts[-1]["t"] == pytest.approx(s["wall_s"], abs=1e-3)
+    assert sum(sum(p["status"].values()) for p in ts) == 12
+    widths = np.diff([0.0] + [p["t"] for p in ts])
+    assert sum(p["images_per_s"] * w for p, w in zip(ts, widths)) == pytest.approx(12, rel=1e-3)  # t has 3 decimals
+
+    # Replays: flat images 0, 3, 6, 9; each verified against the float32 reference.
+    assert report["replay"] == {"every": 3, "store_root": str(tmp_path / "store"), "ok": 4, "missing": 0, "wrong": 0,
+                                "problems": []}
+    v = report["verify"]
+    assert (v["ok"], v["wrong"], v["skipped"], v["reference"]) == (4, 0, 0, "preset:tiny:seed0")
+    assert v["tolerance"] == 1e-3 and 0 <= v["worst_rel_err"] <= 1e-5  # same arithmetic: float32 on the CPU
 
     settings_out = report["settings"]
     assert settings_out["url"] == url and settings_out["requests"] == 12 and settings_out["concurrency"] == 4
     assert settings_out["unique"] is True and isinstance(settings_out["seed"], int)  # recorded fresh seed
     assert len(stored) == 12  # twelve distinct images reached the store
+
+    png = Path(report["plot"])
+    assert png == out.with_suffix(".png") and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size == (900, 900)
+
+
+def test_without_matplotlib_no_plot_is_written(lt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    report = {"timeseries": [], "summary": {"status_counts": {}, "retries": 0}}
+    assert lt.write_plot(tmp_path / "p.png", report, "t") is None
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
+    out = tmp_path / "rate.json"
+    with _serve(tmp_path, tiny_model) as (url, app):
+        rc = lt.main(["--url", url, "--rate", "5", "--requests", "20", "--seed", "3", "--sizes", "64x64",
+                      "--gen-workers", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["ok_requests"] == 20 and report["settings"]["rate"] == 5
+    # The arrival times are seeded (--seed 3, client 0): the 20th request cannot go out before its
+    # scheduled time, so the run lasts at least that long. A closed loop would be done in ~0.5 s here.
+    rng = random.Random(3 * 1000 + 0)
+    last_arrival = sum(rng.expovariate(5) for _ in range(20))
+    assert last_arrival > 3.0  # this seed's schedule (3.84 s) is far from a closed loop's
+    assert last_arrival <= s["wall_s"] < last_arrival + 10
+    lag = report["schedule_lag_ms"]
+    assert set(lag) == {"p50", "p99", "max"} and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
+
+
+def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
+    out = tmp_path / "p.json"
+    with _serve(tmp_path, tiny_model) as (url, app):
+        rc = lt.main(["--url", url, "--processes", "2", "--concurrency", "2", "--requests", "8", "--sizes", "64x64",
+                      "--replay-every", "2", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
+                      "--quiet"])
+        stored = _entries(tmp_path / "store")
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["ok_images"] == 8 and report["summary"]["cached_images"] == 0
+    assert len(stored) == 8  # the two processes sent different images
+    assert (report["replay"]["ok"], report["verify"]["ok"], report["verify"]["wrong"]) == (4, 4, 0)
+
+
+def test_images_dir_is_sent_and_cycled(lt, tmp_path, tiny_model):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for k in range(3):
+        Image.fromarray(lt.make_image(48, 40, k, "noise")).save(folder / f"img{k}.png")
+    (folder / "readme.txt").write_text("not an image")
+    out = tmp_path / "d.json"
+    with _serve(tmp_path, tiny_model) as (url, app):
+        rc = lt.main(["--url", url, "--images", str(folder), "--requests", "6", "--concurrency", "1", "--out", str(out),
+                      "--quiet"])
+        stored = _entries(tmp_path / "store")
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert (s["ok_images"], s["cached_images"]) == (6, 3)  # the second pass over the folder: cache hits
+    assert len(stored) == 3
+
+
+def _data_offset(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")  # safetensors: u64 header length, header, data
+
+
+def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tiny_model):
+    store = tmp_path / "store"
+    argv = ["--requests", "6", "--concurrency", "2", "--sizes", "64x64", "--seed", "11", "--replay-every", "1",
+            "--verify", "--store-root", str(store), "--quiet"]
+    with _serve(tmp_path, tiny_model) as (url, app):
+        assert lt.main(["--url", url, *argv, "--out", str(tmp_path / "clean.json")]) == 0
+        clean = json.loads((tmp_path / "clean.json").read_text())
+        assert (clean["replay"]["ok"], clean["verify"]["ok"], clean["verify"]["wrong"]) == (6, 6, 0)
+        keys = _entries(store)
+        assert len(keys) == 6
+        files = [store / k / "encoder_cache.safetensors" for k in keys]
+        # 0: the data overwritten with 0xFF bytes (NaN as float32): a consumer would read garbage.
+        raw = bytearray(files[0].read_bytes())
+        raw[_data_offset(files[0]):] = b"\xff" * (len(raw) - _data_offset(files[0]))
+        files[0].write_bytes(bytes(raw))
+        # 1: garbage over the header: the file no longer parses.
+        raw = bytearray(files[1].read_bytes())
+        raw[8:40] = b"!" * 32
+        files[1].write_bytes(bytes(raw))
+        # 2: another image's embeddings (same shape, finite): only the comparison with the reference sees it.
+        other = files[3].read_bytes()
+        raw = bytearray(files[2].read_bytes())
+        raw[_data_offset(files[2]):] = other[_data_offset(files[3]):]
+        files[2].write_bytes(bytes(raw))
+        capsys.readouterr()
+        # The same six images again (same --seed): cache hits, each replayed from the store.
+        rc = lt.main(["--url", url, *argv, "--out", str(tmp_path / "bad.json")])
+    assert rc == 1
+    bad = json.loads((tmp_path / "bad.json").read_text())
+    assert bad["summary"]["cached_images"] == 6 and bad["summary"]["ok_images"] == 6
+    r, v = bad["replay"], bad["verify"]
+    assert (r["ok"], r["missing"], r["wrong"]) == (4, 0, 2)
+    assert sorted(p.split(":")[0] for p in r["problems"]) == sorted(keys[:2])
+    assert any("values are not finite" in p for p in r["problems"] if p.startswith(keys[0]))
+    assert any(p.startswith(keys[1]) for p in r["problems"])
+    assert (v["ok"], v["wrong"]) == (3, 1)  # the four whose replay passed; one of them is another image's
+    assert len(v["problems"]) == 1 and v["problems"][0].startswith(f"{keys[2]}: relative L2 error")
+    printed = capsys.readouterr().out
+    assert "replayed    6: 4 ok, 0 missing, 2 wrong" in printed and f"wrong: {keys[0]}" in printed
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
+                         ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
+def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):
+    """SIGINT to the tool (or, as a terminal's Ctrl-C does, to its whole process group, client and image
+    processes included): the partial summary and report, exit status 130, no traceback, no process left."""
+    out = tmp_path / "int.json"
+    store = tmp_path / "store"
+    with _serve(tmp_path, tiny_model) as (url, app):
+        proc = subprocess.Popen(
+            [sys.executable, str(BENCH / "loadtest.py"), "--url", url, "--requests", "100000", "--duration-s", "300",
+             "--concurrency", "2", "--processes", str(processes), "--sizes", "64x64", "--gen-workers", "1",
+             "--out", str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=to_group)
+        try:
+            deadline = time.monotonic() + 90
+            while len(_entries(store)) < 10:  # the load is really under way
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the load never got going"
+                time.sleep(0.1)
+            children = _descendants(proc.pid)
+            assert len(children) >= processes  # image builders (and client processes)
+            if to_group:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "Traceback" not in stdout
+    lines = stdout.splitlines()
+    assert lines[0].startswith("interrupted: partial results (") and lines[0].endswith("requests in flight were cancelled)")
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert report["interrupted"] is True and report["client_errors"] == []
+    assert s["requests"] >= 10 and s["ok_requests"] == s["requests"] and s["status_counts"] == {"200": s["requests"]}
+    assert f"requests    {s['requests']} ({s['requests']} ok, 0 rejected with 429)" in stdout
+    assert 0 <= report["cancelled_in_flight"] <= 2
+    assert s["wall_s"] > 0 and s["images_per_s"] > 0
+    # Nothing the tool started outlives it.
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+        time.sleep(0.1)

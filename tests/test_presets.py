@@ -55,3 +55,15 @@ def test_tiny_preset_builds_and_is_seeded():
     assert 0.015 < wa.std().item() < 0.025  # N(0, 0.02) like transformers' init
     assert a.dtype == torch.float32 and a.device.type == "cpu"
     assert set(PRESETS) == set(RELEASED) | {"tiny"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_seed_means_the_same_weights_on_every_device_and_dtype(device):
+    # The load tool's --verify rebuilds the server's preset on the CPU in float32: the server's weights
+    # (cuda, bf16) must be those cast. Drawn on the device or in bf16 they were other numbers entirely.
+    ref = load_model(Settings(model="tiny", device="cpu", dtype="float32", seed=5))
+    other = load_model(Settings(model="tiny", device=device, dtype="bfloat16", seed=5))
+    for (name, p32), (_, p16) in zip(ref.tower.named_parameters(), other.tower.named_parameters()):
+        assert p16.dtype == torch.bfloat16
+        assert torch.equal(p16.cpu(), p32.to(torch.bfloat16)), name

@@ -190,3 +190,37 @@ def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny
         assert httpx.get(first.url + "/health").status_code == 200  # the first one is unaffected
     finally:
         assert first.stop()
+
+
+def stalled_heads_are_cut_off(server, timeout_s: float, n: int = 200) -> None:
+    """`n` connections that each send part of a request head and stall (slowloris): each is answered 408
+    and closed within the bound of --header-timeout-s, and the server answers normal requests meanwhile
+    and afterwards."""
+    import socket
+
+    stalled = []
+    for i in range(n):
+        c = socket.create_connection(("127.0.0.1", server.port), timeout=timeout_s + 30)
+        c.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nX-Pad-%d: " % i)
+        stalled.append((c, time.monotonic()))
+    blob = data.encode(data.textured_rgb(72, 72, seed=n), "PNG")
+    assert httpx.post(server.url + "/encode", json=json_body(blob), timeout=60).status_code == 200  # meanwhile
+    took = []
+    for c, opened in stalled:
+        answer = b""
+        while chunk := c.recv(65536):
+            answer += chunk
+        took.append(time.monotonic() - opened)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer, answer[:300]
+        c.close()
+    assert timeout_s * 0.9 <= min(took) and max(took) < timeout_s + 10, (min(took), max(took))
+    r = httpx.post(server.url + "/encode", json=json_body(blob), timeout=60)  # afterwards
+    assert r.status_code == 200 and r.json()["items"][0]["cached"] is True
+
+
+def test_stalled_request_heads_are_cut_off_and_the_server_keeps_serving(tmp_path, tiny_checkpoint):
+    server = Server(tiny_checkpoint, tmp_path / "store", "--header-timeout-s", "1")
+    try:
+        stalled_heads_are_cut_off(server, 1.0)
+    finally:
+        assert server.stop()
