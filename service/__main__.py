@@ -1,15 +1,18 @@
 """CLI: `python -m service serve --model PRESET_OR_DIR --device cpu|cuda[:N] --dtype ... --store DIR ...`
-and `python -m service consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side).
+(installed as `qwen3vl-encoder serve ...`), `... try` (post a test image to a running server),
+`... consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side) and `... route`.
 
 Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
-variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. The model is loaded before the server binds, so a bad
-`--model` fails fast with a message instead of a half-started server.
+variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks what it
+can (service/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
+one line before the model loads, and clients that connect while it loads get /ready 503, not a refusal.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import types
 import typing
@@ -17,8 +20,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import Settings
-from .errors import ModelLoadError
+from .config import Settings, describe_errors, env_name, unknown_env
+from .errors import StartupError
+
+log = logging.getLogger("service")
 
 
 def _flag_type(annotation):
@@ -35,19 +40,50 @@ def _flag_type(annotation):
     return str, None
 
 
+def _default_text(field) -> str:
+    """A setting's default as one would type it."""
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _local_url() -> str:
+    """The server `serve` would start in this environment (QVE_HOST, QVE_PORT), seen from this machine."""
+    host = os.environ.get("QVE_HOST", "127.0.0.1")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{os.environ.get('QVE_PORT', '8080')}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL vision-encoder service")
+    parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
+                                     "(also `python -m service`)")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS)
+    serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS,
+                           description="Serve the vision tower. Every flag can also be set by the environment "
+                           "variable shown beside it; a flag wins.")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_ = f"{field.description or ''} (env QVE_{name.upper()})".strip()
+        help_ = f"{field.description or ''} (default: {_default_text(field)}; env {env_name(name)})".strip()
+        help_ = help_.replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
             serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
             continue
         type_, choices = _flag_type(field.annotation)
         serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    from .quickstart import EXAMPLE_IMAGE
+
+    try_ = sub.add_parser("try", help="post an image to a running server; print the answer and where the "
+                          "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
+                      "QVE_PORT describe, as `serve` reads them")
+    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, help="the image to post (JPEG, PNG, WebP, ...)")
+    try_.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a server still starting")
 
     from .config import default_store_dir
 
@@ -76,50 +112,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a server's own signal handling is in place (imports, checks)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
-    log_level = args.pop("log_level", "info")
-    if command == "route":
-        from .router import RouterConfig, serve as serve_router
+    if command == "try":
+        from .quickstart import try_it
 
+        return try_it(**args)
+    if command in ("route", "consume"):
+        log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return serve_router(RouterConfig(args["encoder_url"], args["vllm_url"], args["image_parts"]),
-                            args["host"], args["port"], log_level)
-    if command == "consume":
+        if command == "route":
+            from .router import RouterConfig, serve as serve_router
+
+            return serve_router(RouterConfig(args["encoder_url"], args["vllm_url"], args["image_parts"]),
+                                args["host"], args["port"], log_level)
         from .chat import ChatConfig, serve
 
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         host, port = args.pop("host"), args.pop("port")
         return serve(ChatConfig(**args), host, port, log_level)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = Settings(**args)
-    except ValidationError as e:
-        print(f"invalid settings:\n{e}", file=sys.stderr)
-        return 2
+    return _serve(args)
 
+
+def _serve(flags: dict) -> int:
+    """`serve`: settings, then the checks that need no model, then one process or a supervisor."""
+    try:
+        settings = Settings(**flags)
+    except ValidationError as e:
+        print("invalid settings: " + "; ".join(describe_errors(e, flags)), file=sys.stderr)
+        for warning in unknown_env(os.environ):
+            print(f"warning: {warning}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for warning in unknown_env(os.environ):
+        log.warning("%s", warning)
+
+    from .preflight import preflight
+
+    try:
+        sock = preflight(settings)
+    except StartupError as e:
+        print(f"cannot start: {e}", file=sys.stderr)
+        return 2
     if settings.api_processes > 0:
         from .supervisor import serve_supervised
 
-        return serve_supervised(settings, log_level)
+        return serve_supervised(settings, sock)
+    from .boot import serve_single
 
-    import uvicorn
-
-    from .app import create_app, server_options
-    from .loader import load_model
-
-    try:
-        model = load_model(settings)
-    except ModelLoadError as e:
-        print(f"cannot load model: {e}", file=sys.stderr)
-        return 2
-    # NOTE: several threads share the GIL (event loop, step loop, store writers); each blocking call
-    # (file I/O, event waits) can cost a whole switch interval to get the GIL back. 5 ms (the default)
-    # stalls the pipeline; 1 ms keeps the hand-offs short at negligible switching cost.
-    sys.setswitchinterval(0.001)
-    app = create_app(settings, model)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, **server_options(settings))
-    return 0
+    return serve_single(settings, sock)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
 from .batcher import Reservation, Ticket
+from .boot import server_options  # noqa: F401  (re-exported: the supervisor and the tests take it from here)
 from .config import ImageLimits, Settings
 from .docs import mount_docs
 from .engine import EncodeJob, Engine
@@ -58,7 +59,6 @@ from .errors import (
 from .images import PreparedImage, header_tokens, prepare_image
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
-from .protocol import header_timeout_protocol
 from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
 from .supervisor import exit_with
 
@@ -571,15 +571,6 @@ async def _wait_or_disconnect(request: Request, futures: list[asyncio.Future]) -
 
 
 # ---- the app --------------------------------------------------------------------------------------
-def server_options(settings: Settings) -> dict:
-    """uvicorn's options for serving this app (one process or each API process).
-    NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
-    are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
-    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
-    return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
-            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
-
-
 class _BodyLimit:
     """ASGI middleware: an /encode body over `limit` bytes is answered 413 before it is read (declared
     Content-Length) or as soon as the bytes streamed in pass the limit (chunked), JSON and multipart
@@ -630,7 +621,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             await rt.start()
         else:
             loaded = model or await asyncio.to_thread(load_model, settings)
-            rt = Runtime(settings, loaded)
+            # In a thread: on cuda the Engine compiles and captures graphs (seconds), and meanwhile the
+            # loop keeps answering (service/boot.py answers /ready with the phase).
+            rt = await asyncio.to_thread(Runtime, settings, loaded)
             app.state.rt = rt
             rt.start()
         try:
@@ -743,15 +736,15 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         """200 once the model is loaded and warmed up."""
         rt = request.app.state.rt
         if remote is not None:  # the engine process answers
-            if not rt.ready:
-                return JSONResponse({"ready": False}, status_code=503)
+            if not rt.ready:  # the engine process loads (and compiles) before it answers, then warms up
+                return JSONResponse({"ready": False, "phase": "warming" if rt.info else "loading"}, status_code=503)
             try:
                 info = await rt.client.status()
             except ServiceError:
                 return JSONResponse({"ready": False}, status_code=503)
             return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid()}
         if not rt.ready.is_set():
-            return JSONResponse({"ready": False}, status_code=503)
+            return JSONResponse({"ready": False, "phase": "failed" if rt.warmup_failed else "warming"}, status_code=503)
         return model_info(rt.model, rt.engine, rt.startup, ready=True)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

@@ -7,12 +7,14 @@ environment. Nothing on the hot path reads the environment.
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -147,6 +149,10 @@ class Settings(BaseSettings):
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
 
+    # logging
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every "
+                                                                   "process of the service")
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
@@ -197,3 +203,49 @@ class Settings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+
+# ---- where a setting comes from: the QVE_ environment ---------------------------------------------
+ENV_PREFIX = "QVE_"
+# QVE_ variables that are not settings, so not worth a warning at start.
+OTHER_ENV = frozenset({
+    "QVE_FAULT_INJECT",  # test-only fault injection, read by service/engine.py (FAULT_ENV)
+    "QVE_COMPOSE_TEST", "QVE_COMPOSE_LOG", "QVE_TEST_SUPERVISOR_REQUESTS",  # read by the tests
+})
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting: `max_batch_tokens` -> `QVE_MAX_BATCH_TOKENS`."""
+    return ENV_PREFIX + field.upper()
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each QVE_ variable that is no setting (a typo would otherwise be ignored in
+    silence), naming the closest setting's variable."""
+    known = {env_name(f) for f in Settings.model_fields}
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings matches names case-insensitively
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in OTHER_ENV:
+            continue
+        close = difflib.get_close_matches(upper, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"`--help` lists the {ENV_PREFIX} variables"
+        warnings.append(f"{name} is not a setting and is ignored; {hint}")
+    return warnings
+
+
+def describe_errors(error: ValidationError, flags: Mapping[str, object]) -> list[str]:
+    """One line per invalid setting, named the way the user set it: `--flag` for a setting in `flags`
+    (given on the command line), else its QVE_ variable (the only other place a value comes from)."""
+    lines = []
+    for e in error.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        field = e["loc"][0] if e["loc"] else None
+        if field not in Settings.model_fields:  # a check across fields (min_pixels vs max_pixels)
+            lines.append(msg)
+            continue
+        source = "--" + field.replace("_", "-") if field in flags else env_name(field)
+        # A secret (--api-key) is never echoed; neither is a value too long for one line.
+        value = "" if not Settings.model_fields[field].repr or len(str(e["input"])) > 80 else f"={e['input']}"
+        lines.append(f"{source}{value}: {msg}")
+    return lines

@@ -58,7 +58,8 @@ def model_info(model: LoadedModel, engine: Engine, startup: dict, ready: bool) -
     return {"ready": ready, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
             "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
             "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
-            "cuda_graphs": len(engine.buckets or []), "startup_s": startup}
+            "cuda_graphs": len(engine.buckets or []), "startup_s": startup,
+            "store": str(engine.store.root)}  # where a consumer on this machine reads the answered `path`s
 
 
 class _Conn:
@@ -218,8 +219,9 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     host.server = server = EngineServer(socket_path, host)
     server.start()  # the API processes connect now; /ready says 503 until the warm-up below is done
     stop = threading.Event()
+    # SIGTERM (from the supervisor, once the API processes have stopped) drains; SIGINT stays ignored
+    # (child_setup): a terminal's Ctrl-C reaches this process too, before the API processes are done.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     if settings.warmup:
         from .app import _warmup_image
 

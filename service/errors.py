@@ -127,7 +127,12 @@ class BackendError(ServiceError):
     code = "backend_error"
 
 
-class ModelLoadError(Exception):
+class StartupError(Exception):
+    """A start-up check failed (port in use, store root not the service's own, no CUDA, ...). Not an HTTP
+    error: the CLI prints the message as one line and exits with status 2."""
+
+
+class ModelLoadError(StartupError):
     """Start-up failure: the --model argument cannot be turned into a vision tower. Not an HTTP error."""
 
 

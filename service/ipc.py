@@ -271,6 +271,10 @@ class EngineServer:
         try:
             while (msg := await read_frame(reader)) is not None:
                 self.handler.handle(conn, msg)
+        except asyncio.CancelledError:
+            # NOTE: stop() cancels this task, and only it does; ending normally instead of re-raising
+            # spares the log a traceback (asyncio's stream callback calls exception() on a cancelled task).
+            pass
         except Exception:
             log.exception("API connection: bad frame; closing it")
         finally:

@@ -23,6 +23,7 @@ from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 
 from .config import PreprocessParams, Settings
 from .errors import ModelLoadError
+from .preflight import check_model
 from .presets import PRESETS, preset_vision_config
 from .tower import TowerSpec, VisionTower
 
@@ -53,16 +54,12 @@ def load_model(settings: Settings) -> LoadedModel:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {settings.device} asked for CUDA, but torch sees no GPU; use --device cpu")
     name = settings.model
+    check_model(name)
     if name in PRESETS:
         spec, params, tower = _from_preset(name, settings.seed, device, dtype)
         model_id, random_weights = f"preset:{name}:seed{settings.seed}", True
     else:
-        path = Path(name)
-        if not path.is_dir():
-            raise ModelLoadError(
-                f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing checkpoint directory"
-            )
-        spec, params, tower, model_id = _from_checkpoint(path, device, dtype)
+        spec, params, tower, model_id = _from_checkpoint(Path(name), device, dtype)
         random_weights = False
     params = replace(
         params,

@@ -7,7 +7,10 @@ Values are the `vision_config` of each released checkpoint; the class defaults o
 
 from __future__ import annotations
 
-from transformers import Qwen3VLVisionConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLVisionConfig
 
 _COMMON = dict(
     patch_size=16,
@@ -34,6 +37,10 @@ PRESETS = tuple(_TABLE)
 
 def preset_vision_config(name: str) -> Qwen3VLVisionConfig:
     """The transformers vision config of a preset. Raises KeyError for an unknown name."""
+    # NOTE: imported here, not at the top: the CLI checks `--model` against PRESETS before anything
+    # heavy is imported (transformers takes seconds), so a typo fails at once.
+    from transformers import Qwen3VLVisionConfig
+
     depth, hidden, inter, heads, out_hidden, taps = _TABLE[name]
     return Qwen3VLVisionConfig(
         depth=depth,

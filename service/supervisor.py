@@ -13,7 +13,8 @@ What happens when a process dies:
   * the supervisor, even by SIGKILL: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
     drains; the arena segments go with their processes.
 SIGTERM / SIGINT to the supervisor drains: the API processes finish their open requests first, then
-the engine finishes its queued steps and releases the store.
+the engine finishes its queued steps and releases the store. The children ignore SIGINT: a terminal's
+Ctrl-C reaches the whole process group, and the engine must not stop before the API processes have.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ def die_with_parent(parent_pid: int | None, sig: int = signal.SIGTERM) -> None:
 def exit_with(pid: int) -> None:
     """In a pool worker: exit as soon as process `pid` does (SIGKILL included). For workers forked by
     multiprocessing's forkserver, whose parent (the forkserver) outlives a killed service: they hold
-    its liveness pipe, so it never sees the service go, and PR_SET_PDEATHSIG would never fire."""
+    its liveness pipe, so it never sees the service go, and PR_SET_PDEATHSIG would never fire.
+    The worker ignores SIGINT: a terminal's Ctrl-C reaches it too (a KeyboardInterrupt traceback per
+    worker), and the service, which may still need it to drain, ends it itself. NOTE: not SIGTERM:
+    the pool terminates the survivors of a broken pool with it (a killed worker's replacement)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch():
         try:
             fd = os.pidfd_open(pid)  # readable once the process has exited (Linux >= 5.3)
@@ -70,24 +76,15 @@ def exit_with(pid: int) -> None:
 
 
 def child_setup(parent_pid: int, log_level: str, role: str) -> None:
-    """In every child: die with the supervisor (SIGKILL of it included), log like it."""
+    """In every child: ignore SIGINT (see the module's docstring), die with the supervisor (SIGKILL of
+    it included), log like it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
     die_with_parent(parent_pid)
 
 
 def default_api_processes() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """Bind before anything is loaded: a port in use fails at once, with one line."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_socket: str,
@@ -97,18 +94,19 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     import uvicorn
 
     from .app import RemoteEngine, create_app, server_options
+    from .boot import Server
 
     sys.setswitchinterval(0.001)
     app = create_app(settings, remote=RemoteEngine(engine_socket, arena_name, settings.arena_bytes))
     # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
     # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
     config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
-    uvicorn.Server(config).run(sockets=[sock])
+    Server(config, ignore_sigint=True).run(sockets=[sock])
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, log_level: str):
-        self.settings, self.log_level = settings, log_level
+    def __init__(self, settings: Settings, sock: socket.socket):
+        self.settings, self.log_level, self.sock = settings, settings.log_level, sock
         self.n_api = settings.api_processes if settings.api_processes > 0 else default_api_processes()
         self.ctx = multiprocessing.get_context("spawn")
         self.pid = os.getpid()
@@ -118,6 +116,7 @@ class Supervisor:
         self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
         self.engine: multiprocessing.Process | None = None
         self.stopping = False
+        self.stop_signal: int | None = None
 
     def _start_api(self, i: int) -> None:
         self.generation[i] += 1
@@ -130,11 +129,6 @@ class Supervisor:
     def run(self) -> int:
         from .enginep import engine_main
 
-        try:
-            self.sock = bind(self.settings.host, self.settings.port)
-        except OSError as e:
-            print(f"cannot listen on {self.settings.host}:{self.settings.port}: {e.strerror}", file=sys.stderr)
-            return 2
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         log.info("supervisor %d: http://%s:%d, %d API processes + 1 engine (%s)", self.pid, self.settings.host,
@@ -147,6 +141,8 @@ class Supervisor:
         code = 0
         while not self.stopping:
             time.sleep(0.1)
+            if self.stopping:  # a signal during the sleep: children it reached too may be exiting
+                break
             if not self.engine.is_alive():
                 log.error("the engine process exited (status %s): the API processes answer 503; stopping the "
                           "service with status 1", self.engine.exitcode)
@@ -159,10 +155,14 @@ class Supervisor:
                     self._unlink_segment(i)
                     self._start_api(i)
         self._stop()
-        return code
+        return 130 if code == 0 and self.stop_signal == signal.SIGINT else code  # a shell's "interrupted"
 
     def _on_signal(self, signum, frame) -> None:
+        if not self.stopping:
+            log.info("%s: stopping; the API processes finish their open requests, then the engine its queue",
+                     signal.Signals(signum).name)
         self.stopping = True
+        self.stop_signal = self.stop_signal or signum
 
     def _unlink_segment(self, i: int) -> None:
         unlink_segment(segment_name(self.pid, i, self.generation[i]))
@@ -192,5 +192,6 @@ class Supervisor:
         self.sock.close()
 
 
-def serve_supervised(settings: Settings, log_level: str) -> int:
-    return Supervisor(settings, log_level).run()
+def serve_supervised(settings: Settings, sock: socket.socket) -> int:
+    """Run the supervisor on `sock` (bound by preflight) until a stop signal; the exit status."""
+    return Supervisor(settings, sock).run()

@@ -9,7 +9,7 @@ from service.config import Settings
 
 def _from_cli(*argv):
     args = vars(build_parser().parse_args(["serve", *argv]))
-    args.pop("command"), args.pop("log_level")
+    args.pop("command")
     return Settings(**args)
 
 
@@ -68,3 +68,14 @@ def test_queue_bounds_reach_the_batcher():
     limits = build_batcher(Settings(max_queue_images=7, max_queue_tokens=1234)).limits
     assert (limits.max_queue_images, limits.max_queue_tokens) == (7, 1234)
     assert Settings().max_queue_tokens == 65536
+
+
+def test_unknown_qve_variables_get_the_closest_setting_and_known_ones_nothing():
+    from service.config import unknown_env
+
+    environ = {"qve_modle": "x", "QVE_PORT": "1", "QVE_LOG_LEVEL": "debug", "QVE_FAULT_INJECT": "", "QVE_ZZZ": "1",
+               "PATH": "/bin", "QVEX": "1"}
+    assert unknown_env(environ) == [
+        "QVE_ZZZ is not a setting and is ignored; `--help` lists the QVE_ variables",
+        "qve_modle is not a setting and is ignored; did you mean QVE_MODEL?",  # matched case-insensitively
+    ]

@@ -381,22 +381,40 @@ def test_make_run_and_serve_tiny_use_the_real_cli():
 
 
 @needs_make
-def test_make_install_is_a_stamp_that_follows_pyproject(tmp_path):
+def test_make_run_installs_only_what_serving_needs_and_make_test_adds_the_dev_extras():
+    run = make_dry_run("run")
+    installs = [line for line in run if "pip install" in line]
+    assert any(line.endswith("pip install --no-compile -e .") for line in installs), installs
+    assert not any("[dev]" in line or "[loadtest]" in line for line in run), "make run must not install dev extras"
+    assert any(line.startswith("echo ") and "installing" in line for line in run)  # it says what it is doing
+    test = make_dry_run("test")
+    assert test.index(next(line for line in test if line.endswith("pip install --no-compile -e ."))) < test.index(
+        next(line for line in test if line.endswith('pip install --no-compile -e ".[dev]"')))
+    (try_,) = [line for line in make_dry_run("try") if "-m service" in line]
+    assert try_.split("-m service", 1)[1].split()[:3] == ["try", "--url", "http://127.0.0.1:8080"]
+
+
+@needs_make
+def test_make_install_stamps_follow_pyproject(tmp_path):
     shutil.copy(ROOT / "Makefile", tmp_path)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").write_text("")
-    stamp = tmp_path / ".venv" / ".installed"
-    stamp.write_text("")
+    serve, dev = tmp_path / ".venv" / ".installed-serve", tmp_path / ".venv" / ".installed-dev"
+    serve.write_text("")
     os.utime(tmp_path / "pyproject.toml", (1_000_000, 1_000_000))
+    os.utime(serve, (2_000_000, 2_000_000))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
 
-    def up_to_date() -> bool:
-        return subprocess.run(["make", "-q", "install"], cwd=tmp_path, env=env, timeout=60).returncode == 0
+    def up_to_date(target: str) -> bool:
+        return subprocess.run(["make", "-q", target], cwd=tmp_path, env=env, timeout=60).returncode == 0
 
-    assert up_to_date()
-    os.utime(stamp, (500_000, 500_000))  # pyproject.toml changed after the last install
-    assert not up_to_date()
+    assert up_to_date("install-serve") and not up_to_date("install")  # serving installed, the dev extras not
+    dev.write_text("")
+    os.utime(dev, (3_000_000, 3_000_000))
+    assert up_to_date("install-serve") and up_to_date("install")
+    os.utime(serve, (500_000, 500_000))  # pyproject.toml changed after the last install
+    assert not up_to_date("install-serve") and not up_to_date("install")
 
 
 def test_ci_run_is_the_readme_test_command_and_propagates_failure(tmp_path):

@@ -32,7 +32,7 @@ SYNTHETIC = [  # modes, formats, sizes and aspect ratios
 
 def _settings_from_cli(ckpt) -> Settings:
     args = vars(build_parser().parse_args(["serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32"]))
-    args.pop("command"), args.pop("log_level")
+    args.pop("command")
     return Settings(**args)
 
 

@@ -1,0 +1,94 @@
+"""`qwen3vl-encoder try` (`make try`): post an image to a running server and print what came back and
+where the embeddings are, so a newcomer sees the whole round trip without writing a client.
+
+The image shipped for it, service/data/cat.jpg, is scikit-image's "chelsea" photograph (CC0, by
+Stefan van der Walt) saved as a JPEG. Imports stay light (no torch): the command answers at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import sys
+import time
+from pathlib import Path
+
+EXAMPLE_IMAGE = Path(__file__).with_name("data") / "cat.jpg"
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _wait_ready(client, url: str, wait_s: float) -> dict | int:
+    """/ready's answer once it is 200, or an exit status after printing why not."""
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    said = None
+    while True:
+        try:
+            r = client.get("/ready", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+            try:
+                phase = r.json().get("phase", "starting")
+            except (ValueError, AttributeError):  # not this service's JSON
+                phase = f"HTTP {r.status_code}"
+        except httpx.ConnectError:
+            return _fail(f"no server at {url} (connection refused); start one with `make run` or "
+                         "`.venv/bin/qwen3vl-encoder serve`", 2)
+        except httpx.TimeoutException:  # bound early, still importing: the connection waits in the backlog
+            phase = "starting"
+        except httpx.TransportError as e:
+            return _fail(f"cannot reach {url}: {e}", 2)
+        if time.monotonic() >= deadline:
+            return _fail(f"the server at {url} is not ready after {wait_s:g} s (phase: {phase}); "
+                         "try again, or pass --wait-s", 2)
+        if phase != said:
+            print(f"waiting for the server at {url} to be ready (phase: {phase})", file=sys.stderr)
+            said = phase
+        time.sleep(0.5)
+
+
+def try_it(url: str, image: Path, wait_s: float) -> int:
+    """Exit status: 0 answered, 1 the image was refused, 2 no ready server at `url`."""
+    import httpx
+
+    try:
+        data = image.read_bytes()
+    except OSError as e:
+        return _fail(f"cannot read {image}: {e.strerror}")
+    mime = {".png": "image/png", ".webp": "image/webp", ".gif": "image/gif"}.get(image.suffix.lower(), "image/jpeg")
+    body = {"images": [{"type": "image_url",
+                        "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}]}
+    # The server's own variable: with --api-key set there, the same shell has the key.
+    key = os.environ.get("QVE_API_KEY", "").split(",")[0].strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url, headers=headers) as client:
+        info = _wait_ready(client, url, wait_s)
+        if isinstance(info, int):
+            return info
+        try:
+            r = client.post("/encode", json=body, timeout=300)
+        except httpx.TransportError as e:
+            return _fail(f"POST {url}/encode failed: {e}", 2)
+    if r.status_code != 200:
+        try:
+            err = r.json()["error"]
+            reason = f"{err['code']}: {err['message']}"
+        except (ValueError, KeyError, TypeError):
+            reason = r.text[:200]
+        hint = " (set QVE_API_KEY to one of the server's keys)" if r.status_code == 401 else ""
+        return _fail(f"POST {url}/encode answered HTTP {r.status_code}, {reason}{hint}")
+    (item,) = r.json()["items"]
+    store = info.get("store")
+    where = Path(store, item["path"]) if store else item["path"]
+    print(f"POST {url}/encode {image.name} ({len(data)} bytes) -> 200")
+    print(f"  model   {info.get('model')} on {info.get('device')} ({info.get('dtype')})")
+    print(f"  key     {item['key']}")
+    print(f"  shape   {item['shape']} {item['dtype']} ({item['num_tokens']} tokens, grid_thw {item['grid_thw']})")
+    print(f"  cached  {str(item['cached']).lower()}")
+    print(f"  file    {where}" + ("" if not store or Path(where).is_file() else "  (on the server's machine)"))
+    return 0

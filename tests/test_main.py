@@ -1,0 +1,329 @@
+"""The CLI (service/__main__.py) as a user meets it: `serve --help`, QVE_ variables, the one-line
+failures before the model loads, and Ctrl-C / SIGTERM of a real server's whole process group."""
+
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.__main__ import build_parser, main
+from service.config import Settings, default_store_dir, env_name
+from service.preflight import cuda_device_count
+from tests.live import free_port
+from tests.test_supervisor import alive, descendants, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CAT = ROOT / "service" / "data" / "cat.jpg"
+
+
+def clean_env(**extra) -> dict:
+    """This environment without QVE_ variables (a developer's own would change the outcome)."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("QVE_")}
+    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+
+
+# ---- --help and the QVE_ environment --------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def no_qve_env(monkeypatch):
+    """In-process tests start from an environment without QVE_ variables."""
+    for k in list(os.environ):
+        if k.upper().startswith("QVE_"):
+            monkeypatch.delenv(k)
+
+
+def test_serve_help_shows_every_default_and_variable():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    actions = {a.option_strings[0]: a for a in serve._actions if a.option_strings and a.option_strings[0] != "-h"}
+    text = " ".join(serve.format_help().split())  # argparse wraps lines
+    for name, field in Settings.model_fields.items():
+        action = actions["--" + name.replace("_", "-")]
+        assert f"env {env_name(name)})" in action.help, name
+        assert "(default: " in action.help, name
+        assert env_name(name) in text
+    # The values shown are the real defaults, as one would type them.
+    assert "(default: 8080; env QVE_PORT)" in actions["--port"].help
+    assert "(default: qwen3-vl-2b; env QVE_MODEL)" in actions["--model"].help
+    assert f"(default: {default_store_dir()}; env QVE_STORE)" in actions["--store"].help
+    assert "(default: on; env QVE_WARMUP)" in actions["--warmup"].help
+    assert "(default: 448,512; env QVE_GRAPH_EXACT_SIDES)" in actions["--graph-exact-sides"].help
+    assert "(default: none; env QVE_API_KEY)" in actions["--api-key"].help
+    assert "(default: info; env QVE_LOG_LEVEL)" in actions["--log-level"].help
+    assert actions["--log-level"].choices == ["debug", "info", "warning", "error"]
+
+
+def test_bad_values_are_named_as_they_were_given(monkeypatch, capsys):
+    monkeypatch.setenv("QVE_PORT", "70000")
+    monkeypatch.setenv("QVE_MAX_WAIT_MS", "soon")
+    monkeypatch.setenv("QVE_API_KEY", "")
+    assert main(["serve", "--device", "tpu", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # one line
+    assert "QVE_PORT=70000: Input should be less than or equal to 65535" in err
+    assert "QVE_MAX_WAIT_MS=soon: Input should be a valid number" in err
+    assert "--device=tpu: device must be cpu, cuda, cuda:N or auto, got 'tpu'" in err
+    assert "port:" not in err and "\n  " not in err  # not pydantic's field-by-field report
+
+
+def test_a_secret_is_never_echoed_in_an_error(monkeypatch, capsys):
+    monkeypatch.setenv("QVE_API_KEY_METRICS", "maybe")
+    assert main(["serve", "--api-key", "s3cret-key", "--port", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--port=-1: Input should be greater than or equal to 0" in err
+    assert "QVE_API_KEY_METRICS=maybe" in err and "s3cret" not in err
+
+
+def test_unknown_variables_are_warned_with_the_closest_name_and_known_ones_are_not(monkeypatch, capsys):
+    monkeypatch.setenv("QVE_MODLE", "tiny")
+    monkeypatch.setenv("QVE_MAX_BATCH_TOKEN", "10")
+    monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by service/engine.py: not a typo
+    monkeypatch.setenv("QVE_PORT", "not-a-port")
+    assert main(["serve"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("invalid settings: QVE_PORT=not-a-port")
+    assert "warning: QVE_MODLE is not a setting and is ignored; did you mean QVE_MODEL?" in lines
+    assert "warning: QVE_MAX_BATCH_TOKEN is not a setting and is ignored; did you mean QVE_MAX_BATCH_TOKENS?" in lines
+    assert not any("QVE_FAULT_INJECT" in line for line in lines)
+
+
+def test_every_flag_has_a_working_variable(monkeypatch):
+    """QVE_LOG_LEVEL included (--log-level used to be the one flag without a setting)."""
+    values = {"log_level": "warning", "port": "9100", "model": "tiny", "warmup": "false", "max_wait_ms": "2.5",
+              "graph_exact_sides": "640", "store": "/tmp/qve-x", "api_processes": "2"}
+    for name, value in values.items():
+        monkeypatch.setenv(env_name(name), value)
+    args = vars(build_parser().parse_args(["serve"]))
+    args.pop("command")
+    assert args == {}  # nothing from the parser: every value below came from the environment
+    s = Settings()
+    assert (s.log_level, s.port, s.model, s.warmup, s.max_wait_ms, s.graph_exact_sides, str(s.store), s.api_processes) \
+        == ("warning", 9100, "tiny", False, 2.5, [640], "/tmp/qve-x", 2)
+
+
+# ---- failing before the model loads ----------------------------------------------------------------
+# `main` run as `python -m service` runs it, plus one line on stdout saying which heavy modules the run
+# imported: no service.loader means the model was never loaded; no torch means not even imported.
+_PROBE = ("import json, sys\nfrom service.__main__ import main\ncode = main(sys.argv[1:])\n"
+          "print(json.dumps({m: m in sys.modules for m in ('torch', 'service.loader')}))\nsys.exit(code)\n")
+
+
+def run_cli(*argv: str, env: dict | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=ROOT, env=env or clean_env(),
+                       capture_output=True, text=True, timeout=timeout)
+    return r, time.monotonic() - t0
+
+
+def assert_failed_fast(r: subprocess.CompletedProcess, message: str, torch_imported: bool) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr  # one line, no traceback, no log
+    assert lines[0].startswith("cannot start: ") and re.search(message, lines[0]), lines[0]
+    imported = json.loads(r.stdout)
+    assert imported == {"torch": torch_imported, "service.loader": False}, imported
+
+
+@pytest.fixture
+def listener():
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it: no help against a listener
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_port_in_use_fails_before_the_model_loads(tmp_path, listener):
+    r, took = run_cli("serve", "--model", "qwen3-vl-2b", "--device", "cpu", "--store", str(tmp_path / "store"),
+                      "--port", str(listener))
+    assert_failed_fast(r, f"cannot listen on 127.0.0.1:{listener}: Address already in use: another process is "
+                       "listening there; stop it or choose another --port", torch_imported=False)
+    assert not (tmp_path / "store").exists()  # checked after the port: nothing was created
+    print(f"port in use: exit 2 after {took:.1f} s")
+
+
+def test_missing_model_fails_before_anything_heavy_is_imported(tmp_path):
+    r, took = run_cli("serve", "--model", str(tmp_path / "Qwen3-VL-2B"), "--port", "0")
+    assert_failed_fast(r, "--model '.*Qwen3-VL-2B' is neither a preset \\(qwen3-vl-2b, .*tiny\\) nor an existing "
+                       "checkpoint directory", torch_imported=False)
+    print(f"missing model: exit 2 after {took:.1f} s")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:99"])
+def test_cuda_asked_for_but_absent_fails_before_torch_is_imported(device):
+    if device == "cuda" and cuda_device_count() > 0:
+        pytest.skip("this machine has a GPU")
+    r, took = run_cli("serve", "--model", "tiny", "--device", device, "--port", "0")
+    assert_failed_fast(r, f"--device {device}: .*(no CUDA driver or GPU here|sees \\d+ GPU)|--device {device} asked "
+                       "for CUDA, but there is no CUDA driver or GPU here; use --device cpu", torch_imported=False)
+    print(f"--device {device}: exit 2 after {took:.1f} s")
+
+
+def test_store_not_creatable_or_not_the_services_own_fails_before_the_model_loads(tmp_path):
+    (tmp_path / "file").write_text("")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    fd = os.open(locked / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running service holds it
+    try:
+        for store, message in ((tmp_path / "file" / "store", "cannot create the store root .*: \\[Errno 20\\] Not a "
+                                "directory.*; choose another --store"),
+                               (shared, "the store root .*shared is writable by others \\(mode 0777\\)"),
+                               (locked, "another service \\(pid .*\\) is writing to the store root .*locked")):
+            r, took = run_cli("serve", "--model", "qwen3-vl-2b", "--device", "cpu", "--store", str(store),
+                              "--port", "0")
+            assert_failed_fast(r, message, torch_imported=True)  # service/store.py imports torch
+            print(f"store {store.name}: exit 2 after {took:.1f} s")
+    finally:
+        os.close(fd)
+
+
+# ---- a real server: QVE_LOG_LEVEL, Ctrl-C and SIGTERM ------------------------------------------------
+def start(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """`python -m service serve --model tiny ...` in a process group of its own (as a terminal runs it)."""
+    port = free_port()
+    log = tmp_path / f"server-{port}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu",
+                             "--store", str(tmp_path / "store"), "--port", str(port), "--decode-workers", "2", *args],
+                            cwd=ROOT, env=env or clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> list[dict]:
+    """Poll /ready from the start; every answer until the 200 (a refused connection is a failure
+    once the port is bound, which the log says)."""
+    answers, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        bound = re.search(r"service.boot: listening on|service.supervisor: supervisor", log.read_text())
+        try:
+            r = httpx.get(url + "/ready", timeout=10)
+            answers.append({"status": r.status_code, **r.json()})
+            if r.status_code == 200:
+                return answers
+        except httpx.ConnectError:
+            assert not bound, "connection refused after the port was bound"
+        except httpx.TimeoutException:
+            pass  # accepted by the kernel, waiting in the backlog while the server process starts
+        time.sleep(0.1)
+    raise TimeoutError(log.read_text())
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def stop_group(proc: subprocess.Popen, sig: int, timeout: float = 90) -> int:
+    os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does: the signal reaches every process of the group
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None or group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def post_cat(url: str) -> None:
+    r = httpx.post(url + "/encode", files=[("image", ("cat.jpg", CAT.read_bytes(), "image/jpeg"))], timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_log_level_comes_from_qve_log_level(tmp_path):
+    proc, url, log = start(tmp_path, env=clean_env(QVE_LOG_LEVEL="warning"))
+    try:
+        wait_ready(proc, url, log)
+        post_cat(url)
+    finally:
+        stop_group(proc, signal.SIGTERM)
+    text = log.read_text()
+    assert "*** RANDOM WEIGHTS ***" in text  # a warning: still logged
+    assert "INFO" not in text, text  # neither the service's INFO lines nor uvicorn's access log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_one_process_stops_on_a_signal_to_its_group_with_one_line(tmp_path, sig):
+    proc, url, log = start(tmp_path)
+    try:
+        answers = wait_ready(proc, url, log)
+        post_cat(url)  # decode workers exist now: they get the signal too
+        workers = descendants(proc.pid)
+        assert len(workers) >= 2
+    finally:
+        code = stop_group(proc, sig)
+    text = log.read_text()
+    assert code == (130 if sig == signal.SIGINT else -signal.SIGTERM), text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert len(re.findall(rf"{signal.Signals(sig).name}: stopping", text)) == 1, text
+    assert "Application shutdown complete" in text  # drained, not killed
+    wait_for(lambda: not any(alive(p) for p in workers), 15, "every decode worker gone")
+    # Bound before the model loaded: the first answers were 503 with a phase, never a refusal.
+    assert answers[-1]["status"] == 200
+    assert all(a["status"] == 503 and a["phase"] in ("loading", "warming") for a in answers[:-1]), answers
+
+
+def test_ctrl_c_while_the_model_loads_stops_at_once(tmp_path):
+    proc, url, log = start(tmp_path, "--model", "qwen3-vl-2b")  # seconds of loading on a CPU
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                r = httpx.get(url + "/ready", timeout=10)
+                if r.json().get("phase") == "loading":
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        t0 = time.monotonic()
+    finally:
+        code = stop_group(proc, signal.SIGINT)
+    took = time.monotonic() - t0
+    text = log.read_text()
+    assert code == 130 and "Traceback" not in text, text
+    assert "ready:" not in text  # it did not wait for the model
+    print(f"Ctrl-C while loading: exit 130 after {took:.1f} s")
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
+def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_first(tmp_path):
+    proc, url, log = start(tmp_path, "--api-processes", "2")
+    try:
+        answers = wait_ready(proc, url, log)
+        post_cat(url)
+        children = descendants(proc.pid)
+        assert len(children) >= 3  # two API processes and the engine
+    finally:
+        code = stop_group(proc, signal.SIGINT)
+    text = log.read_text()
+    assert code == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert len(re.findall(r"service.supervisor: SIGINT: stopping", text)) == 1, text
+    # The children ignored the Ctrl-C; the supervisor's SIGTERMs stopped them: API processes, then the engine.
+    assert "[api" in text and "SIGINT" not in text.replace("service.supervisor: SIGINT", ""), text
+    lines = text.splitlines()
+    engine_stopped = next(i for i, line in enumerate(lines) if "engine stopped" in line)
+    assert max(i for i, line in enumerate(lines) if "Finished server process" in line) < engine_stopped, text
+    assert not group_alive(proc.pid)
+    assert answers[-1]["status"] == 200
+    assert all(a["status"] == 503 and a["phase"] in ("loading", "warming") for a in answers[:-1]), answers
