@@ -377,28 +377,13 @@ def image_files(folder: Path) -> list[str]:
 # ---- the client: requests, retries, replays --------------------------------------------------------
 async def post_encode(client: httpx.AsyncClient, payload: dict) -> tuple[httpx.Response | httpx.HTTPError, bool]:
     """POST /encode; returns (the response, or the error if none came back; whether it was retried).
+    A request that met a stale keep-alive connection is sent once more (service/client.py says when)."""
+    from service.client import apost
 
-    NOTE: a server closes idle keep-alive connections (uvicorn after --keep-alive-s); a request that
-    races that close fails with no answer (RemoteProtocolError, ReadError, ...) although the server
-    never saw it. /encode is idempotent (the same image gives the same key and entry), so such a
-    request is sent once more, on a fresh connection. Only when it went out on a reused connection:
-    an error on a connection opened for it says something about the server, and is reported as is.
-    """
-    for attempt in (0, 1):
-        opened = []
-
-        async def trace(event: str, info: dict) -> None:
-            if event == "connection.connect_tcp.started":
-                opened.append(event)
-
-        try:
-            return await client.post("/encode", json=payload, extensions={"trace": trace}), attempt > 0
-        except httpx.TimeoutException as e:  # the server took too long: not a stale connection
-            return e, attempt > 0
-        except httpx.TransportError as e:
-            if attempt or opened:
-                return e, attempt > 0
-    raise AssertionError("unreachable: the second attempt always returns")
+    try:
+        return await apost(client, "/encode", json=payload)
+    except httpx.TransportError as e:
+        return e, getattr(e, "sent_twice", False)
 
 
 def replay(root: Path, item: dict):

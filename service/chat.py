@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from .client import apost
 from .errors import ModelLoadError, error_body
 from .store import StoredEmbeddings, StoreFormatError, read_embeddings
 
@@ -169,7 +170,7 @@ class Chat:
         """POST the image parts to the encoder; its items, in order. Its 4xx/503 pass through as ours."""
         body = {"images": [p.model_dump(exclude_none=True) for p in parts]}
         try:
-            r = await self.http.post("/encode", json=body)
+            r, _ = await apost(self.http, "/encode", json=body)  # retried once if the connection was stale
         except httpx.HTTPError as e:
             raise ChatError(502, "encoder_unavailable", f"the encoder at {self.cfg.encoder_url} could not be reached: "
                                                         f"{type(e).__name__}: {e}") from None

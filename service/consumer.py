@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from service.client import post
 from service.config import default_store_dir
 from service.store import StoredEmbeddings, read_embeddings
 
@@ -64,7 +65,7 @@ def wait_ready(client: httpx.Client, timeout_s: float) -> None:
 def encode(client: httpx.Client, name: str, data: bytes) -> dict:
     """POST one image as a multipart `image` part; returns its item of the /encode answer."""
     mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
-    r = client.post("/encode", files=[("image", (name, data, mime))])
+    r, _ = post(client, "/encode", files=[("image", (name, data, mime))])  # retried once if the connection was stale
     if r.status_code != 200:
         raise RuntimeError(f"/encode refused {name}: HTTP {r.status_code}: {r.text[:500]}")
     (item,) = r.json()["items"]

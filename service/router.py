@@ -27,6 +27,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from .client import apost
 from .errors import error_body
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         if parts:
             encode = [{k: v for k, v in p.items() if k in ("type", "image_url", "uuid")} for p in parts]
             try:
-                r = await app.state.encoder.post("/encode", json={"images": encode})
+                r, _ = await apost(app.state.encoder, "/encode", json={"images": encode})  # stale connection: once more
             except httpx.HTTPError as e:
                 return error(502, "encoder_unavailable", f"the encoder could not be reached: {type(e).__name__}: {e}")
             if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is

@@ -3,8 +3,10 @@ or the real service as its own process (`ServiceProcess`)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -116,3 +118,34 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(want + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+class RawHTTPServer:
+    """A raw HTTP/1.1 server: `script(conn_no, req_no)` says whether to answer a request (200 JSON,
+    keep-alive) or to close the connection without answering (what a server's idle close looks like
+    to a client that has just sent on that connection)."""
+
+    def __init__(self, script):
+        self.script, self.connections, self.requests = script, 0, 0
+
+    async def handle(self, reader, writer):
+        self.connections += 1
+        conn, req = self.connections, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                req += 1
+                if not self.script(conn, req):
+                    return
+                body = json.dumps({"items": [{"key": "k", "cached": False}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            return
+        finally:
+            writer.close()

@@ -27,7 +27,7 @@ from PIL import Image
 
 from service.config import Settings
 from service.loader import load_model
-from tests.live import free_port, live_server
+from tests.live import RawHTTPServer, free_port, live_server
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent
@@ -393,40 +393,9 @@ def test_a_server_that_is_not_ready_or_not_ours(lt, capsys, status, message):
 
 
 # ---- the stale keep-alive retry -------------------------------------------------------------------------
-class _RawServer:
-    """A raw HTTP/1.1 server: `script(conn_no, req_no)` says whether to answer a request (200 JSON,
-    keep-alive) or to close the connection without answering (what a server's idle close looks like
-    to a client that has just sent on that connection)."""
-
-    def __init__(self, script):
-        self.script, self.connections, self.requests = script, 0, 0
-
-    async def handle(self, reader, writer):
-        self.connections += 1
-        conn, req = self.connections, 0
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                self.requests += 1
-                req += 1
-                if not self.script(conn, req):
-                    return
-                body = json.dumps({"items": [{"key": "k", "cached": False}]}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
-                await writer.drain()
-        except asyncio.IncompleteReadError:
-            return
-        finally:
-            writer.close()
-
-
 def _post_twice(lt, script):
     async def scenario():
-        server = _RawServer(script)
+        server = RawHTTPServer(script)
         tcp = await asyncio.start_server(server.handle, "127.0.0.1", 0)
         port = tcp.sockets[0].getsockname()[1]
         try:
