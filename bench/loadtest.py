@@ -996,7 +996,7 @@ def write_plot(path: Path, report: dict, title: str) -> str | None:
 # ---- the command line --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the encoder service (loopback unless --allow-remote)")
     p.add_argument("--api-key", default=(os.environ.get("QVE_API_KEY") or "").split(",")[0] or None,
                    help="sent as Authorization: Bearer (default: the first of $QVE_API_KEY)")
     load = p.add_argument_group("load")
@@ -1009,14 +1009,14 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--timeout-s", type=float, default=300.0, help="per-request timeout")
     load.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="wait this long for /ready")
     img = p.add_argument_group("images")
-    img.add_argument("--images-per-request", type=int, default=1)
+    img.add_argument("--images-per-request", type=int, default=1, help="images in each request")
     img.add_argument("--sizes", default="256x256", help="WIDTHxHEIGHT list, cycled over the images")
     mode = img.add_mutually_exclusive_group()
     mode.add_argument("--unique", dest="unique", action="store_true", default=True, help="no two images alike")
     mode.add_argument("--repeat", dest="unique", action="store_false", help="one image per size, repeated (cache hits)")
     mode.add_argument("--images", metavar="DIR", help="send the image files in DIR (cycled) instead of generated ones")
     img.add_argument("--pattern", choices=PATTERNS, default="gradient", help="photo needs scikit-image")
-    img.add_argument("--format", choices=("png", "jpeg"), default="png")
+    img.add_argument("--format", choices=("png", "jpeg"), default="png", help="how generated images are encoded")
     img.add_argument("--seed", type=int, default=None, help="image seed (default: a fresh one per run, in the report)")
     img.add_argument("--gen-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                      help="processes that build the images (split over the client processes)")

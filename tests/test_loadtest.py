@@ -4,6 +4,7 @@ check, the stale-connection retry, and real runs against the service (tiny model
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import http.server
@@ -667,3 +668,13 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
     while any(_alive(p) for p in children):
         assert time.monotonic() < deadline, [p for p in children if _alive(p)]
         time.sleep(0.1)
+
+
+def test_help_shows_every_default(lt):
+    # Issue 11: a newcomer reads the defaults in --help. Every option that has a default says it.
+    parser = lt.build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and action.dest != "help":
+            assert f"(default: {action.default})" in text, action.option_strings
+    assert "(default: http://127.0.0.1:8080)" in text
