@@ -285,9 +285,11 @@ def timeseries(results: list[Result], wall_s: float, bin_s: float | None = None)
     for k, rs in enumerate(bins):
         width = min(bin_s, wall_s - k * bin_s) if k == n - 1 else bin_s  # the last bin may be shorter
         lat = [r.latency_s * 1000 for r in rs if r.status == 200]
+        images = sum(r.images for r in rs if r.status == 200)
         out.append({
             "t": round(k * bin_s + width, 3),
-            "images_per_s": sum(r.images for r in rs if r.status == 200) / width if width > 0 else 0.0,
+            "images": images,  # exact: the rate's width may be a fraction of a millisecond in the last bin
+            "images_per_s": images / width if width > 0 else 0.0,
             "p50_ms": percentile(lat, 50) if lat else None,
             "p99_ms": percentile(lat, 99) if lat else None,
             "status": dict(sorted(Counter(str(r.status) for r in rs).items())),

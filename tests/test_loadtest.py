@@ -476,8 +476,12 @@ def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
     ts = report["timeseries"]
     assert ts and [p["t"] for p in ts] == sorted(p["t"] for p in ts) and ts[-1]["t"] == pytest.approx(s["wall_s"], abs=1e-3)
     assert sum(sum(p["status"].values()) for p in ts) == 12
-    widths = np.diff([0.0] + [p["t"] for p in ts])
-    assert sum(p["images_per_s"] * w for p, w in zip(ts, widths)) == pytest.approx(12, rel=1e-3)  # t has 3 decimals
+    assert sum(p["images"] for p in ts) == 12
+    # The rate is images / bin width (every bin but the last, which may be shorter, is t[0] wide). The
+    # last bin can be a fraction of a millisecond: its rate is not rebuilt from t's 3 decimals (that
+    # failed CI once with 12.015 images for 12).
+    for p in ts[:-1]:
+        assert p["images_per_s"] == pytest.approx(p["images"] / ts[0]["t"], rel=1e-2)
 
     # Replays: flat images 0, 3, 6, 9; each verified against the float32 reference.
     assert report["replay"] == {"every": 3, "store_root": str(tmp_path / "store"), "ok": 4, "missing": 0, "wrong": 0,
