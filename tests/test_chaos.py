@@ -54,7 +54,7 @@ class Load:
                 if r.status_code == 200:
                     self.answered[r.json()["items"][0]["key"]] = blob
 
-    def wait_answers(self, n: int, timeout: float = 30) -> None:
+    def wait_answers(self, n: int, timeout: float = 90) -> None:  # a fresh decode pool imports for seconds on a busy 2-core CI machine
         start = len(self.answered)
         wait_for(lambda: len(self.answered) >= start + n, timeout, f"{n} more answers under load")
 
@@ -121,7 +121,7 @@ def _kill_under_load(server: ServiceProcess, rng: random.Random, seed: int, vict
     return load, pid
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_sigkill_of_every_process_at_random_moments_under_load(tmp_path):
     seed = int(os.environ.get("QVE_CHAOS_SEED", random.SystemRandom().randrange(1 << 32)))
     print(f"chaos seed {seed} (rerun with QVE_CHAOS_SEED={seed})")
