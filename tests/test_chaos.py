@@ -56,7 +56,11 @@ class Load:
 
     def wait_answers(self, n: int, timeout: float = 90) -> None:  # a fresh decode pool imports for seconds on a busy 2-core CI machine
         start = len(self.answered)
-        wait_for(lambda: len(self.answered) >= start + n, timeout, f"{n} more answers under load")
+        try:
+            wait_for(lambda: len(self.answered) >= start + n, timeout, f"{n} more answers under load")
+        except TimeoutError:
+            self.stop.set()  # else the client threads post forever and pytest never exits (seen in CI)
+            raise
 
     def finish(self) -> dict[str, bytes]:
         self.stop.set()
