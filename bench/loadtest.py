@@ -630,7 +630,10 @@ class Reference:
     server (a preset's seed, or the checkpoint directory), eager arithmetic that the tests hold to
     transformers' within 1e-5 (tests/test_engine.py, tests/test_server.py)."""
 
-    def __init__(self, model: str, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None):
+    def __init__(self, model: str, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None,
+                 device: str = "cpu"):
+        import torch
+
         from service.config import Settings
         from service.engine import Engine
         from service.loader import load_model
@@ -638,7 +641,11 @@ class Reference:
 
         logging.getLogger("service.loader").setLevel(logging.ERROR)  # its "RANDOM WEIGHTS" banner is for servers
 
-        self.settings = Settings(model=model, seed=seed, device="cpu", dtype="float32", min_pixels=min_pixels,
+        if device.startswith("cuda"):
+            # A float32 reference means float32 matmuls: no TF32 (the patch embedding is a Linear here).
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.settings = Settings(model=model, seed=seed, device=device, dtype="float32", min_pixels=min_pixels,
                                  max_pixels=max_pixels, compile=False, cuda_graphs=False, pool_slots=2)
         self.model = load_model(self.settings)
         self.engine = Engine(self.model, store=None, batcher=None, settings=self.settings, metrics=Metrics())
@@ -1027,6 +1034,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--store-root", type=Path, default=None, help="the server's --store (default: its default)")
     chk.add_argument("--verify", action="store_true", help="compare replayed embeddings with a float32 reference")
     chk.add_argument("--verify-every", type=int, default=1, metavar="K", help="verify every Kth replay")
+    chk.add_argument("--verify-device", default="cpu",
+                     help="--verify: where the float32 reference runs (cuda: no TF32; a 4B reference on a CPU takes seconds per image)")
     chk.add_argument("--verify-tol", type=float, default=None, help="relative L2 error allowed (default: by the server's dtype)")
     chk.add_argument("--model", default=None, help="--verify: the server's --model (default: the preset /ready names)")
     chk.add_argument("--model-seed", type=int, default=None, help="--verify: the server's --seed (default: from /ready)")
@@ -1093,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
                       "as --model for --verify", file=sys.stderr)
                 return 2
             model, seed = preset[0], preset[1] if seed is None else seed
-        reference = Reference(model, seed or 0, args.min_pixels, args.max_pixels)
+        reference = Reference(model, seed or 0, args.min_pixels, args.max_pixels, device=args.verify_device)
         if reference.model_id != server.get("model"):
             print(f"error: the reference model {reference.model_id!r} is not the server's {server.get('model')!r}: "
                   "pass the server's --model (and --model-seed)", file=sys.stderr)
