@@ -1,9 +1,10 @@
 """The HTTP front end against the step loop (issue 7), in one run on one machine:
 
-    python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8] [--images 4096]
+    python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8,8x2] [--images 4096]
 
 1. baseline: the step loop with pre-decoded 448px images (`bench_tower.py --sections loop`, own process)
-2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes):
+2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes,
+   KxG = K API processes and G engines, one per GPU: --devices cuda:0,...,cuda:G-1):
    start `python -m service serve`, then
      idle   one distinct 448px JPEG at a time, 100 requests: p50 / p90 end to end
      x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
@@ -122,7 +123,9 @@ def step_counters(port: int) -> tuple[float, float]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()
-    val = lambda name: sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " "))  # noqa: E731,E741
+    # Summed over engines: with several, each engine's series carries an engine="i" label.
+    val = lambda name: sum(float(l.split()[-1]) for l in text.splitlines()  # noqa: E731,E741
+                           if l.startswith((name + " ", name + "{")))
     return val("qve_step_images_count"), val("qve_step_images_sum")
 
 
@@ -144,11 +147,20 @@ def idle(port: int, blobs: list[bytes]) -> dict:
             "p90_ms": round(1e3 * lat[int(0.9 * len(lat))], 2), "status": sorted(codes)}
 
 
-def serve(args, mode: int, port: int, store: Path, log: Path) -> subprocess.Popen:
+def parse_mode(mode: str) -> tuple[int, int]:
+    """'4' -> (4 API processes, 1 engine); '8x2' -> (8, 2 engines on cuda:0 and cuda:1)."""
+    api, _, engines = mode.partition("x")
+    return int(api), int(engines or 1)
+
+
+def serve(args, mode: str, port: int, store: Path, log: Path) -> subprocess.Popen:
+    api, engines = parse_mode(mode)
     cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--device", args.device,
            "--store", str(store), "--port", str(port), "--store-capacity-bytes", str(args.store_bytes),
-           "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(mode),
+           "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(api),
            "--compile-cache", str(args.compile_cache)]
+    if engines > 1:
+        cmd += ["--devices", ",".join(f"{args.device}:{i}" for i in range(engines))]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     import http.client
@@ -204,7 +216,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="qwen3-vl-4b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--modes", default="0,4,8", help="--api-processes values to run (0: one process)")
+    ap.add_argument("--modes", default="0,4,8", help="--api-processes values to run (0: one process); "
+                    "KxG: K API processes and G engines (--devices cuda:0..G-1)")
     ap.add_argument("--images", type=int, default=4096, help="images per load phase")
     ap.add_argument("--clients", type=int, default=4, help="load-generator processes")
     ap.add_argument("--conc1", type=int, default=48, help="connections per client, 1 image per request")
@@ -241,7 +254,7 @@ def main() -> int:
 
     n = args.images
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 2)) as pool:
-        for mi, mode in enumerate(int(m) for m in args.modes.split(",")):
+        for mi, mode in enumerate(args.modes.split(",")):
             base = 1_000_000 * (mi + 1)
             blobs_idle = pool.map(jpeg_448, range(base, base + 110))
             blobs1 = pool.map(jpeg_448, range(base + 1000, base + 1000 + n))
