@@ -258,7 +258,12 @@ class RemoteRuntime:
 
     def _cell_free(self, segment: str, offset: int, nbytes: int) -> None:
         if segment == self.arena.name:
-            self.arena.free(offset, nbytes)
+            self.free_cell(offset, nbytes)
+
+    def free_cell(self, offset: int, nbytes: int) -> None:
+        self.arena.free(offset, nbytes)
+        # Kept current here, not at scrape time: any API process answers /metrics for all of them.
+        self.metrics.arena_bytes.set(self.arena.used)
 
     @property
     def ready(self) -> bool:
@@ -285,6 +290,7 @@ def _prepare_into_arena(rt: RemoteRuntime, data: bytes) -> tuple[PreparedImage, 
         raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
                          retry_after_s=1) from None
     rt.arena.view(off, prep.pixels.nbytes)[:] = prep.pixels.reshape(-1)
+    rt.metrics.arena_bytes.set(rt.arena.used)
     return prep, off
 
 
@@ -326,7 +332,7 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
             raise conflict(i, e.message) from None
         except Unavailable:
             if not rt.client.connected:  # never reached an engine: nothing else will free the cell
-                rt.arena.free(off, prep.pixels.nbytes)
+                rt.free_cell(off, prep.pixels.nbytes)
             raise
         finally:
             del grants[key]  # a submit uses its grant up, answered or not
@@ -757,8 +763,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         if remote is None:
             rt.metrics.update_gauges(rt.batcher, rt.store)
             return PlainTextResponse(rt.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-        # This API process's request counters, then the engine's (steps, queue, store).
-        rt.metrics.arena_bytes.set(rt.arena.used)
+        # Every API process's request counters (summed; see metrics.py), then the engine's (steps, queue, store).
         text = rt.metrics.exposition(api_side=True).decode()
         try:
             text += await rt.client.metrics()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # In a supervised service (--api-processes) the API processes own these families and the engine
-# process the others, so /metrics joins two texts that never repeat a series.
+# process the others, so /metrics joins two texts that never repeat a series. The API processes run
+# prometheus_client's multiprocess mode (its variable MULTIPROC_ENV, set by supervisor.api_main first):
+# each process's values live in files of one directory, and any API process answers the sum of all.
 API_FAMILIES = frozenset({"qve_requests", "qve_images", "qve_rejected", "qve_encode_latency_seconds",
                           "qve_arena_bytes_in_use"})
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -41,16 +47,26 @@ class Metrics:
         self.store_bytes = Gauge("qve_store_bytes", "Bytes held by the embedding store", registry=r)
         self.store_items = Gauge("qve_store_items", "Items held by the embedding store", registry=r)
         self.store_evictions = Gauge("qve_store_evictions", "LRU evictions since start", registry=r)
-        self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (API process; "
-                                 "0 in a single-process service)", registry=r)
+        self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (summed over "
+                                 "the API processes; 0 in a single-process service)", registry=r,
+                                 multiprocess_mode="livesum")  # a dead API process's cells are gone with it
         self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)
 
     def exposition(self, api_side: bool | None = None) -> bytes:
         """Prometheus text of every family, or of one side of a supervised service (see API_FAMILIES)."""
         if api_side is None:
             return generate_latest(self.registry)
-        names = [s.name for mf in self.registry.collect() if (mf.name in API_FAMILIES) == api_side for s in mf.samples]
-        return generate_latest(self.registry.restricted_registry(names))
+        registry = self.registry
+        if api_side and os.environ.get(MULTIPROC_ENV):  # every API process's values, summed (counters of
+            # processes that died and were restarted included: a counter never goes back)
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, os.environ[MULTIPROC_ENV])
+        # NOTE: not registry.restricted_registry: it finds nothing of a collector without describe()
+        # (MultiProcessCollector). generate_latest only needs an object with collect().
+        families = [mf for mf in registry.collect() if (mf.name in API_FAMILIES) == api_side]
+        return generate_latest(_Families(families))
 
     def update_gauges(self, batcher, store) -> None:
         """Read the queue's and the store's state into their gauges (before an exposition)."""
@@ -60,3 +76,13 @@ class Metrics:
         self.store_items.set(len(store))
         self.store_evictions.set(store.evictions)
         self.dropped.set(batcher.stats.dropped)
+
+
+class _Families:
+    """Metric families already collected, in the shape generate_latest reads."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -37,6 +38,9 @@ from .config import Settings
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+# prometheus_client's own variable (metrics.py). NOTE: not imported from metrics.py: that imports
+# prometheus_client, and this module is imported in every API process before api_main runs.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def die_with_parent(parent_pid: int | None, sig: int = signal.SIGTERM) -> None:
@@ -88,9 +92,13 @@ def default_api_processes() -> int:
 
 
 def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_socket: str,
-             log_level: str, parent_pid: int) -> None:
+             metrics_dir: str, log_level: str, parent_pid: int) -> None:
     """Entry point of an API process."""
     child_setup(parent_pid, log_level, f"api{index}")
+    # One /metrics for every API process (metrics.py): prometheus_client picks its multiprocess mode
+    # from this variable when it is first imported, which must be after this line.
+    assert "prometheus_client" not in sys.modules, "prometheus_client imported before its multiprocess set-up"
+    os.environ[MULTIPROC_ENV] = metrics_dir
     import uvicorn
 
     from .app import RemoteEngine, create_app, server_options
@@ -112,6 +120,8 @@ class Supervisor:
         self.pid = os.getpid()
         self.rundir = tempfile.mkdtemp(prefix="qve-run-")  # 0700: only this user can reach the engine
         self.engine_socket = str(Path(self.rundir) / "engine.sock")
+        self.metrics_dir = str(Path(self.rundir) / "metrics")  # the API processes' counters (api_main)
+        os.mkdir(self.metrics_dir, 0o700)
         self.generation = [0] * self.n_api
         self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
         self.engine: multiprocessing.Process | None = None
@@ -122,7 +132,8 @@ class Supervisor:
         self.generation[i] += 1
         name = segment_name(self.pid, i, self.generation[i])
         p = self.ctx.Process(target=api_main, name=f"qve-api{i}",
-                             args=(self.settings, self.sock, i, name, self.engine_socket, self.log_level, self.pid))
+                             args=(self.settings, self.sock, i, name, self.engine_socket, self.metrics_dir,
+                                   self.log_level, self.pid))
         p.start()
         self.apis[i] = p
 
@@ -153,6 +164,7 @@ class Supervisor:
                 if p is not None and not p.is_alive() and not self.stopping:
                     log.error("API process %d exited (status %s); starting it again", i, p.exitcode)
                     self._unlink_segment(i)
+                    self._forget_gauges(p.pid)
                     self._start_api(i)
         self._stop()
         return 130 if code == 0 and self.stop_signal == signal.SIGINT else code  # a shell's "interrupted"
@@ -163,6 +175,12 @@ class Supervisor:
                      signal.Signals(signum).name)
         self.stopping = True
         self.stop_signal = self.stop_signal or signum
+
+    def _forget_gauges(self, pid: int) -> None:
+        """A dead API process's gauges (its arena bytes) leave the sum; its counters stay in it."""
+        from prometheus_client.multiprocess import mark_process_dead
+
+        mark_process_dead(pid, self.metrics_dir)
 
     def _unlink_segment(self, i: int) -> None:
         unlink_segment(segment_name(self.pid, i, self.generation[i]))
@@ -188,6 +206,7 @@ class Supervisor:
             log.warning("removing leftover shared-memory segment %s", name)
             unlink_segment(name)
         Path(self.engine_socket).unlink(missing_ok=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
         os.rmdir(self.rundir)
         self.sock.close()
 

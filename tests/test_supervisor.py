@@ -94,9 +94,15 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
         assert len(families) == len(set(families)), families
         assert metric(text, "qve_store_items") == len(IMAGES)  # the engine's store: each distinct image once
         assert metric(text, "qve_steps_total", 'result="ok"') >= 1
-        # The answering API process's own request families (its share of the 32 may be none: the kernel
-        # hands connections to either process).
         assert {"qve_requests", "qve_encode_latency_seconds", "qve_arena_bytes_in_use"} <= set(families), families
+        # Every API process's requests, summed, whichever process answers the scrape (the kernel hands
+        # the 32 clients' connections to either; new connections, so different processes answer).
+        for _ in range(6):
+            text = httpx.get(server.url + "/metrics", timeout=10, headers={"Connection": "close"}).text
+            assert metric(text, "qve_requests_total", 'status="200"') == 32
+            assert sum(metric(text, "qve_images_total", f'outcome="{o}"') for o in ("encoded", "cached", "coalesced")) == 64
+            assert metric(text, "qve_encode_latency_seconds_count") == 32
+            assert metric(text, "qve_arena_bytes_in_use") == 0  # every cell given back
 
         # Many small requests: afterwards no arena cell is still held.
         n = int(os.environ.get("QVE_TEST_SUPERVISOR_REQUESTS", "1000"))
@@ -105,6 +111,8 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
             codes = list(pool.map(lambda b: httpx.post(server.url + "/encode", json=json_body(b), timeout=120).status_code,
                                   tiny))
         assert codes.count(200) == n
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric(text, "qve_requests_total", 'status="200"') == 32 + n
 
         # Bad input in a request beside good ones: a clear 4xx for it, the others answered, no cell kept.
         good = data.encode(data.textured_rgb(96, 96, seed=424242), "PNG")
@@ -133,6 +141,9 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
     try:
         info = ready_info(server)
         victim, engine = info["api_pid"], info["engine_pid"]
+        before = [httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(72, 72, seed=100 + i), "PNG")),
+                             timeout=60, headers={"Connection": "close"}).status_code for i in range(4)]
+        assert before == [200] * 4
         os.kill(victim, signal.SIGKILL)
         # The others go on at once; the victim's place is taken by a new process.
         ok = 0
@@ -147,6 +158,9 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
         wait_for(lambda: len({ready_info(server)["api_pid"] for _ in range(10)} - {victim}) == 2, 60,
                  "a new API process serves")
         assert ready_info(server)["engine_pid"] == engine and alive(engine)
+        # The counters summed over API processes keep what the killed one had answered.
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric(text, "qve_requests_total", 'status="200"') == 4 + ok
         assert "API process" in server.log.read_text() and "starting it again" in server.log.read_text()
     finally:
         server.stop()
