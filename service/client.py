@@ -26,11 +26,8 @@ async def apost(client: httpx.AsyncClient, url: str, **kwargs) -> tuple[httpx.Re
 
         try:
             return await client.post(url, extensions={"trace": trace}, **kwargs), attempt > 0
-        except httpx.TimeoutException:
-            raise
         except httpx.TransportError as e:
-            if attempt or opened:
-                e.sent_twice = attempt > 0  # for callers that count retries of failed requests too
+            if _final(e, attempt, opened):
                 raise
     raise AssertionError("unreachable: the second attempt returns or raises")
 
@@ -46,10 +43,16 @@ def post(client: httpx.Client, url: str, **kwargs) -> tuple[httpx.Response, bool
 
         try:
             return client.post(url, extensions={"trace": trace}, **kwargs), attempt > 0
-        except httpx.TimeoutException:
-            raise
         except httpx.TransportError as e:
-            if attempt or opened:
-                e.sent_twice = attempt > 0  # for callers that count retries of failed requests too
+            if _final(e, attempt, opened):
                 raise
     raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+def _final(e: httpx.TransportError, attempt: int, opened: list) -> bool:
+    """Whether this error ends the request (see the module's NOTE): a timeout, a second attempt, or a
+    connection opened for it. Marks it `sent_twice` for callers that count retries of failed requests."""
+    if isinstance(e, httpx.TimeoutException) or attempt or opened:
+        e.sent_twice = attempt > 0
+        return True
+    return False
