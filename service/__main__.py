@@ -161,7 +161,7 @@ def _serve(flags: dict) -> int:
     except StartupError as e:
         print(f"cannot start: {e}", file=sys.stderr)
         return 2
-    if settings.api_processes > 0:
+    if settings.supervised:
         from .supervisor import serve_supervised
 
         return serve_supervised(settings, sock)

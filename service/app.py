@@ -209,9 +209,9 @@ class Runtime:
 
 @dataclass
 class RemoteEngine:
-    """Where an API process finds its engine (supervisor mode) and its own pixel arena."""
+    """Where an API process finds its engines (supervisor mode: one per device) and its own pixel arena."""
 
-    socket_path: str
+    socket_paths: list[str]
     arena_name: str
     arena_bytes: int
 
@@ -222,12 +222,12 @@ class RemoteRuntime:
 
     def __init__(self, settings: Settings, remote: RemoteEngine):
         from .arena import Arena
-        from .ipc import EngineClient
+        from .ipc import EngineRouter
 
         self.settings = settings
         self.metrics = Metrics()
         self.arena = Arena(remote.arena_name, remote.arena_bytes)
-        self.client = EngineClient(remote.socket_path, self._cell_free)
+        self.client = EngineRouter(remote.socket_paths, self._cell_free)
         # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
         # several such processes; PIL releases the GIL while it decodes and resizes.
         self.decoders = concurrent.futures.ThreadPoolExecutor(settings.decode_workers or 4, thread_name_prefix="decode")
@@ -236,6 +236,7 @@ class RemoteRuntime:
         self.params = None
         self.key_salt = b""
         self.engine_lost = False
+        self.mismatch: str | None = None  # the engines disagree on keys / preprocessing (see EngineRouter.status)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -243,10 +244,16 @@ class RemoteRuntime:
 
     async def _connect(self) -> None:
         from .config import PreprocessParams
+        from .ipc import EngineMismatch
 
         await self.client.connect()
         while self.client.connected:
-            info = await self.client.status()
+            try:
+                info = await self.client.status()
+            except EngineMismatch as e:  # never ready: /health and /ready say why, and the log
+                self.mismatch = str(e)
+                log.error("%s", e)
+                return
             if self.params is None:
                 self.params = PreprocessParams(*[tuple(x) if isinstance(x, list) else x for x in info["params"]])
                 self.key_salt = info["key_salt"].encode()
@@ -331,7 +338,7 @@ async def _encode_remote(rt: RemoteRuntime, request: Request) -> list[EncodedIte
         except KeyConflict as e:
             raise conflict(i, e.message) from None
         except Unavailable:
-            if not rt.client.connected:  # never reached an engine: nothing else will free the cell
+            if not rt.client.route(key).connected:  # never reached its engine: nothing else will free the cell
                 rt.free_cell(off, prep.pixels.nbytes)
             raise
         finally:
@@ -716,6 +723,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         """200 while the step loop is alive (or still warming up) and the store takes writes; 503 otherwise."""
         rt = request.app.state.rt
         if remote is not None:
+            if rt.mismatch:
+                return JSONResponse({"status": rt.mismatch}, status_code=503)
             if rt.engine_lost or (rt.info is not None and not rt.client.connected):
                 return JSONResponse({"status": "the engine process is not running"}, status_code=503)
             if rt.info is not None:
@@ -743,12 +752,14 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         rt = request.app.state.rt
         if remote is not None:  # the engine process answers
             if not rt.ready:  # the engine process loads (and compiles) before it answers, then warms up
-                return JSONResponse({"ready": False, "phase": "warming" if rt.info else "loading"}, status_code=503)
+                phase = "failed" if rt.mismatch else "warming" if rt.info else "loading"
+                return JSONResponse({"ready": False, "phase": phase}, status_code=503)
             try:
                 info = await rt.client.status()
             except ServiceError:
                 return JSONResponse({"ready": False}, status_code=503)
-            return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid()}
+            # With several engines (--devices) the top-level fields are engine 0's; "engines" lists each.
+            return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid(), "engines": info["engines"]}
         if not rt.ready.is_set():
             return JSONResponse({"ready": False, "phase": "failed" if rt.warmup_failed else "warming"}, status_code=503)
         return model_info(rt.model, rt.engine, rt.startup, ready=True)

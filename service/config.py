@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     # model
     model: str = Field("qwen3-vl-2b", description="preset name or local Hugging Face checkpoint directory")
     device: str = Field("auto", description="cpu, cuda, cuda:N, or auto (cuda when available)")
+    devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="one engine process per device, comma-separated (cuda:0,cuda:1); the "
+        "store's keys are split between them (each engine writes, indexes and evicts only its shard, with "
+        "--store-capacity-bytes / n). Several devices need API processes: with --api-processes 0 the default "
+        "number is started. A cuda device may appear once; cpu may repeat (tests, CPU-only machines). One "
+        "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
     seed: int = Field(0, description="seed for preset random weights")
     min_pixels: int | None = Field(None, description="override preprocessor min pixels")
@@ -79,7 +85,8 @@ class Settings(BaseSettings):
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
-    store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes")
+    store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
+                                      "several --devices, each engine's shard gets an equal part)")
     store_group: str | None = Field(None, description="a group that may read the store (e.g. an LM server running as "
                                     "another user): root 0750 and files 0640 instead of 0700 / 0600")
     store_min_residency_s: float = Field(30.0, ge=0, description="an entry answered by /encode is not evicted for this "
@@ -126,9 +133,9 @@ class Settings(BaseSettings):
                                   "429. An image alone in the queue is always admitted")
 
     # processes
-    api_processes: int = Field(0, ge=0, description="HTTP API processes started by a supervisor beside one engine "
-                               "process (images reach the engine through shared memory); 0 = one process does "
-                               "everything")
+    api_processes: int = Field(0, ge=0, description="HTTP API processes started by a supervisor beside the engine "
+                               "process(es) (images reach the engines through shared memory); 0 = one process does "
+                               "everything, or, with several --devices, the default number (half the cores, 1-8)")
     arena_bytes: int = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
                              "(decoded images waiting for the engine); full -> 429")
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
@@ -160,6 +167,31 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
 
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_devices(cls, v):
+        if isinstance(v, str):
+            return [d.strip() for d in v.split(",") if d.strip()]
+        return v
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, v: list[str]) -> list[str]:
+        for d in v:
+            # NOTE: no `auto` here: an engine per device needs each device named.
+            if d != "cpu" and d != "cuda" and not (d.startswith("cuda:") and d[5:].isdigit()):
+                raise ValueError(f"each device must be cpu, cuda or cuda:N, got {d!r}")
+        gpus = [("cuda:0" if d == "cuda" else d) for d in v if d != "cpu"]
+        for d in sorted(set(gpus)):
+            if gpus.count(d) > 1:
+                raise ValueError(f"{d} is listed more than once (cuda is cuda:0): one engine per GPU; only cpu may "
+                                 "repeat (for tests and CPU-only machines)")
+        if gpus and len(gpus) < len(v):
+            # The engines would load the model in different dtypes (bfloat16 on cuda, float32 on cpu): their
+            # embeddings, and so their content keys, would differ.
+            raise ValueError("mixes cpu and cuda devices; list only GPUs, or only cpu")
+        return v
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _split_keys(cls, v):
@@ -186,7 +218,20 @@ class Settings(BaseSettings):
     def _check_pixels(self) -> "Settings":
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        if len(self.devices) == 1:  # documented: one device is --device
+            self.device = self.devices[0]
         return self
+
+    @property
+    def engine_devices(self) -> list[str]:
+        """One engine process per entry (and store shard per engine)."""
+        return self.devices if len(self.devices) > 1 else [self.device]
+
+    @property
+    def supervised(self) -> bool:
+        """A supervisor with API processes and engine processes, rather than one process doing everything:
+        asked for (--api-processes), or needed by several devices."""
+        return self.api_processes > 0 or len(self.engine_devices) > 1
 
     @property
     def image_limits(self) -> ImageLimits:

@@ -1,4 +1,5 @@
-"""The engine process: the model, the batcher, the step loop and the store writer of one device,
+"""The engine process: the model, the batcher, the step loop and the store writer of one device
+(with several --devices, of one store shard: the keys with store.shard_of(key, n) == i),
 answering the API processes over a Unix socket (ipc.py). Pixels arrive in the API processes'
 shared-memory arenas (arena.py) and are read in place when a step is staged.
 
@@ -30,12 +31,13 @@ from .store import EmbeddingStore, validate_key
 log = logging.getLogger(__name__)
 
 
-def build_store(settings: Settings, model: LoadedModel) -> EmbeddingStore:
+def build_store(settings: Settings, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
+    """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
     return EmbeddingStore(
-        settings.store, settings.store_capacity_bytes, model_id=model.model_id,
+        settings.store, settings.store_capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
         dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
-        exclusive=True, group=settings.store_group,
+        exclusive=True, group=settings.store_group, shard=shard,
     )
 
 
@@ -200,18 +202,19 @@ class EngineHost:
                 "store_error": self.store.unwritable}
 
 
-def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid: int) -> None:
-    """Entry point of the engine process (spawned by the supervisor)."""
+def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid: int,
+                shard: tuple[int, int] = (0, 1)) -> None:
+    """Entry point of an engine process (spawned by the supervisor): shard (i, n) of n, on settings.device."""
     from .supervisor import child_setup
 
-    child_setup(parent_pid, log_level, "engine")
+    child_setup(parent_pid, log_level, "engine" if shard[1] == 1 else f"engine{shard[0]}")
     # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
     # share the GIL; a 1 ms switch interval keeps each hand-off short.
     sys.setswitchinterval(0.001)
     t0 = time.perf_counter()
     model = load_model(settings)
     metrics = Metrics()
-    store = build_store(settings, model)
+    store = build_store(settings, model, shard)
     batcher = build_batcher(settings)
     engine = Engine(model, store, batcher, settings, metrics)
     host = EngineHost(settings, model, store, batcher, engine, metrics)

@@ -26,12 +26,12 @@ import itertools
 import logging
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 
 from . import errors
-from .store import StoredItem
+from .store import StoredItem, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,13 @@ class EngineClient:
     """The API process's side: one connection to the engine, shared by every request of the process.
 
     `on_cell_free(segment, offset, nbytes)` is called (on the event loop) for every "cell_free".
+    `ids`: this connection's request ids (EngineRouter gives each engine's client its own residue class).
     """
 
-    def __init__(self, path: str, on_cell_free: Callable[[str, int, int], None]):
+    def __init__(self, path: str, on_cell_free: Callable[[str, int, int], None],
+                 ids: Iterator[int] | None = None):
         self.path, self.on_cell_free = path, on_cell_free
-        self._ids = itertools.count(1)
+        self._ids = ids or itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}  # first answer to a claim / submit / status
         self._results: dict[int, asyncio.Future] = {}  # the later result of a joined claim or a queued submit
         self._writer: asyncio.StreamWriter | None = None
@@ -229,6 +231,83 @@ class EngineClient:
             self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
+
+
+class EngineMismatch(RuntimeError):
+    """The engines report different models or preprocessing: a key would depend on which engine hashed it."""
+
+
+class EngineRouter:
+    """EngineClient's interface over one client per engine (--devices): a key's claim and submit go to
+    the engine of its store shard (store.shard_of), so each key has one writer and dedupe and coalescing
+    stay exact. With one engine, everything passes through to it unchanged.
+
+    Ids: client i issues ids i+1, i+1+n, i+1+2n, ... (no two engines share an id), so `cancel(id)` finds the
+    engine that issued the id from the id alone, with no map to keep (and to leak, when a cancel never comes).
+    """
+
+    def __init__(self, paths: list[str], on_cell_free: Callable[[str, int, int], None]):
+        n = len(paths)
+        self.clients = [EngineClient(p, on_cell_free, itertools.count(i + 1, n)) for i, p in enumerate(paths)]
+
+    def route(self, key: str) -> EngineClient:
+        return self.clients[shard_of(key, len(self.clients))]
+
+    def _issuer(self, rid: int) -> EngineClient:
+        return self.clients[(rid - 1) % len(self.clients)]
+
+    @property
+    def connected(self) -> bool:
+        """Every engine is reachable: one lost engine is a degraded service (/health 503), and the
+        supervisor stops it anyway."""
+        return all(c.connected for c in self.clients)
+
+    async def connect(self, timeout: float = 600.0, interval: float = 0.05) -> None:
+        await asyncio.gather(*(c.connect(timeout, interval) for c in self.clients))
+
+    async def claim(self, key: str, sha: str, tokens: int) -> tuple[str, object]:
+        return await self.route(key).claim(key, sha, tokens)
+
+    async def submit(self, grant: int, key: str, *args) -> tuple[int, asyncio.Future]:
+        client = self.route(key)
+        assert self._issuer(grant) is client, "a grant is submitted to the engine that gave it: this is a bug"
+        return await client.submit(grant, key, *args)
+
+    def cancel(self, rid: int) -> None:
+        self._issuer(rid).cancel(rid)
+
+    async def status(self) -> dict:
+        """The engines' statuses as one: ready when all are; "engines" lists each engine's device, pid and
+        readiness; "store_error" is any shard's. With several engines, the top-level "info" and "pid" are
+        engine 0's. Raises EngineMismatch if the engines do not key and preprocess images alike."""
+        states = await asyncio.gather(*(c.status() for c in self.clients))
+        first = states[0]
+        for i, st in enumerate(states[1:], 1):
+            if (st["key_salt"], st["params"]) != (first["key_salt"], first["params"]):
+                raise EngineMismatch(f"engine {i} keys or preprocesses images differently from engine 0 "
+                                     f"({st['key_salt']!r} vs {first['key_salt']!r}): every engine must load the "
+                                     "same model in the same dtype")
+        errs = [f"engine {i}: {st['store_error']}" if len(states) > 1 else st["store_error"]
+                for i, st in enumerate(states) if st["store_error"]]
+        return {**first, "info": {**first["info"], "ready": all(st["info"]["ready"] for st in states)},
+                "store_error": "; ".join(errs) or None,
+                "engines": [{"device": st["info"]["device"], "engine_pid": st["pid"], "ready": st["info"]["ready"]}
+                            for st in states]}
+
+    async def metrics(self) -> str:
+        """Every reachable engine's Prometheus text; with several, each series labelled engine="<i>"."""
+        texts = await asyncio.gather(*(c.metrics() for c in self.clients), return_exceptions=True)
+        if len(texts) == 1:
+            if isinstance(texts[0], BaseException):
+                raise texts[0]
+            return texts[0]
+        from .metrics import label_engines
+
+        # NOTE: a lost engine's text is left out, and the others keep their labels (their position).
+        return label_engines([t if isinstance(t, str) else "" for t in texts])
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
 
 
 class EngineServer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 # In a supervised service (--api-processes) the API processes own these families and the engine
 # process the others, so /metrics joins two texts that never repeat a series. The API processes run
@@ -76,6 +77,23 @@ class Metrics:
         self.store_items.set(len(store))
         self.store_evictions.set(store.evictions)
         self.dropped.set(batcher.stats.dropped)
+
+
+def label_engines(texts: list[str]) -> str:
+    """Several engines' expositions as one: each sample gets `engine="<i>"` (i: its position in `texts`),
+    and each family is written once, so the joined text stays valid (no repeated family or series).
+    Parsed and written again with prometheus_client rather than edited as text."""
+    families: dict[str, object] = {}
+    for i, text in enumerate(texts):
+        for mf in text_string_to_metric_families(text):
+            merged = families.setdefault(mf.name, mf)
+            samples = [s._replace(labels={**s.labels, "engine": str(i)}) for s in mf.samples]
+            if merged is mf:
+                mf.samples = samples
+            else:
+                merged.samples.extend(samples)
+
+    return generate_latest(_Families(list(families.values()))).decode()
 
 
 class _Families:

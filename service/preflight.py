@@ -3,6 +3,7 @@ second and one line instead of a model load and a traceback:
 
     --model   a preset name or an existing directory          (no heavy import)
     --device  cuda asked for: the CUDA driver sees that GPU    (libcuda via ctypes, not torch)
+    --devices the same for each of them
     --port    bound now, with uvicorn's SO_REUSEADDR; the socket is the one the server then serves on
     --store   the store's own ownership checks (service/store.py): creatable, this user's, not writable
               by others, not locked by another service
@@ -45,18 +46,19 @@ def cuda_device_count() -> int:
     return count.value
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, flag: str = "--device") -> None:
     """An explicit cuda / cuda:N needs a driver that sees that GPU. (`auto` needs nothing. A CPU-only
-    torch on a GPU machine passes here and is caught by the loader, before it loads anything.)"""
+    torch on a GPU machine passes here and is caught by the loader, before it loads anything.)
+    `flag`: the setting the message names (--device, or --devices for one of them)."""
     if not device.startswith("cuda"):
         return
     n = cuda_device_count()
     index = int(device.partition(":")[2] or 0)
     if n == 0:
-        raise StartupError(f"--device {device} asked for CUDA, but there is no CUDA driver or GPU here; "
-                           "use --device cpu")
+        raise StartupError(f"{flag} {device} asked for CUDA, but there is no CUDA driver or GPU here; "
+                           f"use {flag} cpu")
     if index >= n:
-        raise StartupError(f"--device {device}: the CUDA driver sees {n} GPU(s), cuda:0 to cuda:{n - 1}")
+        raise StartupError(f"{flag} {device}: the CUDA driver sees {n} GPU(s), cuda:0 to cuda:{n - 1}")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -85,21 +87,21 @@ def check_store(root: Path, group: str | None) -> None:
     from .store import EmbeddingStore, StoreOwnershipError  # imports torch
 
     # NOTE: EmbeddingStore's constructor would also rebuild the index from every file in the root;
-    # only its root checks are wanted here, so they run on an instance that has nothing else.
-    probe = EmbeddingStore.__new__(EmbeddingStore)
-    probe.root, probe._lock_fd = Path(root).absolute(), None
+    # only its root checks are wanted here (lock_root).
     try:
-        probe._own_root(group)
+        EmbeddingStore.lock_root(root, group).close()
     except StoreOwnershipError as e:
         raise StartupError(str(e)) from None
-    finally:
-        probe.close()
 
 
 def preflight(settings) -> socket.socket:
     """Every check above, cheapest first. Returns the bound socket; raises StartupError."""
     check_model(settings.model)
-    check_device(settings.device)
+    if len(settings.engine_devices) > 1:
+        for device in settings.engine_devices:
+            check_device(device, "--devices")
+    else:
+        check_device(settings.device)
     sock = bind(settings.host, settings.port)
     try:
         check_store(settings.store, settings.store_group)

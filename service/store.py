@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -80,6 +81,23 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
 _CODE_OF: dict[torch.dtype, str] = {td: code for code, (td, _) in _DTYPES.items()}
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+
+ROOT_LOCK = ".lock"  # held by the root's one writer: a service's store, or the supervisor of a sharded service
+
+
+def shard_of(key: str, n: int) -> int:
+    """The shard (engine, with several --devices) that owns `key`: the only process that writes, indexes
+    and evicts `<root>/<key>`, so dedupe and coalescing stay exact. The same in every process and every
+    run (blake2b of the key; Python's hash() is salted per process)."""
+    if n == 1:
+        return 0
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
+
+
+def shard_lock(index: int, count: int) -> str:
+    """The lock file of one shard's writer (the supervisor holds ROOT_LOCK meanwhile)."""
+    return f"{ROOT_LOCK}.shard-{index}-of-{count}"
 
 
 class StoreFormatError(ValueError):
@@ -431,6 +449,12 @@ class EmbeddingStore:
 
     One writer process per root: the index is this process's memory. Readers in other processes use
     `read_embeddings`.
+
+    NOTE (shards): with `shard=(i, n)`, n > 1, this store is one of n writers of the root (one engine per
+    device): it indexes, writes and evicts only the keys with `shard_of(key, n) == i`, leaves the others'
+    files alone and uncounted, and locks `shard_lock(i, n)` instead of ROOT_LOCK (which the supervisor
+    holds, so a second service on the root is still refused). The caller passes each shard its part of
+    the capacity (enginep.build_store: capacity / n); the filesystem's free space is split the same way.
     """
 
     def __init__(
@@ -447,6 +471,7 @@ class EmbeddingStore:
         clock: Callable[[], float] = time.monotonic,  # injectable for tests
         exclusive: bool = False,  # the service's own root: checked, locked (see _own_root)
         group: str | None = None,  # with exclusive: a group that may read the store (root 0750, files 0640)
+        shard: tuple[int, int] = (0, 1),  # (index, count): see the class NOTE on shards
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -466,6 +491,9 @@ class EmbeddingStore:
             raise ValueError(f"min_residency_s must be >= 0, got {min_residency_s}")
         self.min_residency_s = min_residency_s
         self._clock = clock
+        if not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
+        self.shard = shard
 
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first, MRU last
@@ -475,7 +503,7 @@ class EmbeddingStore:
         self.file_mode = FILE_MODE
         self._lock_fd: int | None = None
         if exclusive:
-            self._own_root(group)
+            self._own_root(group, ROOT_LOCK if shard[1] == 1 else shard_lock(*shard))
         else:
             self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
@@ -488,7 +516,8 @@ class EmbeddingStore:
         """`wanted`, or less where the filesystem cannot hold it (Docker's default /dev/shm is 64 MB):
         a capacity above what fits would make every write fail with ENOSPC instead of evicting."""
         st = os.statvfs(self.root)
-        room = st.f_bavail * st.f_frsize + self._bytes_used  # free space plus what our entries hold
+        # free space (this shard's part of it) plus what our entries hold
+        room = st.f_bavail * st.f_frsize // self.shard[1] + self._bytes_used
         fits = int(room * 0.95)  # headroom for temp files in flight and other users of the filesystem
         if wanted <= fits:
             return wanted
@@ -497,10 +526,19 @@ class EmbeddingStore:
                     "--store-capacity-bytes", wanted, self.root, st.f_bavail * st.f_frsize, self._bytes_used, fits)
         return max(1, fits)
 
-    def _own_root(self, group: str | None) -> None:
+    @classmethod
+    def lock_root(cls, root: Path, group: str | None) -> "EmbeddingStore":
+        """Only the root checks and ROOT_LOCK (see _own_root), on an instance that indexes nothing: what
+        preflight checks (then close()s), and what the supervisor of a sharded service holds until it exits."""
+        probe = cls.__new__(cls)
+        probe.root, probe._lock_fd = Path(root).absolute(), None
+        probe._own_root(group, ROOT_LOCK)
+        return probe
+
+    def _own_root(self, group: str | None, lock_name: str) -> None:
         """Make the root this service's own: created 0700 (0750 for a reading group), refused when it
         belongs to another user or others may write it (they could plant entries that /encode would
-        answer), and locked so that a second service on the same root refuses to start."""
+        answer), and locked (`lock_name`) so that a second service on the same root refuses to start."""
         dir_mode, self.file_mode = (0o750, 0o640) if group else (0o700, 0o600)
         try:
             os.makedirs(self.root, mode=dir_mode)
@@ -521,7 +559,7 @@ class EmbeddingStore:
                 f"the store root {self.root} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}): they could plant entries that /encode would answer; "
                 f"run `chmod {dir_mode:o} {self.root}` or choose another --store")
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o600)
+        fd = os.open(self.root / lock_name, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -600,6 +638,7 @@ class EmbeddingStore:
         pages (~1.5 ms for one 448px image's 4 MB); the step loop reserves while the GPU computes, and
         `commit` is then a plain copy. Every reservation must be committed or aborted."""
         key_dir = self._key_dir(key)
+        assert shard_of(key, self.shard[1]) == self.shard[0], f"{key} is another shard's: a routing bug"
         grid = tuple(int(g) for g in grid_thw)
         self._check_shape(shape, dtype, grid)
         n, width = shape
@@ -771,7 +810,8 @@ class EmbeddingStore:
         """Index every `<root>/<key>/encoder_cache.safetensors` from its header, LRU order = mtime order.
 
         Removes temp files left by a crashed writer and empty key directories. Leaves anything that is
-        not in the store's layout (other names, invalid keys) alone and uncounted.
+        not in the store's layout (other names, invalid keys) alone and uncounted, and so the keys of
+        other shards (their writers run beside this one).
         """
         found: list[tuple[int, str, _Entry]] = []
         for tmp in self.root.glob(".tmp*"):
@@ -780,7 +820,7 @@ class EmbeddingStore:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
         for d in dirs:
             key = d.name
-            if not is_store_key(key):
+            if not is_store_key(key) or shard_of(key, self.shard[1]) != self.shard[0]:
                 continue
             key_dir = Path(d.path)
             for tmp in key_dir.glob(".tmp*"):

@@ -1,15 +1,21 @@
-"""`serve --api-processes N` (N >= 1): the supervisor. It binds the port once, starts one engine
-process (enginep.py) and N API processes serving the FastAPI app on the shared socket, and watches them.
+"""`serve --api-processes N` (N >= 1) or `serve --devices D0,D1,...`: the supervisor. It binds the port
+once, starts one engine process (enginep.py) per device and N API processes serving the FastAPI app on
+the shared socket, and watches them.
 
-    supervisor ──spawn──> engine process   (model, batcher, step loop, store writer; Unix socket)
-              └─spawn──> API process 0..N-1 (HTTP, decode threads, a shared-memory pixel arena each)
+    supervisor ──spawn──> engine process 0..E-1 (one per device: model, batcher, step loop, the writer
+              │                                  of store shard i of E; Unix socket engine<i>.sock)
+              └─spawn──> API process 0..N-1     (HTTP, decode threads, a shared-memory pixel arena each;
+                                                 a key goes to the engine of its shard, store.shard_of)
+
+With several engines the supervisor holds the store root's lock itself (a second service on the root
+is refused as with one engine) and each engine locks only its shard (see store.EmbeddingStore).
 
 What happens when a process dies:
   * an API process: its requests fail (their clients see the connection close), its arena segment is
     unlinked, and it is started again; the other API processes go on.
-  * the engine: every API process answers /health 503 and new encodes 503 at once; the supervisor
-    then stops the API processes and exits with status 1 (a process manager or container restart
-    policy starts the service again; the store's entries survive a restart).
+  * an engine (any one of them): every API process answers /health 503 and new encodes 503 at once;
+    the supervisor then stops the other processes and exits with status 1 (a process manager or
+    container restart policy starts the service again; the store's entries survive a restart).
   * the supervisor, even by SIGKILL: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
     drains; the arena segments go with their processes.
 SIGTERM / SIGINT to the supervisor drains: the API processes finish their open requests first, then
@@ -91,7 +97,7 @@ def default_api_processes() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_socket: str,
+def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
              metrics_dir: str, log_level: str, parent_pid: int) -> None:
     """Entry point of an API process."""
     child_setup(parent_pid, log_level, f"api{index}")
@@ -105,7 +111,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     from .boot import Server
 
     sys.setswitchinterval(0.001)
-    app = create_app(settings, remote=RemoteEngine(engine_socket, arena_name, settings.arena_bytes))
+    app = create_app(settings, remote=RemoteEngine(engine_sockets, arena_name, settings.arena_bytes))
     # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
     # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
     config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
@@ -118,13 +124,15 @@ class Supervisor:
         self.n_api = settings.api_processes if settings.api_processes > 0 else default_api_processes()
         self.ctx = multiprocessing.get_context("spawn")
         self.pid = os.getpid()
-        self.rundir = tempfile.mkdtemp(prefix="qve-run-")  # 0700: only this user can reach the engine
-        self.engine_socket = str(Path(self.rundir) / "engine.sock")
+        self.devices = settings.engine_devices
+        self.rundir = tempfile.mkdtemp(prefix="qve-run-")  # 0700: only this user can reach the engines
+        self.engine_sockets = [str(Path(self.rundir) / f"engine{i}.sock") for i in range(len(self.devices))]
         self.metrics_dir = str(Path(self.rundir) / "metrics")  # the API processes' counters (api_main)
         os.mkdir(self.metrics_dir, 0o700)
         self.generation = [0] * self.n_api
         self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
-        self.engine: multiprocessing.Process | None = None
+        self.engines: list[multiprocessing.Process] = []
+        self.root_lock = None  # with several engines: the store root's lock (an EmbeddingStore.lock_root)
         self.stopping = False
         self.stop_signal: int | None = None
 
@@ -132,7 +140,7 @@ class Supervisor:
         self.generation[i] += 1
         name = segment_name(self.pid, i, self.generation[i])
         p = self.ctx.Process(target=api_main, name=f"qve-api{i}",
-                             args=(self.settings, self.sock, i, name, self.engine_socket, self.metrics_dir,
+                             args=(self.settings, self.sock, i, name, self.engine_sockets, self.metrics_dir,
                                    self.log_level, self.pid))
         p.start()
         self.apis[i] = p
@@ -142,11 +150,28 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        log.info("supervisor %d: http://%s:%d, %d API processes + 1 engine (%s)", self.pid, self.settings.host,
-                 self.sock.getsockname()[1], self.n_api, self.settings.device)
-        self.engine = self.ctx.Process(target=engine_main, name="qve-engine",
-                                       args=(self.settings, self.engine_socket, self.log_level, self.pid))
-        self.engine.start()
+        n = len(self.devices)
+        if self.settings.api_processes == 0:
+            log.info("%d devices need API processes: starting %d (the default for --api-processes 0)", n, self.n_api)
+        log.info("supervisor %d: http://%s:%d, %d API processes + %d engine(s) (%s)", self.pid, self.settings.host,
+                 self.sock.getsockname()[1], self.n_api, n, ",".join(self.devices))
+        if n > 1:
+            from .store import EmbeddingStore, StoreOwnershipError
+
+            # One lock for the whole service, as a one-engine service holds (preflight checked it is free);
+            # the engines lock their shards.
+            try:
+                self.root_lock = EmbeddingStore.lock_root(self.settings.store, self.settings.store_group)
+            except StoreOwnershipError as e:  # another service took the root since preflight
+                log.error("cannot start: %s", e)
+                self._stop()
+                return 2
+        for i, device in enumerate(self.devices):
+            p = self.ctx.Process(target=engine_main, name=f"qve-engine{i}",
+                                 args=(self.settings.model_copy(update={"device": device}), self.engine_sockets[i],
+                                       self.log_level, self.pid, (i, n)))
+            p.start()
+            self.engines.append(p)
         for i in range(self.n_api):
             self._start_api(i)
         code = 0
@@ -154,9 +179,10 @@ class Supervisor:
             time.sleep(0.1)
             if self.stopping:  # a signal during the sleep: children it reached too may be exiting
                 break
-            if not self.engine.is_alive():
-                log.error("the engine process exited (status %s): the API processes answer 503; stopping the "
-                          "service with status 1", self.engine.exitcode)
+            dead = next((i for i, p in enumerate(self.engines) if not p.is_alive()), None)
+            if dead is not None:
+                log.error("the engine process exited (engine %d of %d, %s, status %s): the API processes answer 503; "
+                          "stopping the service with status 1", dead, n, self.devices[dead], self.engines[dead].exitcode)
                 time.sleep(self.settings.engine_exit_grace_s)  # /health says 503 meanwhile
                 code = 1
                 break
@@ -186,7 +212,7 @@ class Supervisor:
         unlink_segment(segment_name(self.pid, i, self.generation[i]))
 
     def _stop(self) -> None:
-        """Drain: API processes first (they finish their open requests), then the engine."""
+        """Drain: API processes first (they finish their open requests), then the engines."""
         for p in self.apis:
             if p is not None and p.is_alive():
                 p.terminate()
@@ -195,17 +221,22 @@ class Supervisor:
                 p.join(70)
                 if p.is_alive():
                     p.kill()
-        if self.engine is not None and self.engine.is_alive():
-            self.engine.terminate()
-            self.engine.join(90)
-            if self.engine.is_alive():
-                self.engine.kill()
+        for p in self.engines:  # all at once: each drains its own queue
+            if p.is_alive():
+                p.terminate()
+        for p in self.engines:
+            p.join(90)
+            if p.is_alive():
+                p.kill()
+        if self.root_lock is not None:  # the engines are gone: a later service may take the root
+            self.root_lock.close()
         for i in range(self.n_api):
             self._unlink_segment(i)
         for name in leaked_segments(self.pid):
             log.warning("removing leftover shared-memory segment %s", name)
             unlink_segment(name)
-        Path(self.engine_socket).unlink(missing_ok=True)
+        for path in self.engine_sockets:
+            Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
         os.rmdir(self.rundir)
         self.sock.close()

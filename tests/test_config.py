@@ -79,3 +79,21 @@ def test_unknown_qve_variables_get_the_closest_setting_and_known_ones_nothing():
         "QVE_ZZZ is not a setting and is ignored; `--help` lists the QVE_ variables",
         "qve_modle is not a setting and is ignored; did you mean QVE_MODEL?",  # matched case-insensitively
     ]
+
+
+def test_devices_one_engine_each_validated_and_supervised(capsys):
+    s = _from_cli("--devices", "cuda:0, cuda:1")
+    assert s.engine_devices == ["cuda:0", "cuda:1"] and s.supervised  # several devices need a supervisor
+    assert s.api_processes == 0  # ... which then starts default_api_processes() (service/supervisor.py)
+    assert _from_cli("--devices", "cpu,cpu").engine_devices == ["cpu", "cpu"]  # cpu may repeat (tests)
+    one = _from_cli("--devices", "cuda:1")
+    assert one.device == "cuda:1" and one.engine_devices == ["cuda:1"] and not one.supervised  # one = --device
+    none = _from_cli("--device", "cpu")
+    assert none.devices == [] and none.engine_devices == ["cpu"] and not none.supervised  # today's service
+    for bad, says in [("cuda:0,cuda:0", "cuda:0 is listed more than once"),
+                      ("cuda,cuda:0", "cuda:0 is listed more than once (cuda is cuda:0)"),
+                      ("cuda:0,tpu", "each device must be cpu, cuda or cuda:N, got 'tpu'"),
+                      ("auto,auto", "got 'auto'"), ("cpu,cuda:0", "mixes cpu and cuda devices")]:
+        assert main(["serve", "--devices", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--devices={bad}: " in err and says in err, err

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from service.errors import ModelLoadError, StartupError
-from service.preflight import bind, check_device, check_model, check_store, cuda_device_count
+from service.preflight import bind, check_device, check_model, check_store, cuda_device_count, preflight
 from service.store import EmbeddingStore, StoreOwnershipError
 
 
@@ -107,3 +107,11 @@ def test_store_checks_are_the_stores_own(tmp_path):
         check_store(shared, None)
     assert str(by_preflight.value) == str(by_store.value)
 
+
+
+def test_each_of_several_devices_needs_a_driver_that_sees_it():
+    from service.config import Settings
+
+    n = cuda_device_count()
+    with pytest.raises(StartupError, match=f"^--devices cuda:{n}[: ]"):  # the first GPU beyond those there are
+        preflight(Settings(devices=[f"cuda:{k}" for k in range(n + 2)], port=0))

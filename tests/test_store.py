@@ -26,6 +26,7 @@ from service.store import (
     StoreFormatError,
     StoreOwnershipError,
     read_embeddings,
+    shard_of,
     validate_key,
 )
 
@@ -846,3 +847,60 @@ def test_room_check_on_a_full_store_does_not_scan_every_entry(tmp_path):
 
     small, large = min(per_check(100) for _ in range(3)), per_check(100_000)
     assert large < 10 * small + 20e-6, (small, large)  # a full scan of 100,000 entries takes milliseconds
+
+
+# ---- shards (one engine per device) ----------------------------------------------------------------
+def test_shard_of_is_stable_across_processes_and_spreads_keys():
+    # Fixed values: every process (API and engine, any run) must route a key to the same shard.
+    keys = ["a", "b", "img-1", "img-2", "sha256+" + "0" * 64]
+    assert [shard_of(k, 2) for k in keys] == [0, 0, 0, 1, 1]
+    assert [shard_of(k, 3) for k in keys] == [2, 2, 0, 2, 0]
+    assert all(shard_of(k, 1) == 0 for k in keys)
+    counts = [0] * 4
+    for i in range(4000):
+        counts[shard_of(f"k{i}", 4)] += 1
+    assert all(900 <= c <= 1100 for c in counts), counts
+
+
+def test_shards_index_write_and_lock_only_their_own_keys(tmp_path):
+    root = tmp_path / "s"
+    whole = make_store(root, exclusive=True)
+    keys = [f"img-{i}" for i in range(12)]
+    for i, k in enumerate(keys):
+        whole.put(k, ec_for(i, 2), (1, 2, 4))
+    whole.close()
+    mine = {i: {k for k in keys if shard_of(k, 2) == i} for i in (0, 1)}
+    assert mine[0] and mine[1]
+    stale = root / sorted(mine[1])[0] / ".tmp-of-a-running-put"
+    stale.write_bytes(b"x")
+
+    # As a sharded service runs: the supervisor holds the root's lock, each engine its shard's.
+    root_lock = EmbeddingStore.lock_root(root, None)
+    try:
+        with pytest.raises(StoreOwnershipError, match="is writing to the store root"):
+            make_store(root, exclusive=True)  # a second, one-engine service on the root: refused
+        from service.errors import StartupError
+        from service.preflight import check_store
+
+        with pytest.raises(StartupError, match="is writing to the store root"):
+            check_store(root, None)  # what a second service's preflight runs: refused
+        shard0 = make_store(root, exclusive=True, shard=(0, 2))
+        assert set(shard0.lru_keys()) == mine[0]  # indexed: only its keys
+        assert shard0.bytes_used == sum((root / k / FILE_NAME).stat().st_size for k in mine[0])
+        assert stale.exists()  # another shard's directory: left alone
+        with pytest.raises(StoreOwnershipError):
+            make_store(root, exclusive=True, shard=(0, 2))  # one writer per shard
+        shard1 = make_store(root, exclusive=True, shard=(1, 2))
+        assert set(shard1.lru_keys()) == mine[1] and not stale.exists()  # its own stale temp file: removed
+        with pytest.raises(AssertionError, match="routing bug"):
+            shard0.put(sorted(mine[1])[0], ec_for(0, 2), (1, 2, 4))
+        shard0.close()
+        # A tiny capacity evicts only the shard's own keys; the others' files stay.
+        shard0 = make_store(root, capacity=1, exclusive=True, shard=(0, 2))
+        assert len(shard0) == 0 and not any((root / k).exists() for k in mine[0])
+        assert all((root / k / FILE_NAME).exists() for k in mine[1])
+        shard0.close()
+        shard1.close()
+    finally:
+        root_lock.close()
+    make_store(root, exclusive=True).close()  # all released: a one-engine service takes the root again

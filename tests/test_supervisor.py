@@ -203,3 +203,99 @@ def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_c
     finally:
         server.stop()
     assert "Traceback" not in server.log.read_text()
+
+
+def engine_values(text: str, name: str, **labels: str) -> dict[str, float]:
+    """engine label -> the sum of the samples `name` with `labels` in a several-engine exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and labels.items() <= s.labels.items():
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
+    return out
+
+
+def test_two_devices_two_engines_share_the_store_by_key_and_match_transformers(tmp_path, tiny_checkpoint, reference):
+    """--devices cpu,cpu: one engine per device, each the writer of its keys' shard of one store root."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.store import shard_of
+
+    store = tmp_path / "store"
+    server = Server(tiny_checkpoint, store, "--devices", "cpu,cpu", "--api-processes", "2", "--max-wait-ms", "20")
+    sup = server.proc.pid
+    try:
+        pids: set[int] = set()
+        wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 90, "both API processes answer")
+        info = ready_info(server)
+        assert [e["device"] for e in info["engines"]] == ["cpu", "cpu"] and all(e["ready"] for e in info["engines"])
+        assert len({e["engine_pid"] for e in info["engines"]}) == 2 and info["engine_pid"] == info["engines"][0]["engine_pid"]
+        assert info["device"] == "cpu" and info["ready"] is True  # today's top-level fields (engine 0's)
+
+        # 32 concurrent clients, 2 real photographs (and other images) each: every image is sent by
+        # several clients at once, so each duplicate must coalesce or hit the cache.
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
+        keys = set()
+        for names, r in results:
+            assert r.status_code == 200, r.text
+            for name, item in zip(names, r.json()["items"]):
+                grid, ref = reference[name]
+                stored = read_embeddings(store, item["key"])  # both shards' entries, from the one root
+                ec = torch.cat([stored.main, *stored.deepstack], dim=1)
+                assert item["grid_thw"] == list(stored.grid_thw) == grid, name
+                assert (ec - ref).abs().max().item() <= 1e-5, name
+                keys.add(item["key"])
+        assert len(keys) == len(IMAGES) and {shard_of(k, 2) for k in keys} == {0, 1}
+
+        # The same new image from 8 clients at once: one encode, one entry.
+        blob = data.encode(data.textured_rgb(200, 160, seed=777), "PNG")
+        with ThreadPoolExecutor(8) as pool:
+            same = list(pool.map(lambda _: httpx.post(server.url + "/encode", json=json_body(blob), timeout=120), range(8)))
+        assert [r.status_code for r in same] == [200] * 8 and len({r.json()["items"][0]["key"] for r in same}) == 1
+
+        # /metrics: one valid exposition (each family once, no repeated series), the engines' series
+        # labelled engine="0" / "1": both ran steps, and each distinct image was encoded exactly once.
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        families = list(text_string_to_metric_families(text))
+        assert len({f.name for f in families}) == len(families)
+        series = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
+        assert len(series) == len(set(series))
+        steps = engine_values(text, "qve_steps_total", result="ok")
+        assert steps.keys() == {"0", "1"} and min(steps.values()) >= 1, steps
+        assert sum(engine_values(text, "qve_step_images_sum").values()) == len(IMAGES) + 1
+        assert sum(engine_values(text, "qve_store_items").values()) == len(IMAGES) + 1
+        assert {"qve_requests", "qve_encode_latency_seconds"} <= {f.name for f in families}  # the API process's
+        assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+        children = descendants(sup)
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert leaked_segments(sup) == []
+    wait_for(lambda: not any(alive(p) for p in children), 10, "children exit with the supervisor")
+    # Both shards' locks were taken and released with the root's: a one-engine service takes the root now.
+    assert sorted(p.name for p in store.glob(".lock*")) == [".lock", ".lock.shard-0-of-2", ".lock.shard-1-of-2"]
+
+
+def test_sigkill_of_one_of_two_engines_turns_health_503_and_the_supervisor_exits_1(tmp_path, tiny_checkpoint):
+    server = Server(tiny_checkpoint, tmp_path / "store", "--devices", "cpu,cpu", "--engine-exit-grace-s", "5")
+    sup = server.proc.pid
+    try:
+        engines = ready_info(server, 90)["engines"]
+        children = descendants(sup)
+        os.kill(engines[1]["engine_pid"], signal.SIGKILL)
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 5, "/health 503")
+        r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=1), "PNG")),
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert server.proc.wait(30) == 1
+        log = server.log.read_text()
+        assert "the engine process exited (engine 1 of 2, cpu" in log
+        assert "2 devices need API processes: starting" in log  # --api-processes 0 with several devices
+    finally:
+        server.stop()
+    wait_for(lambda: not any(alive(p) for p in children), 15, "no process left")
+    assert leaked_segments(sup) == []
