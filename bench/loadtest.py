@@ -1039,8 +1039,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--verify-tol", type=float, default=None, help="relative L2 error allowed (default: by the server's dtype)")
     chk.add_argument("--model", default=None, help="--verify: the server's --model (default: the preset /ready names)")
     chk.add_argument("--model-seed", type=int, default=None, help="--verify: the server's --seed (default: from /ready)")
-    chk.add_argument("--min-pixels", type=int, default=None, help="--verify: the server's --min-pixels, if it set one")
-    chk.add_argument("--max-pixels", type=int, default=None, help="--verify: the server's --max-pixels, if it set one")
+    chk.add_argument("--min-pixels", type=int, default=None, help="--verify: the server's --min-pixels (default: from /ready)")
+    chk.add_argument("--max-pixels", type=int, default=None, help="--verify: the server's --max-pixels (default: from /ready)")
     rep = p.add_argument_group("report")
     rep.add_argument("--out", type=Path, help="write the JSON report here (and the plot beside it, .png)")
     rep.add_argument("--plot", type=Path, help="write the PNG plot here (default: --out with .png)")
@@ -1102,7 +1102,11 @@ def main(argv: list[str] | None = None) -> int:
                       "as --model for --verify", file=sys.stderr)
                 return 2
             model, seed = preset[0], preset[1] if seed is None else seed
-        reference = Reference(model, seed or 0, args.min_pixels, args.max_pixels, device=args.verify_device)
+        # The server's pixel bounds from /ready unless given (a server started with --max-pixels resizes
+        # differently from the preset's defaults).
+        min_pixels = args.min_pixels if args.min_pixels is not None else server.get("min_pixels")
+        max_pixels = args.max_pixels if args.max_pixels is not None else server.get("max_pixels")
+        reference = Reference(model, seed or 0, min_pixels, max_pixels, device=args.verify_device)
         if reference.model_id != server.get("model"):
             print(f"error: the reference model {reference.model_id!r} is not the server's {server.get('model')!r}: "
                   "pass the server's --model (and --model-seed)", file=sys.stderr)

@@ -61,6 +61,9 @@ def model_info(model: LoadedModel, engine: Engine, startup: dict, ready: bool) -
             "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
             "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
             "cuda_graphs": len(engine.buckets or []), "startup_s": startup,
+            # The preprocessing bounds in force (--min-pixels / --max-pixels or the checkpoint's): a client
+            # that recomputes embeddings (the load tool's --verify) must resize the same way.
+            "min_pixels": m.params.min_pixels, "max_pixels": m.params.max_pixels,
             "store": str(engine.store.root)}  # where a consumer on this machine reads the answered `path`s
 
 
@@ -158,6 +161,19 @@ class EngineHost:
         cell = ["cell_free", segment, offset, nbytes]
         try:
             validate_key(key)
+            # Stored meanwhile: two claims of one key can both miss (the first image not yet submitted), and
+            # the first's encode can finish before this submit, when there is no queued item to join.
+            hit = self.store.lookup(key)
+            if hit is not None and hit.content_sha256 is not None:
+                if hit.content_sha256 != sha:
+                    raise KeyConflict("in the store")
+                if place is not None:
+                    place.release()
+                conn.send(cell)
+                self.metrics.cache_hits.inc()
+                conn.send(["queued", rid])
+                conn.send(["result", rid, item_to_wire(hit)])
+                return
             t_, gh, gw = grid
             if nbytes != h * w * 3 or h <= 0 or w <= 0 or tokens * self.model.spec.merge_size**2 != t_ * gh * gw:
                 raise ValueError(f"submit of {key}: inconsistent geometry {h}x{w}, {nbytes} bytes, grid {grid}")

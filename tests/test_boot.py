@@ -64,6 +64,7 @@ def test_ready_says_the_phase_until_the_model_is_loaded_then_the_app_answers(tmp
         info = r.json()
         assert info["ready"] is True and info["model"] == "preset:tiny:seed0"
         assert info["store"] == str((tmp_path / "store").absolute())
+        assert (info["min_pixels"], info["max_pixels"]) == (tiny_model.params.min_pixels, tiny_model.params.max_pixels)
         # The real app now answers everything.
         e = httpx.post(url + "/encode", json=json_body(data.encode(data.textured_rgb(64, 64, seed=1), "PNG")),
                        timeout=60)

@@ -541,6 +541,21 @@ def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
     assert (report["replay"]["ok"], report["verify"]["ok"], report["verify"]["wrong"]) == (4, 4, 0)
 
 
+def test_verify_resizes_like_a_server_with_its_own_pixel_bounds(lt, tmp_path):
+    # A server whose --max-pixels shrinks every 96x96 image: the reference must take the bounds from
+    # /ready, or its grids (and embeddings) differ from the server's and every verification fails.
+    settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", decode_workers=1, max_wait_ms=20,
+                        min_pixels=1024, max_pixels=2048)
+    out = tmp_path / "v.json"
+    with live_server(settings, load_model(settings)) as (url, app):
+        rc = lt.main(["--url", url, "--concurrency", "2", "--requests", "4", "--sizes", "96x96", "--gen-workers", "1",
+                      "--replay-every", "1", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
+                      "--quiet"])
+    report = json.loads(out.read_text())
+    assert report["server"]["max_pixels"] == 2048 and report["server"]["min_pixels"] == 1024
+    assert rc == 0 and (report["verify"]["ok"], report["verify"]["wrong"]) == (4, 0), report["verify"]
+
+
 def test_images_dir_is_sent_and_cycled(lt, tmp_path, tiny_model):
     folder = tmp_path / "mine"
     folder.mkdir()
