@@ -64,6 +64,11 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
 
 
+def _named_device(d: str) -> bool:
+    """cpu, cuda or cuda:N (what --device takes besides auto, and each --devices entry)."""
+    return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
+
+
 class Settings(BaseSettings):
     """All service settings. Field names are the CLI flags with '-' for '_'."""
 
@@ -163,7 +168,7 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
-        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+        if v == "auto" or _named_device(v):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
 
@@ -179,7 +184,7 @@ class Settings(BaseSettings):
     def _check_devices(cls, v: list[str]) -> list[str]:
         for d in v:
             # NOTE: no `auto` here: an engine per device needs each device named.
-            if d != "cpu" and d != "cuda" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            if not _named_device(d):
                 raise ValueError(f"each device must be cpu, cuda or cuda:N, got {d!r}")
         gpus = [("cuda:0" if d == "cuda" else d) for d in v if d != "cpu"]
         for d in sorted(set(gpus)):
