@@ -46,9 +46,9 @@ from service.images import prepare_image  # noqa: E402
 from service.loader import load_model  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.store import EmbeddingStore  # noqa: E402
-from service.tower import TowerBatch, build_batch  # noqa: E402
+from service.tower import VARLEN, TowerBatch, build_batch  # noqa: E402
 
-ALL = "ceiling,tower,profile,profile1,graphs,accuracy,writer,loop,one,startup"
+ALL = "ceiling,tower,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
 
 
 def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, batched=True):
@@ -58,7 +58,7 @@ def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, ba
     frames = torch.randn(n, 768, device=device, dtype=dtype, generator=g)
     arr = build_batch(grids, spec)
     tb = TowerBatch(frames, *(torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
-                    seq_lens=tuple(t * h * w for t, h, w in grids), batched=batched)
+                    seq_lens=tuple(t * h * w for t, h, w in grids), attention=None if batched else VARLEN)
     pv = frames.view(n, 3, 1, 256).expand(-1, -1, 2, -1).reshape(n, 1536).contiguous()  # both frames equal
     return tb, pv, torch.tensor(grids, device=device)
 
@@ -194,7 +194,7 @@ def main() -> int:
         tower.cudnn_attention = cudnn_ok
         save()
 
-    for prof_name, shape in (("profile", "448 b64"), ("profile1", "448 b1")):
+    for prof_name, shape in (("profile", "448 b64"), ("profile1", "448 b1"), ("profile1024", "1024 b16")):
         if prof_name not in sections:  # where a compiled forward spends its GPU time, by kernel
             continue
         tb, _, _ = synthetic_batch(spec, shapes[shape])
@@ -223,10 +223,12 @@ def main() -> int:
             for nm in ("pos_hw", "interp_idx", "interp_w"):
                 d[nm][:n].copy_(torch.from_numpy(arr[nm]))
             d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, engine.cu_length), dtype=torch.int32))
+            key = engine.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
             with torch.inference_mode(), torch.cuda.stream(engine.compute_stream):
-                t_g = cuda_time(lambda: engine.graphs.run(bucket), reps=50)
-            grows.append({"images": k, "patches": n, "bucket": bucket, "graph_ms": round(t_g * 1e3, 3),
-                          "img_s": round(k / t_g, 1)})
+                t_g = cuda_time(lambda: engine.graphs.run(key), reps=50)
+                t_v = cuda_time(lambda: engine.graphs.run((bucket, 0)), reps=50)  # the varlen graph of that size
+            grows.append({"images": k, "patches": n, "bucket": bucket, "graph": list(key), "graph_ms": round(t_g * 1e3, 3),
+                          "img_s": round(k / t_g, 1), "varlen_graph_ms": round(t_v * 1e3, 3)})
             print("graph", grows[-1], flush=True)
         res["graphs"] = grows
         save()
@@ -289,6 +291,8 @@ def main() -> int:
                     res["one_image_step"] = {"p50_ms": round(1e3 * statistics.median(lat), 3),
                                              "p90_ms": round(1e3 * sorted(lat)[int(0.9 * len(lat))], 3), "n": len(lat)}
                     print("one image step", res["one_image_step"], flush=True)
+                    res["one_image_phases_ms"] = one_image_phases(engine, batcher, imgs)
+                    print("one image phases", res["one_image_phases_ms"], flush=True)
                     save()
                 if "loop" in sections:
                     res["loop"] = []
@@ -336,6 +340,53 @@ def main() -> int:
     return 0
 
 
+def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
+    """Where a lone image's step spends its time: each phase's start and end (ms after submit, medians),
+    from wrappers around the loop's own calls. The writer's device wait ends where `commit` starts."""
+    import service.store as store_module
+
+    marks: dict[str, list] = {}
+
+    def wrap(obj, name, tag, keep=lambda r: True):
+        orig = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            r = orig(*a, **k)
+            if keep(r):
+                marks.setdefault(tag, []).append((t, time.perf_counter()))
+            return r
+        setattr(obj, name, timed)
+        return orig
+
+    saved = [(batcher, "next_batch", wrap(batcher, "next_batch", "batch_closed", keep=lambda r: r is not None)),
+             (engine, "stage", wrap(engine, "stage", "stage")), (engine, "run", wrap(engine, "run", "launch")),
+             (engine, "_reserve", wrap(engine, "_reserve", "reserve")), (engine, "_commit", wrap(engine, "_commit", "commit")),
+             (engine, "_patchify_cuda", wrap(engine, "_patchify_cuda", "patchify")),
+             (engine.graphs, "run", wrap(engine.graphs, "run", "replay")),
+             (engine.out_free, "get", wrap(engine.out_free, "get", "out_get")),
+             (store_module, "_write_ec_file", wrap(store_module, "_write_ec_file", "write"))]
+    rows = []
+    try:
+        for i in range(n):
+            marks.clear()
+            key = f"phase{i}"
+            t0 = time.perf_counter()
+            batcher.submit(key, EncodeJob(key, imgs[i % 64]), imgs[i % 64].num_tokens).future.result(timeout=60)
+            t1 = time.perf_counter()
+            time.sleep(0.005)  # let the writer return from its last call before the marks are read
+            row = {"answered": t1 - t0}
+            for tag, spans in marks.items():
+                a, b = spans[0]
+                row[f"{tag}_start"], row[f"{tag}_end"] = a - t0, b - t0
+            rows.append(row)
+    finally:
+        for obj, name, orig in saved:
+            setattr(obj, name, orig)
+    rows = rows[10:]
+    return {k: round(1e3 * statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+
+
 def serve_startup(preset: str, cache: Path, run: str, log_path: Path) -> dict:
     """Seconds from `python -m service serve` to the first /ready 200, and the phases /ready reports."""
     import httpx
@@ -375,7 +426,8 @@ def print_table(res: dict) -> None:
                   f"({r.get('compiled_tflops', float('nan'))}, {r.get('compiled_pct_ceiling', float('nan'))}%) "
                   f"| {r.get('compiled_sdpa_img_s', '')}")
     for g in res.get("graphs", []):
-        print(f"graph replay {g['images']:2d} images ({g['bucket']} patches): {g['graph_ms']} ms ({g['img_s']} img/s)")
+        print(f"graph replay {g['images']:2d} images ({g['bucket']} patches): {g['graph_ms']} ms ({g['img_s']} img/s), "
+              f"varlen graph {g.get('varlen_graph_ms')} ms")
     if "accuracy" in res:
         print("accuracy (rel L2 vs float32 transformers):", {k: v for k, v in res["accuracy"].items()})
     for k in ("engine_startup", "one_image_parts_ms", "one_image_step", "writer", "loop"):

@@ -147,6 +147,20 @@ def cupy_available() -> bool:
         return False
 
 
+def copy_async(copies: list[tuple[int, int, int]], stream: torch.cuda.Stream) -> None:
+    """Enqueue raw copies (dst pointer, src pointer, bytes) on `stream`, in order: cudaMemcpyAsync with
+    the direction from unified addressing. Why not torch's copy_: for a pinned source each call also
+    records an event for torch's pinned-memory allocator and slices two tensors; six such copies were
+    ~0.24 ms of a lone image's step on an H200 host. The caller owns both buffers' lifetimes (the
+    engine's slots and device mirrors live as long as it does; its slot fence guards the source)."""
+    import cupy
+
+    memcpy, kind, handle = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDefault, stream.cuda_stream
+    for dst, src, nbytes in copies:
+        if nbytes:
+            memcpy(dst, src, nbytes, kind, handle)
+
+
 def patch_rows(height: int, width: int, patch_size: int = 16) -> int:
     """Output rows (patches) of one [height, width] image."""
     return (height // patch_size) * (width // patch_size)

@@ -37,8 +37,8 @@ from .pool import BufferSpec, Slot, StagingPool
 from .preprocess import grid_for, normalize_lut, num_patches, patchify
 from .store import EmbeddingStore
 from . import tower as tower_module
-from .graphs import StaticInputs, TowerGraphs, graph_buckets, pad_segments, padded_cu_seqlens
-from .tower import TowerBatch, build_batch, grid_geometry
+from .graphs import StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments, padded_cu_seqlens
+from .tower import BATCHED, TowerBatch, build_batch, grid_geometry
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection, see Engine._inject_faults
@@ -61,7 +61,7 @@ class Staged:
     items: list[WorkItem]
     num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
     num_patches: int
-    bucket: int  # patches the tower runs on: num_patches, or the CUDA graph bucket holding them
+    graph: tuple[int, int] | None  # the CUDA graph that runs the step (see TowerGraphs), or None
     seq_lens: tuple[int, ...]  # patches per image
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]
@@ -102,6 +102,7 @@ class Engine:
         exact = tuple(num_patches(grid_for(side, side, params)) for side in settings.graph_exact_sides)
         self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest, exact) if (
             fast and settings.cuda_graphs) else None
+        self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
@@ -119,12 +120,15 @@ class Engine:
         self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
         if self.cuda:
-            from kernels.preprocess import patchify_cuda  # CuPy is only needed (and imported) on GPU
+            from kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
 
-            self._patchify_cuda = patchify_cuda
+            self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
             # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
             # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
             self.dev = {k: torch.zeros(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
+            # Per slot: (name, device pointer, pinned pointer, bytes per row) of each staged buffer.
+            self._h2d = [[(k, self.dev[k].data_ptr(), b.data_ptr(), b[:1].nbytes)
+                          for k, b in self.pool.slot(i).buffers.items()] for i in range(settings.pool_slots)]
             self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -149,7 +153,7 @@ class Engine:
             _use_compile_cache(settings.compile_cache)
             if not model.tower.compiled:  # several engines may share one loaded model (tests)
                 model.tower.compile()
-            self._warm_compiled(smallest)
+            self._warm_compiled(smallest, batch_of_one=bool(self.equal_steps))
             self.startup["compile_s"] = round(time.perf_counter() - t0, 2)
         self.graphs = None
         if self.buckets:
@@ -157,9 +161,9 @@ class Engine:
             d = self.dev
             self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
                                                                 d["interp_w"], d["cu_seqlens"]),
-                                      self.buckets, self.compute_stream, smallest)
+                                      self.buckets, self.compute_stream, smallest, self.equal_steps)
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
-            self.startup["graphs"] = len(self.buckets)
+            self.startup["graphs"] = len(self.graphs)
         self._writer_q: queue.Queue[Launched | None] = queue.Queue()
         self._writers = settings.store_writers
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
@@ -207,13 +211,14 @@ class Engine:
             q.popleft()
         return bool(q)
 
-    def _warm_compiled(self, smallest: int) -> None:
+    def _warm_compiled(self, smallest: int, batch_of_one: bool) -> None:
         """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what
-        CUDA graphs capture) and batched (equal-size images). A first compile in the middle of
-        serving would stall the loop for seconds."""
+        CUDA graphs capture), batched (equal-size images) and, when equal-step graphs will be
+        captured, batched attention of one image (torch.compile specialises a size of 1). A first
+        compile in the middle of serving would stall the loop for seconds."""
         side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
         spec = self.model.spec
-        for count in (1, 2):
+        for count, attention in ((1, None), (2, None), (1, BATCHED))[: 3 if batch_of_one else 2]:
             grids = [(1, side, side)] * count
             arr = build_batch(grids, spec)
             n = side * side * count
@@ -223,7 +228,7 @@ class Engine:
             d["cu_seqlens"][: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
             self.patches[:n].normal_()
             batch = TowerBatch(self.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                               d["cu_seqlens"][: count + 1], tuple([side * side] * count))
+                               d["cu_seqlens"][: count + 1], tuple([side * side] * count), attention=attention)
             with torch.cuda.stream(self.compute_stream), torch.inference_mode():
                 self.model.tower(batch)
         self.compute_stream.synchronize()
@@ -299,13 +304,14 @@ class Engine:
             seq_lens.append(n_patches)
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
-        bucket = (self.graphs.bucket_for(row) if self.graphs else None) or row
-        cu = padded_cu_seqlens(seq_lens, bucket, self.cu_length)
-        if self.graphs and bucket in self.graphs.buckets:
-            used = cu.index(bucket) + 1  # real segments, padding, the leading 0
-            assert used <= self.graphs.cu_len(bucket), f"{used} cu_seqlens entries for bucket {bucket}: this is a bug"
+        graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
+        padded = graph[0] if graph and not graph[1] else row  # a varlen graph's bucket; else no padding
+        cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
+        if graph and not graph[1]:
+            used = cu.index(padded) + 1  # real segments, padding, the leading 0
+            assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
         bufs["cu_seqlens"][:] = cu
-        return Staged(slot, batch.items, off, row, bucket, tuple(seq_lens), token_offsets, grids)
+        return Staged(slot, batch.items, off, row, graph, tuple(seq_lens), token_offsets, grids)
 
     def run(self, st: Staged) -> Launched:
         """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
@@ -337,9 +343,10 @@ class Engine:
             try:
                 if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
                     torch.cuda._sleep(self.test_stall_cycles)
-                for name, count in (("pixels", nbytes), ("images", nb), ("pos_hw", n), ("interp_idx", n),
-                                    ("interp_w", n), ("cu_seqlens", self.cu_length)):
-                    d[name][:count].copy_(slot.buffers[name][:count], non_blocking=True)
+                rows = {"pixels": nbytes, "images": nb, "pos_hw": n, "interp_idx": n, "interp_w": n,
+                        "cu_seqlens": self.cu_length}
+                self._copy_async([(dst, src, row_bytes * rows[name]) for name, dst, src, row_bytes in self._h2d[slot.index]],
+                                 self.compute_stream)
             finally:
                 # The H2D copies above are the last device work that reads slot k: fence it here.
                 slot.release(self.compute_stream)
@@ -347,10 +354,10 @@ class Engine:
             self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
                                 patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
             tokens = st.token_offsets[-1]
-            if self.graphs and st.bucket in self.graphs.buckets:
+            if st.graph is not None:
                 # One launch for the whole tower. The graph's output is static and the next replay
                 # overwrites it: take a device copy (cheap) for the D2H to read.
-                out = self.graphs.run(st.bucket)[:tokens].clone()
+                out = self.graphs.run(st.graph)[:tokens].clone()
             else:
                 batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
                                    d["cu_seqlens"][: nb + 1], st.seq_lens)

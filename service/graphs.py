@@ -15,6 +15,12 @@ Output rows of the real images are exactly the first n/4 rows of the graph's out
 
 Buckets are close together (a sixteenth of the size apart, see graph_buckets) so padding wastes at
 most ~6% of a step: padding to 1024-patch buckets measured 20-30% slower than exact sizes.
+
+Equal steps: k images of one common size (the --graph-exact-sides, k = 1..16) also get a graph with
+batched attention (one [k, heads, L, dim] call, no cu_seqlens). Measured inside CUDA graphs on an
+H200, 784 patches per image: varlen flash 20.9 us per block at k=1 and 111 us at k=8, batched cuDNN
+14.1 and 73.6 us (bench/results/2026-11-30-h200-session6/). A step of the same patch count whose
+images differ in size takes the varlen graph of that bucket.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tower import TowerBatch, VisionTower
+from .tower import BATCHED, VARLEN, TowerBatch, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,12 @@ def graph_buckets(max_patches: int, limit: int, smallest: int = 256, exact: tupl
         n += max(MIN_BUCKET_STEP, 1 << max(0, n.bit_length() - 5))
     out += [p * k for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k < top]
     return sorted(set([*out, top])) if top > 0 else []
+
+
+def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 16) -> list[tuple[int, int]]:
+    """(images, patches per image) of the equal steps that get a batched-attention graph: 1..exact_images
+    images of each common size, up to the largest bucket."""
+    return sorted({(k, p) for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k <= max_bucket})
 
 
 def pad_segments(max_bucket_gap: int) -> int:
@@ -77,32 +89,38 @@ class StaticInputs:
 
 
 class TowerGraphs:
-    """Captured replays of `tower` for every bucket. `run(bucket)` returns a view of the one static
-    output buffer ([bucket/4, out_width]); the next replay overwrites it, so copy what you need first."""
+    """Captured replays of `tower`: one per bucket (varlen attention, padded) and one per equal step
+    (batched attention). `graph_for(seq_lens)` picks one, `run(key)` replays it and returns a view of
+    the one static output buffer ([patches/4, out_width]); the next replay overwrites it, so copy what
+    you need first. A key is (patches, images): images = 0 for a padded varlen graph."""
 
     def __init__(self, tower: VisionTower, inputs: StaticInputs, buckets: list[int], stream: torch.cuda.Stream,
-                 smallest: int):
-        """`smallest`: the fewest patches an image can have; it bounds how many segments a bucket holds."""
+                 smallest: int, equal: list[tuple[int, int]] = ()):
+        """`smallest`: the fewest patches an image can have; it bounds how many segments a bucket holds.
+        `equal`: (images, patches per image) steps to capture with batched attention (see equal_steps)."""
         self.tower, self.inputs, self.buckets, self.stream = tower, inputs, buckets, stream
+        self.equal = {(k * p, k): p for k, p in equal}  # key -> patches per image
         self.cu_length = inputs.cu_seqlens.shape[0]
         # Each graph reads only the cu_seqlens entries its bucket can need (images that fit, one padding
         # segment, the leading 0): varlen attention launches work per segment, empty ones included,
         # and 65 mostly-empty segments cost a one-image step ~0.3 ms on an H200.
         # +2: one padding segment (bucket gaps are below PAD_SEGMENT) and the leading 0.
         self._cu_len = {b: min(self.cu_length, b // max(1, smallest) + 2) for b in buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # NOTE: every graph writes its result into this one buffer (a copy inside the graph), so the
         # pool keeps one output, not one per bucket: with ~70 buckets that is gigabytes saved.
-        top = max(buckets)
+        keys = [(b, 0) for b in buckets] + list(self.equal)
+        top = max(n for n, _ in keys)
         self.out = torch.empty(top // 4, tower.spec.out_width, dtype=inputs.patches.dtype, device=inputs.patches.device)
         pool = torch.cuda.graph_pool_handle()
         # Largest first: later (smaller) captures reuse the pool's blocks instead of growing it.
         with torch.inference_mode():
             inputs.interp_idx.zero_()  # padding rows must index the position table validly
-            for bucket in sorted(buckets, reverse=True):
-                cu = [0] + [bucket] * (self.cu_length - 1)  # any valid layout: capture records shapes
+            for key in sorted(keys, reverse=True):
+                n = key[0]
+                cu = [0] + [n] * (self.cu_length - 1)  # any valid layout: capture records shapes
                 inputs.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
-                batch = self._batch(bucket)
+                batch = self._batch(key)
                 with torch.cuda.stream(stream):
                     tower(batch)  # warm-up outside the graph: kernels chosen, workspaces allocated
                 stream.synchronize()
@@ -113,20 +131,38 @@ class TowerGraphs:
                 with torch.cuda.stream(stream):
                     graph.capture_begin(pool=pool)
                     try:
-                        self.out[: bucket // 4].copy_(tower(batch))
+                        self.out[: n // 4].copy_(tower(batch))
                     finally:
                         graph.capture_end()
-                self._graphs[bucket] = graph
+                self._graphs[key] = graph
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs of the tower (buckets %d..%d patches)", len(buckets), buckets[0], buckets[-1])
+        log.info("captured %d CUDA graphs of the tower (buckets %d..%d patches, %d equal steps)", len(keys),
+                 buckets[0], buckets[-1], len(self.equal))
 
-    def _batch(self, bucket: int) -> TowerBatch:
-        i = self.inputs
-        return TowerBatch(i.patches[:bucket], i.pos_hw[:bucket], i.interp_idx[:bucket], i.interp_w[:bucket],
-                          i.cu_seqlens[: self._cu_len[bucket]], seq_lens=(bucket,), max_seqlen=bucket, batched=False)
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def _batch(self, key: tuple[int, int]) -> TowerBatch:
+        i, (n, images) = self.inputs, key
+        if images:  # an equal step: batched attention, cu_seqlens unused
+            per = self.equal[key]
+            return TowerBatch(i.patches[:n], i.pos_hw[:n], i.interp_idx[:n], i.interp_w[:n], i.cu_seqlens[: images + 1],
+                              seq_lens=(per,) * images, attention=BATCHED)
+        return TowerBatch(i.patches[:n], i.pos_hw[:n], i.interp_idx[:n], i.interp_w[:n],
+                          i.cu_seqlens[: self._cu_len[n]], seq_lens=(n,), max_seqlen=n, attention=VARLEN)
+
+    def graph_for(self, seq_lens: tuple[int, ...]) -> tuple[int, int] | None:
+        """The graph for a step of images of these patch counts: its equal-step graph if it has one,
+        else the smallest bucket holding them, else None (run the tower without a graph)."""
+        n = sum(seq_lens)
+        key = (n, len(seq_lens))
+        if key in self.equal and self.equal[key] == seq_lens[0] and all(x == seq_lens[0] for x in seq_lens):
+            return key
+        b = self.bucket_for(n)
+        return None if b is None else (b, 0)
 
     def bucket_for(self, num_patches: int) -> int | None:
-        """The smallest captured bucket holding `num_patches`, or None: run the tower without a graph."""
+        """The smallest padded bucket holding `num_patches`, or None."""
         for b in self.buckets:
             if b >= num_patches:
                 return b
@@ -136,6 +172,6 @@ class TowerGraphs:
         """cu_seqlens entries the graph of `bucket` reads (a prefix of the staged padded layout)."""
         return self._cu_len[bucket]
 
-    def run(self, bucket: int) -> torch.Tensor:
-        self._graphs[bucket].replay()  # on the stream it was captured on
-        return self.out[: bucket // 4]
+    def run(self, key: tuple[int, int]) -> torch.Tensor:
+        self._graphs[key].replay()  # on the stream it was captured on
+        return self.out[: key[0] // 4]

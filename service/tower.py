@@ -139,7 +139,7 @@ class TowerBatch:
     cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image (graphs: padded, see graphs.py)
     seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
     max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
-    batched: bool = True  # allow one batched SDPA call when all lengths are equal (graphs pass False)
+    attention: str | None = None  # VARLEN or BATCHED to force one on a fast device (graphs), None: see attention_kind
 
 
 # Attention kinds, decided on the host per step (see attention_kind).
@@ -149,13 +149,18 @@ VARLEN, BATCHED, LOOP = "varlen", "batched", "loop"
 def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> str:
     """Pick the attention call for a step from host integers only (never a device sync).
 
-    NOTE: a single image goes through varlen, not a batch of one: under torch.compile a batch size
-    of 1 would be specialised into a third compiled graph (compiled at the first such step, seconds
-    of stall on a live server); varlen of one segment is the same flash kernel."""
+    `b.attention` forces VARLEN or BATCHED on a fast device (CUDA graphs choose per graph; a forced
+    BATCHED needs equal lengths).
+    NOTE: unforced, a single image goes through varlen, not a batch of one: under torch.compile a
+    batch size of 1 is specialised into a compiled graph of its own, compiled at start-up only for
+    the graphs that use it (Engine._warm_compiled)."""
     lens = b.seq_lens
     fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
-    equal = len(lens) >= 2 and all(n == lens[0] for n in lens)
-    if equal and (b.batched or not fast):
+    equal = all(n == lens[0] for n in lens)
+    if fast and b.attention is not None:
+        assert b.attention == VARLEN or equal, "batched attention needs equal lengths: this is a bug"
+        return b.attention
+    if equal and len(lens) >= 2:
         return BATCHED
     return VARLEN if fast else LOOP
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from service.config import Settings
-from service.graphs import MIN_BUCKET_STEP, PAD_SEGMENT, graph_buckets, pad_segments, padded_cu_seqlens
+from service.graphs import MIN_BUCKET_STEP, PAD_SEGMENT, equal_steps, graph_buckets, pad_segments, padded_cu_seqlens
 from service.loader import load_model
 from service.tower import TowerBatch, build_batch
 
@@ -35,6 +35,13 @@ def test_exact_buckets_for_common_image_sizes():
     assert 1024 * 13 not in b and b[-1] == 12544 and b == sorted(set(b))
     assert set(dense) <= set(b) and len(b) - len(dense) <= 32  # the dense ladder stays; a bounded number added
     assert graph_buckets(2000, limit=12544, smallest=256, exact=(784,))[-1] == 2000
+
+
+def test_equal_steps_are_the_exact_sizes_up_to_the_largest_bucket():
+    steps = equal_steps(12544, exact=(784, 1024))
+    assert [(k, 784) for k in range(1, 17)] == [s for s in steps if s[1] == 784]
+    assert [(k, 1024) for k in range(1, 13)] == [s for s in steps if s[1] == 1024]  # 13 x 1024 > 12544
+    assert equal_steps(12544) == [] and equal_steps(1000, exact=(784, 0)) == [(1, 784)]
 
 
 def test_padded_cu_seqlens_layout():

@@ -50,16 +50,20 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
 
     fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
     assert model.tower.compiled and fast.graphs is not None
-    assert fast.startup["compile_s"] > 0 and fast.startup["graphs"] == len(fast.buckets)
+    assert fast.startup["compile_s"] > 0 and fast.startup["graphs"] == len(fast.buckets) + len(fast.equal_steps)
+    assert (1, 784) in fast.equal_steps and (16, 784) in fast.equal_steps
     from torch._dynamo.utils import counters
 
     graphs_after_startup = counters["stats"]["unique_graphs"]
     for name, imgs in steps.items():
         patches = sum(i.num_patches for i in imgs)
-        replayed = fast.graphs.bucket_for(patches) is not None
+        graph = fast.graphs.graph_for(tuple(i.num_patches for i in imgs))
+        replayed = graph is not None
         assert replayed == (name != "20 x 448px"), name
-        if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: an unpadded graph of its own
-            assert fast.graphs.bucket_for(patches) == patches, name
+        if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: a batched-attention graph of its own
+            assert graph == (patches, len(imgs)), name
+        elif replayed:
+            assert graph[1] == 0, name  # images of different sizes: a padded varlen graph
         out = torch.cat(fast.encode_sync(imgs))
         ref32, ref_eager = expected[name]
         assert out.shape == ref32.shape and out.dtype == torch.bfloat16
@@ -72,6 +76,28 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
         assert _rel(out, ref_eager) <= 2 * err_eager + 1e-3, name
     # Every step above ran on what start-up compiled: no compile in the middle of serving.
     assert counters["stats"]["unique_graphs"] == graphs_after_startup
+
+
+def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(tmp_path):
+    """1568 patches is two 448px images' equal-step graph, and also one 512px image (1024 patches) with
+    a 256x544 one (544): that step must replay the varlen graph of 1568 and match the eager tower."""
+    s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
+                 graph_max_patches=4 * 784)
+    model = load_model(s)
+    limits = Settings().image_limits
+    imgs = [prepare_image(data.encode(data.textured_rgb(w, h, seed=i), "PNG"), model.params, limits)
+            for i, (w, h) in enumerate(((512, 512), (544, 256)))]
+    assert [i.num_patches for i in imgs] == [1024, 544]
+    eager = Engine(model, store=None, batcher=None, metrics=Metrics(),
+                   settings=s.model_copy(update={"compile": False, "cuda_graphs": False}))
+    expected = torch.cat(eager.encode_sync(imgs))
+    fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
+    assert fast.graphs.graph_for((1024, 544)) == (1568, 0) and fast.graphs.graph_for((784, 784)) == (1568, 2)
+    out = torch.cat(fast.encode_sync(imgs))
+    assert _rel(out, expected) < 2e-2
+    # and the equal step of the same size right after it still replays its own graph correctly
+    two = [prepare_image(data.encode(data.textured_rgb(448, 448, seed=7 + i), "PNG"), model.params, limits) for i in range(2)]
+    assert _rel(torch.cat(fast.encode_sync(two)), torch.cat(eager.encode_sync(two))) < 2e-2
 
 
 def ref_model_settings(s: Settings) -> Settings:
