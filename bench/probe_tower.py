@@ -4,7 +4,7 @@
 
 * residual adds inside the GEMMs (addmm with residual + bias as C) against a separate add per residual
   (tried in session 6 and not kept: results/2026-11-30-h200-session6/probe7_*; the variant lived in
-  service/tower.py's _make_block_fn as `residual_in_gemm`, so this probe needs that version to run);
+  service/tower.py's _make_block_fn as `residual_in_gemm` in commit b06fe8f: check that out to rerun it);
 * the compiled forward launched from Python against the same forward replayed from a CUDA graph
   (is the gap between the kernels' sum and the wall time host-side?);
 * the GPU kernel time of one forward (torch.profiler) against its wall time.

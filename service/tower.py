@@ -208,7 +208,7 @@ def max_block_rows(spec: TowerSpec) -> int:
     return (2**31 - 1) // max(3 * spec.hidden_size, spec.intermediate_size)
 
 
-def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int, residual_in_gemm: bool = True):
+def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
     """One vision block as a function of its inputs and its weights.
 
     NOTE: a function of the weights, not a module method, so torch.compile traces ONE graph that all
@@ -224,7 +224,6 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int, res
         # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
         # integers (with an unbounded symbolic size it falls back to slower 64-bit index math).
         torch._check(n <= max_rows)
-        fuse = residual_in_gemm and x.is_cuda  # EXPERIMENT (bench/probe_tower.py): residual + bias as addmm's C
         h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
         qkv = F.linear(h, w.qkv_w, w.qkv_b)  # [N, 3*H*D]: q, k, v
         if fused_rotary and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16):
@@ -235,10 +234,7 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int, res
         qkv = qkv.view(n, 3, num_heads, head_dim)
         attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, cudnn)
         o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
-        if fuse:
-            x = torch.addmm(x + w.proj_b, o.reshape(n, hidden), w.proj_w.t())
-        else:
-            x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
+        x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
         h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
         if h.is_cuda:
             # GELU (tanh, = gelu_pytorch_tanh) in cuBLASLt's GEMM epilogue: one pass over the widest
@@ -246,8 +242,6 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int, res
             h = torch._addmm_activation(w.fc1_b, h, w.fc1_w.t(), use_gelu=True)
         else:
             h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
-        if fuse:
-            return torch.addmm(x + w.fc2_b, h, w.fc2_w.t())
         return x + F.linear(h, w.fc2_w, w.fc2_b)
 
     return block
