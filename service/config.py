@@ -153,8 +153,9 @@ class Settings(BaseSettings):
     graph_max_patches: int = Field(12544, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
                                    "graphs are captured at start for every bucket up to it (12544 = 16 images of 448x448)")
     graph_exact_sides: Annotated[list[int], NoDecode] = Field(
-        default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 images get "
-        "an unpadded CUDA graph of their own (comma-separated; other sizes pad to the nearest bucket)")
+        default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 equal images get "
+        "an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps pad to the "
+        "nearest bucket)")
     store_writers: int = Field(4, gt=0, description="threads writing embeddings to the store (each write is a "
                                "memcpy into the store's filesystem with the GIL released)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")

@@ -100,7 +100,7 @@ class Engine:
         fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()
         smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
         exact = tuple(num_patches(grid_for(side, side, params)) for side in settings.graph_exact_sides)
-        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest, exact) if (
+        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest) if (
             fast and settings.cuda_graphs) else None
         self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.

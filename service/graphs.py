@@ -38,26 +38,25 @@ PAD_SEGMENT = 1024  # rows per padding segment (at most; bucket gaps are smaller
 MIN_BUCKET_STEP = 64  # patches; every image's patch count is a multiple of 4 (the 2x2 merge)
 
 
-def graph_buckets(max_patches: int, limit: int, smallest: int = 256, exact: tuple[int, ...] = (),
-                  exact_images: int = 16) -> list[int]:
+def graph_buckets(max_patches: int, limit: int, smallest: int = 256) -> list[int]:
     """Patch counts to capture, from `smallest` to min(limit, max_patches), each a sixteenth or less
     above the previous one (steps of 64 patches up to 2048, then 128, 256, ... per octave).
-    `smallest` is the fewest patches a step can have (one image of the minimum size).
-    `exact`: patch counts of common images; 1..exact_images of each get a bucket of their own, so
-    the steps light traffic makes most often (a few equal images) run unpadded, with no padding
-    segment in their attention."""
+    `smallest` is the fewest patches a step can have (one image of the minimum size). Steps of equal
+    common images get graphs of their own (equal_steps), unpadded."""
     top = min(limit, max_patches)
     out, n = [], max(MIN_BUCKET_STEP, smallest - smallest % MIN_BUCKET_STEP)
     while n < top:
         out.append(n)
         n += max(MIN_BUCKET_STEP, 1 << max(0, n.bit_length() - 5))
-    out += [p * k for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k < top]
     return sorted(set([*out, top])) if top > 0 else []
 
 
 def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 16) -> list[tuple[int, int]]:
     """(images, patches per image) of the equal steps that get a batched-attention graph: 1..exact_images
-    images of each common size, up to the largest bucket."""
+    images of each common size (`exact`: their patch counts), up to the largest bucket. The steps light
+    traffic makes most often (a few equal images) then run unpadded. (Until session 6 these sizes got
+    varlen graphs of their own; a step of unequal images that sums to one of them now pads to the next
+    bucket instead, and start-up captures 28 graphs fewer.)"""
     return sorted({(k, p) for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k <= max_bucket})
 
 

@@ -27,16 +27,6 @@ def test_buckets_are_dense_so_padding_wastes_little():
     assert pad_segments(max(gaps[1:])) == 1
 
 
-def test_exact_buckets_for_common_image_sizes():
-    dense = graph_buckets(65536, limit=12544, smallest=256)
-    b = graph_buckets(65536, limit=12544, smallest=256, exact=(784, 1024))
-    # 1..16 images of 448px (784 patches) and 1..12 of 512px (1024; 13 would pass the limit) run unpadded.
-    assert {784 * k for k in range(1, 17)} <= set(b) and {1024 * k for k in range(1, 13)} <= set(b)
-    assert 1024 * 13 not in b and b[-1] == 12544 and b == sorted(set(b))
-    assert set(dense) <= set(b) and len(b) - len(dense) <= 32  # the dense ladder stays; a bounded number added
-    assert graph_buckets(2000, limit=12544, smallest=256, exact=(784,))[-1] == 2000
-
-
 def test_equal_steps_are_the_exact_sizes_up_to_the_largest_bucket():
     steps = equal_steps(12544, exact=(784, 1024))
     assert [(k, 784) for k in range(1, 17)] == [s for s in steps if s[1] == 784]

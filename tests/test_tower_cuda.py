@@ -60,7 +60,7 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
         graph = fast.graphs.graph_for(tuple(i.num_patches for i in imgs))
         replayed = graph is not None
         assert replayed == (name != "20 x 448px"), name
-        if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: a batched-attention graph of its own
+        if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: an unpadded batched-attention graph
             assert graph == (patches, len(imgs)), name
         elif replayed:
             assert graph[1] == 0, name  # images of different sizes: a padded varlen graph
@@ -80,7 +80,7 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
 
 def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(tmp_path):
     """1568 patches is two 448px images' equal-step graph, and also one 512px image (1024 patches) with
-    a 256x544 one (544): that step must replay the varlen graph of 1568 and match the eager tower."""
+    a 256x544 one (544): that step must replay a padded varlen graph and match the eager tower."""
     s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
                  graph_max_patches=4 * 784)
     model = load_model(s)
@@ -92,7 +92,8 @@ def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(t
                    settings=s.model_copy(update={"compile": False, "cuda_graphs": False}))
     expected = torch.cat(eager.encode_sync(imgs))
     fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
-    assert fast.graphs.graph_for((1024, 544)) == (1568, 0) and fast.graphs.graph_for((784, 784)) == (1568, 2)
+    varlen = fast.graphs.graph_for((1024, 544))
+    assert varlen[1] == 0 and varlen[0] >= 1568 and fast.graphs.graph_for((784, 784)) == (1568, 2)
     out = torch.cat(fast.encode_sync(imgs))
     assert _rel(out, expected) < 2e-2
     # and the equal step of the same size right after it still replays its own graph correctly
