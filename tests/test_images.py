@@ -369,3 +369,70 @@ def test_header_tokens_are_the_tokens_decoding_gives_without_decoding():
                  data.png_header_only(0, 20), data.webp_declaring(16000, 16000)):
         assert header_tokens(blob, params, limits) == 1
     assert header_tokens(data.webp_declaring(4000, 4000), params, limits) == 15625  # read, never allocated
+
+
+# ---- the simplejpeg fast path for plain JPEGs ----------------------------------------------------------
+def _both_paths(data: bytes, monkeypatch, limits: ImageLimits = LIMITS):
+    """prepare_image of `data` through the fast path (counting simplejpeg decodes) and through PIL alone."""
+    import simplejpeg
+
+    calls = []
+    real = simplejpeg.decode_jpeg
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(images, "_simplejpeg", type("SJ", (), {"decode_jpeg": staticmethod(counted)}))
+        fast = prepare_image(data, P, limits)
+    with monkeypatch.context() as m:
+        m.setattr(images, "_simplejpeg", None)
+        pil = prepare_image(data, P, limits)
+    return fast, pil, len(calls)
+
+
+@pytest.mark.parametrize("name", ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"])
+@pytest.mark.parametrize("subsampling", [0, 1, 2], ids=["444", "422", "420"])
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+def test_plain_jpegs_decode_bit_identically_through_simplejpeg(name, subsampling, progressive, monkeypatch):
+    """Real photographs as JPEGs of every chroma subsampling, baseline and progressive, at 448x448 (no
+    resize: the decoded pixels are the step's pixels) and at the photo's own size (resized by PIL)."""
+    photo = Image.open(SKIMAGE_DATA / name).convert("RGB")
+    for img in (photo.resize((448, 448), Image.Resampling.BICUBIC), photo):
+        data = encode(img, "JPEG", quality=90, subsampling=subsampling, progressive=progressive)
+        fast, pil, decodes = _both_paths(data, monkeypatch)
+        assert decodes == 1, "a plain JPEG must take the fast path"
+        assert np.array_equal(fast.pixels, pil.pixels), (name, img.size)
+        assert fast.pixels.flags.c_contiguous and fast.pixels.flags.writeable and fast.pixels.dtype == np.uint8
+        assert (fast.grid_thw, fast.num_tokens, fast.orig_size) == (pil.grid_thw, pil.num_tokens, pil.orig_size)
+
+
+def test_jpegs_that_are_not_plain_go_through_pil(monkeypatch):
+    photo = Image.open(SKIMAGE_DATA / "chelsea.png").convert("RGB").resize((320, 224))
+    cases = {
+        "grayscale": encode(photo.convert("L"), "JPEG", quality=90),
+        "cmyk": encode(photo.convert("CMYK"), "JPEG", quality=90),
+        "exif rotated": exif_rotated("JPEG", orientation=6),
+    }
+    for what, data in cases.items():
+        fast, pil, decodes = _both_paths(data, monkeypatch)
+        assert decodes == 0, what
+        assert np.array_equal(fast.pixels, pil.pixels) and fast.orig_size == pil.orig_size, what
+    assert _both_paths(cases["exif rotated"], monkeypatch)[0].orig_size == (64, 96)  # rotated for display
+
+
+def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejpeg(monkeypatch):
+    good = encode(textured_rgb(448, 448, seed=3), "JPEG", quality=90)
+    cases = [(truncated(good), LIMITS), (good[:2] + b"\xff\xd8garbage" + good[200:], LIMITS),
+             (good, ImageLimits(max_input_pixels=448 * 400)), (good, ImageLimits(max_image_bytes=len(good) - 1))]
+    for data, limits in cases:
+        outcomes = []
+        for sj in ("real", None):
+            with monkeypatch.context() as m:
+                if sj is None:
+                    m.setattr(images, "_simplejpeg", None)
+                with pytest.raises(ImageError) as e:
+                    prepare_image(data, P, limits)
+            outcomes.append((type(e.value), e.value.message))
+        assert outcomes[0] == outcomes[1], outcomes
