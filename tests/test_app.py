@@ -462,6 +462,12 @@ def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_pa
         old_pool = rt.decoders
         victim = next(iter(old_pool._processes))  # what the OOM killer does to a decode worker
         os.kill(victim, signal.SIGKILL)
+        # The executor learns of the death in its management thread; on a loaded machine that can come
+        # after a request or two were already served by the surviving worker. Wait for it (deadline).
+        deadline = time.monotonic() + 20
+        while not old_pool._broken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert old_pool._broken, "the pool never noticed its killed worker"
         codes = [httpx.post(url + "/encode", json=json_body(_png(991 + k)), timeout=30) for k in range(4)]
         first = codes[0]
         assert first.status_code in (200, 503), first.text
