@@ -113,6 +113,19 @@ def test_a_step_that_fails_while_staging_gives_its_slot_back(model, monkeypatch)
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+def test_a_step_that_fails_between_staging_and_its_fence_gives_its_slot_back(model, monkeypatch):
+    # Before the slot's acquire and release were one block, only run() released it: a step that raised
+    # after staging and before run's own try (a wrapped or patched run does) kept its slot for good.
+    engine = Engine(model, store=None, batcher=None, settings=Settings(device="cpu", dtype="float32", pool_slots=2), metrics=Metrics())
+    img = prepare_image(data.photo("astronaut.png", 64), model.params, Settings().image_limits)
+    monkeypatch.setattr(engine.runner, "run", lambda staged: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.encode_sync([img])
+    monkeypatch.undo()
+    outs = [engine.encode_sync([img])[0] for _ in range(engine.runner.pool.num_slots + 1)]  # every slot, round robin
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 
 def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, monkeypatch):
     # The soak's control run turns the fence off through QVE_FAULT_INJECT; a service must never run so by accident.
