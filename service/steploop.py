@@ -16,12 +16,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .batcher import Batcher
+from .batcher import Batch, Batcher
 from .errors import BackendError
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from .runner import Runner
+    from .runner import Launched, Runner
     from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -51,18 +51,24 @@ class StepLoop:
             with self.runner.stage(batch) as staged:
                 launched = self.runner.run(staged)
         except Exception as e:  # a failed step fails only its own requests; the loop lives on
-            self.failed_steps += 1
-            self.metrics.steps.labels(result="failed").inc()
-            log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
-                      [it.key for it in batch.items[:3]], e, exc_info=log.isEnabledFor(logging.DEBUG))
-            err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
-            for item in batch.items:
-                self.batcher.finish(item, error=err)
+            self._fail(batch, e)
             return True
         self.writer.publish(launched)
+        self._observe(batch, launched, t0)
+        return True
+
+    def _fail(self, batch: Batch, e: Exception) -> None:
+        self.failed_steps += 1
+        self.metrics.steps.labels(result="failed").inc()
+        log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
+                  [it.key for it in batch.items[:3]], e, exc_info=log.isEnabledFor(logging.DEBUG))
+        err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
+        for item in batch.items:
+            self.batcher.finish(item, error=err)
+
+    def _observe(self, batch: Batch, launched: Launched, t0: float) -> None:
         self.metrics.steps.labels(result="ok").inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.step_tokens.observe(launched.token_offsets[-1])
         self.metrics.step_images.observe(len(batch.items))
         self.metrics.fence_waits.set(self.runner.pool.stats.waits_blocked)
-        return True
