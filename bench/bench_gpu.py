@@ -143,7 +143,7 @@ def main() -> int:
     t0 = time.perf_counter()
     engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
     res["graph_capture_s"] = round(time.perf_counter() - t0, 1)
-    res["graph_buckets"] = engine.buckets
+    res["graph_buckets"] = engine.runner.buckets
     limits = settings.image_limits
 
     # ---- accuracy at real size on real photographs ------------------------------------------------
@@ -227,7 +227,7 @@ def main() -> int:
         eng.join(30)
         st = batcher.stats
         res["e2e_engine"] = {"images": n, "img_s": round(n / dt, 1), "steps": st.batches,
-                             "fence_waits": eng.pool.stats.waits_blocked, "store_mb": round(store.bytes_used / 1e6, 1)}
+                             "fence_waits": eng.runner.pool.stats.waits_blocked, "store_mb": round(store.bytes_used / 1e6, 1)}
     print("e2e_engine", res["e2e_engine"], flush=True)
     save()
 

@@ -19,10 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gpu import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine import Engine  # noqa: E402
 from service.graphs import padded_cu_seqlens  # noqa: E402
 from service.loader import load_model  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
+from service.runner import Runner  # noqa: E402
 from service.tower import TowerBatch, build_batch  # noqa: E402
 
 
@@ -36,7 +35,7 @@ def main() -> int:
     s = Settings(model=args.preset, device="cuda", dtype="bfloat16", max_batch_images=args.max_images)
     model = load_model(s)
     t0 = time.perf_counter()
-    eng = Engine(model, store=None, batcher=None, settings=s, metrics=Metrics())
+    eng = Runner(model, s)
     capture_s = time.perf_counter() - t0
     spec, d = model.spec, eng.dev
     rows = []

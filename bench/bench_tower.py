@@ -160,7 +160,7 @@ def main() -> int:
     # ---- the service's engine: compile + CUDA graphs (what `serve` builds) ------------------------
     t0 = time.perf_counter()
     engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
-    res["engine_startup"] = {**engine.startup, "wall_s": round(time.perf_counter() - t0, 2),
+    res["engine_startup"] = {**engine.runner.startup, "wall_s": round(time.perf_counter() - t0, 2),
                              "cudnn_attention": tower.cudnn_attention}
     print("engine startup", res["engine_startup"], flush=True)
     save()
@@ -212,21 +212,22 @@ def main() -> int:
         save()
 
     if "graphs" in sections:
-        d, grows = engine.dev, []
+        runner = engine.runner
+        d, grows = runner.dev, []
         for k in (1, 2, 4, 8, 12, 16):
             n = 784 * k
-            bucket = engine.graphs.bucket_for(n)
+            bucket = runner.graphs.bucket_for(n)
             if bucket is None:
                 break
             arr = build_batch([(1, 28, 28)] * k, spec)
-            engine.patches[:n].normal_()
+            runner.patches[:n].normal_()
             for nm in ("pos_hw", "interp_idx", "interp_w"):
                 d[nm][:n].copy_(torch.from_numpy(arr[nm]))
-            d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, engine.cu_length), dtype=torch.int32))
-            key = engine.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
-            with torch.inference_mode(), torch.cuda.stream(engine.compute_stream):
-                t_g = cuda_time(lambda: engine.graphs.run(key), reps=50)
-                t_v = cuda_time(lambda: engine.graphs.run((bucket, 0)), reps=50)  # the varlen graph of that size
+            d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
+            key = runner.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
+            with torch.inference_mode(), torch.cuda.stream(runner.compute_stream):
+                t_g = cuda_time(lambda: runner.graphs.run(key), reps=50)
+                t_v = cuda_time(lambda: runner.graphs.run((bucket, 0)), reps=50)  # the varlen graph of that size
             grows.append({"images": k, "patches": n, "bucket": bucket, "graph": list(key), "graph_ms": round(t_g * 1e3, 3),
                           "img_s": round(k / t_g, 1), "varlen_graph_ms": round(t_v * 1e3, 3)})
             print("graph", grows[-1], flush=True)
@@ -306,8 +307,8 @@ def main() -> int:
                     res["loop_first_pass_img_s"] = round(args.loop_images / (time.perf_counter() - t0), 1)
                     print("loop first pass", res["loop_first_pass_img_s"], flush=True)
                     for nw in writers:
-                        engine._put_pool.shutdown()
-                        engine._put_pool = concurrent.futures.ThreadPoolExecutor(nw, thread_name_prefix="store-put")
+                        engine.writer._put_pool.shutdown()
+                        engine.writer._put_pool = concurrent.futures.ThreadPoolExecutor(nw, thread_name_prefix="store-put")
                         n = args.loop_images
                         steps0 = batcher.stats.batches
                         t0 = time.perf_counter()
@@ -318,7 +319,7 @@ def main() -> int:
                         dt = time.perf_counter() - t0
                         res["loop"].append({"writers": nw, "images": n, "img_s": round(n / dt, 1),
                                             "steps": batcher.stats.batches - steps0,
-                                            "fence_waits": engine.pool.stats.waits_blocked})
+                                            "fence_waits": engine.runner.pool.stats.waits_blocked})
                         print("loop", res["loop"][-1], flush=True)
                         save()
             finally:
@@ -359,12 +360,15 @@ def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
         setattr(obj, name, timed)
         return orig
 
+    runner, writer = engine.runner, engine.writer
+    # `runner.stage` is the block that holds the slot: its parts are the fence (acquire) and the staging proper.
     saved = [(batcher, "next_batch", wrap(batcher, "next_batch", "batch_closed", keep=lambda r: r is not None)),
-             (engine, "stage", wrap(engine, "stage", "stage")), (engine, "run", wrap(engine, "run", "launch")),
-             (engine, "_reserve", wrap(engine, "_reserve", "reserve")), (engine, "_commit", wrap(engine, "_commit", "commit")),
-             (engine, "_patchify_cuda", wrap(engine, "_patchify_cuda", "patchify")),
-             (engine.graphs, "run", wrap(engine.graphs, "run", "replay")),
-             (engine.out_free, "get", wrap(engine.out_free, "get", "out_get")),
+             (runner.pool, "acquire", wrap(runner.pool, "acquire", "acquire")),
+             (runner, "_stage_into", wrap(runner, "_stage_into", "stage")), (runner, "run", wrap(runner, "run", "launch")),
+             (writer, "_reserve", wrap(writer, "_reserve", "reserve")), (writer, "_commit", wrap(writer, "_commit", "commit")),
+             (runner, "_patchify_cuda", wrap(runner, "_patchify_cuda", "patchify")),
+             (runner.graphs, "run", wrap(runner.graphs, "run", "replay")),
+             (runner.out_free, "get", wrap(runner.out_free, "get", "out_get")),
              (store_module, "_write_ec_file", wrap(store_module, "_write_ec_file", "write"))]
     rows = []
     try:

@@ -137,8 +137,8 @@ class Runtime:
         self.store = build_store(settings, model)
         self.batcher = build_batcher(settings)
         self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
-        # Seconds per start-up phase: load, compile, graph capture (in Engine), warm-up (in start()).
-        self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.startup}
+        # Seconds per start-up phase: load, compile, graph capture (in the Runner), warm-up (in start()).
+        self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.runner.startup}
         self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
         self.decoders = self._decode_pool()
         self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)

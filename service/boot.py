@@ -138,7 +138,7 @@ class Booting:
     async def _boot(self) -> None:
         try:
             model = await _in_daemon_thread(self.load or _load_model, self.settings)
-            # What the Engine does before it is ready on a GPU (engine.py: cuda + bfloat16 only).
+            # What the Engine does before it is ready on a GPU (runner.py: cuda + bfloat16 only).
             if model.device.type == "cuda" and str(model.dtype) == "torch.bfloat16" and (
                     self.settings.compile or self.settings.cuda_graphs):
                 self.phase = "compiling"

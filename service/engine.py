@@ -1,26 +1,12 @@
-"""The step loop: the one thread that owns the device.
+"""The engine of one device: three small objects and the two threads that drive them.
 
-    step():  schedule (batcher) -> stage (host, into pinned slot k) -> run (device) -> publish (writer)
-
-Continuous batching: the batcher closes a step at once when the device has nothing in flight, and
-holds it for company (at most max_wait) only while earlier steps still run (`device_busy`).
-
-The loop never waits on the device for its own sake. Its only host waits are
-  * the slot fence: before overwriting pinned slot k, wait for the CUDA event recorded after the
-    last device work that read slot k (the bug this service exists to avoid: recycling a pinned
-    input buffer while an earlier step's H2D copy still reads it), and
-  * back-pressure from the writer when all output buffers are still being written to the store.
-The writer thread waits on each step's copy-done event, then writes the store and resolves futures.
-On CPU the same code runs: events are trivial and the "device" work is synchronous.
+    Runner    (runner.py)    the tower, the pinned staging pool, device buffers, CUDA graphs; stage/run, no threads
+    StepLoop  (steploop.py)  thread "step-loop": schedule -> stage -> run -> publish
+    Writer    (writer.py)    thread "store-writer": copy-done -> store -> answers
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import logging
-import os
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -29,19 +15,13 @@ import torch
 
 from .batcher import Batch, Batcher, WorkItem
 from .config import Settings
-from .errors import BackendError, ServiceError
 from .images import PreparedImage
 from .loader import LoadedModel
 from .metrics import Metrics
-from .pool import BufferSpec, Slot, StagingPool
-from .preprocess import grid_for, normalize_lut, num_patches, patchify
+from .runner import Runner
+from .steploop import StepLoop
 from .store import EmbeddingStore
-from . import tower as tower_module
-from .graphs import StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments, padded_cu_seqlens
-from .tower import BATCHED, TowerBatch, build_batch, grid_geometry
-
-log = logging.getLogger(__name__)
-FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection, see Engine._inject_faults
+from .writer import Writer
 
 
 @dataclass
@@ -53,185 +33,30 @@ class EncodeJob:
     content_sha256: str | None = None  # of the image's encoded bytes; recorded in the store entry
 
 
-@dataclass
-class Staged:
-    """Step inputs written into pinned slot `slot`; sizes are host ints (no device syncs needed)."""
-
-    slot: Slot
-    items: list[WorkItem]
-    num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
-    num_patches: int
-    graph: tuple[int, int] | None  # the CUDA graph that runs the step (see TowerGraphs), or None
-    seq_lens: tuple[int, ...]  # patches per image
-    token_offsets: list[int]  # [B+1] output-row offsets per image
-    grids: list[tuple[int, int, int]]
-
-
-@dataclass
-class Launched:
-    """A step whose device work is enqueued; `host_out` is valid once `done` has fired."""
-
-    items: list[WorkItem]
-    host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA
-    done: torch.cuda.Event | None  # None on CPU (already complete)
-    out_index: int | None  # which output buffer to give back to the ring (CUDA only)
-    token_offsets: list[int]
-    grids: list[tuple[int, int, int]]
-
-
 class Engine:
-    """Owns the tower, the staging pool and the device buffers. `start()` spawns the loop and the writer."""
+    """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
 
     def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher, settings: Settings, metrics: Metrics):
-        self.model, self.store, self.batcher, self.metrics = model, store, batcher, metrics
-        spec, params = model.spec, model.params
-        self.device = model.device
-        self.cuda = self.device.type == "cuda"
-        merge2 = spec.merge_size**2
-        pp = spec.patch_size**2
-        # A step holds up to the token budget, or one image above it (such an image runs alone).
-        self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
-        self.max_images = settings.max_batch_images
-        if self.max_patches > tower_module.max_block_rows(spec):
-            raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
-                             f"({tower_module.max_block_rows(spec)}); lower --max-batch-tokens or --max-pixels")
-        # CUDA graphs and torch.compile need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the
-        # tower runs eagerly (CPU float32 stays exactly transformers' arithmetic).
-        fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()
-        smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
-        exact = tuple(num_patches(grid_for(side, side, params)) for side in settings.graph_exact_sides)
-        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest) if (
-            fast and settings.cuda_graphs) else None
-        self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
-        # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
-        gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
-        self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
-        specs = {
-            "pixels": BufferSpec((self.max_patches * pp * 3,), torch.uint8),  # images back to back, [H, W, 3] each
-            "images": BufferSpec((self.max_images, 4), torch.int32),  # (byte offset, H, W, first patch row)
-            "pos_hw": BufferSpec((self.max_patches, 2), torch.int64),
-            "interp_idx": BufferSpec((self.max_patches, 4), torch.int64),
-            "interp_w": BufferSpec((self.max_patches, 4), torch.float32),
-            "cu_seqlens": BufferSpec((self.cu_length,), torch.int32),  # padded layout, see graphs.py
-        }
-        self.pool = StagingPool(specs, settings.pool_slots, self.device)
-        # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
-        self._np = [{k: v.numpy() for k, v in self.pool.slot(i).buffers.items()} for i in range(settings.pool_slots)]
-        self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
-        self.lut = torch.from_numpy(self.lut_np).to(self.device)
-        if self.cuda:
-            from kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
-
-            self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
-            # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
-            # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
-            self.dev = {k: torch.zeros(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
-            # Per slot: (name, device pointer, pinned pointer, bytes per row) of each staged buffer.
-            self._h2d = [[(k, self.dev[k].data_ptr(), b.data_ptr(), b[:1].nbytes)
-                          for k, b in self.pool.slot(i).buffers.items()] for i in range(settings.pool_slots)]
-            self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
-            self.compute_stream = torch.cuda.Stream(self.device)
-            self.copy_stream = torch.cuda.Stream(self.device)
-            # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
-            max_tokens = self.max_patches // merge2
-            self.out_bufs = [
-                torch.empty(max_tokens, spec.out_width, dtype=model.dtype, pin_memory=True)
-                for _ in range(settings.pool_slots)
-            ]
-            self.out_events = [torch.cuda.Event() for _ in self.out_bufs]
-            self.out_free: queue.Queue[int] = queue.Queue()
-            for i in range(len(self.out_bufs)):
-                self.out_free.put(i)
-            # Launched steps whose device work may still run (loop thread only; see device_busy).
-            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=len(self.out_bufs))
-        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
-        t0 = time.perf_counter()
-        if fast:
-            model.tower.cudnn_attention = tower_module.cudnn_attention_works(self.device, model.dtype, spec.num_heads,
-                                                                            spec.head_dim)
-        if fast and settings.compile:
-            _use_compile_cache(settings.compile_cache)
-            if not model.tower.compiled:  # several engines may share one loaded model (tests)
-                model.tower.compile()
-            self._warm_compiled(smallest, batch_of_one=bool(self.equal_steps))
-            self.startup["compile_s"] = round(time.perf_counter() - t0, 2)
-        self.graphs = None
-        if self.buckets:
-            t0 = time.perf_counter()
-            d = self.dev
-            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
-                                                                d["interp_w"], d["cu_seqlens"]),
-                                      self.buckets, self.compute_stream, smallest, self.equal_steps)
-            self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
-            self.startup["graphs"] = len(self.graphs)
-        self._writer_q: queue.Queue[Launched | None] = queue.Queue()
-        self._writers = settings.store_writers
-        # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
-        self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
-        self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
-        self._inject_faults(os.environ.get(FAULT_ENV, ""))
-        self._step_no = 0
+        self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
+        self.runner = Runner(model, settings)
+        self._store_writers = settings.store_writers
+        self.writer: Writer | None = None  # from start()
+        self.loop: StepLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
-        self.failed_steps = 0
-
-    def _inject_faults(self, spec: str) -> None:
-        """`QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run (bench/soak.py) proves it
-        catches the corruption a missing fence causes on a lagging GPU. Never set it in service."""
-        if not spec:
-            return
-        for part in spec.split(","):
-            name, _, value = part.strip().partition("=")
-            if name == "stall":
-                self.test_stall_cycles = int(value) if self.cuda else 0  # a CPU step has no device to lag
-            elif name == "no-fence":
-                self.pool.fence = False
-            else:
-                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (known: stall=CYCLES, no-fence)")
-        log.warning("FAULT INJECTION ON (%s=%s): stall %d cycles before each step's copies, fence %s; "
-                    "embeddings may be wrong", FAULT_ENV, spec, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self._writer_thread = threading.Thread(target=self._writer, name="store-writer", daemon=True)
-        self._loop_thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
+        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers,
+                             free_output=self.runner.free_output)
+        self.loop = StepLoop(self.batcher, self.runner, self.writer, self.metrics)
+        self._writer_thread = threading.Thread(target=self.writer.run, name="store-writer", daemon=True)
+        self._loop_thread = threading.Thread(target=self.loop.run, name="step-loop", daemon=True)
         self._writer_thread.start()
         self._loop_thread.start()
 
     def alive(self) -> bool:
         return bool(self._loop_thread and self._loop_thread.is_alive() and self._writer_thread.is_alive())
-
-    def device_busy(self) -> bool:
-        """Whether a launched step may still run on the device (the batcher's continuous-batching test).
-        Loop thread only. CPU steps are synchronous: never busy."""
-        if not self.cuda:
-            return False
-        q = self._in_flight
-        while q and q[0].query():
-            q.popleft()
-        return bool(q)
-
-    def _warm_compiled(self, smallest: int, batch_of_one: bool) -> None:
-        """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what
-        CUDA graphs capture), batched (equal-size images) and, when equal-step graphs will be
-        captured, batched attention of one image (torch.compile specialises a size of 1). A first
-        compile in the middle of serving would stall the loop for seconds."""
-        side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
-        spec = self.model.spec
-        for count, attention in ((1, None), (2, None), (1, BATCHED))[: 3 if batch_of_one else 2]:
-            grids = [(1, side, side)] * count
-            arr = build_batch(grids, spec)
-            n = side * side * count
-            d = self.dev
-            for name in ("pos_hw", "interp_idx", "interp_w"):
-                d[name][:n].copy_(torch.from_numpy(arr[name]))
-            d["cu_seqlens"][: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
-            self.patches[:n].normal_()
-            batch = TowerBatch(self.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                               d["cu_seqlens"][: count + 1], tuple([side * side] * count), attention=attention)
-            with torch.cuda.stream(self.compute_stream), torch.inference_mode():
-                self.model.tower(batch)
-        self.compute_stream.synchronize()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the loop to drain (after batcher.close()) and the writer to finish."""
@@ -239,227 +64,6 @@ class Engine:
             self._loop_thread.join(timeout)
         if self._writer_thread:
             self._writer_thread.join(timeout)
-
-    def _loop(self) -> None:
-        while self.step():
-            pass
-        self._writer_q.put(None)  # drained: let the writer finish and exit
-
-    # ---- the step ----------------------------------------------------------------------------------
-    def step(self) -> bool:
-        """schedule -> stage -> run -> publish. Returns False once the batcher is closed and drained."""
-        batch = self.batcher.next_batch(timeout=0.25, busy=self.device_busy)
-        if batch is None:
-            return not self.batcher.closed
-        self._step_no += 1
-        t0 = time.perf_counter()
-        try:
-            launched = self.run(self.stage(batch))
-        except Exception as e:  # a failed step fails only its own requests; the loop lives on
-            self.failed_steps += 1
-            self.metrics.steps.labels(result="failed").inc()
-            log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
-                      [it.key for it in batch.items[:3]], e, exc_info=log.isEnabledFor(logging.DEBUG))
-            err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
-            for item in batch.items:
-                self.batcher.finish(item, error=err)
-            return True
-        self.publish(launched)
-        self.metrics.steps.labels(result="ok").inc()
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
-        self.metrics.step_tokens.observe(launched.token_offsets[-1])
-        self.metrics.step_images.observe(len(batch.items))
-        self.metrics.fence_waits.set(self.pool.stats.waits_blocked)
-        return True
-
-    def stage(self, batch: Batch) -> Staged:
-        """Host: write the batch's pixels and geometry into the next pinned slot (after its fence)."""
-        slot = self.pool.acquire()  # blocks until the device has finished reading this slot's last step
-        try:
-            return self._stage_into(slot, batch)
-        except BaseException:
-            slot.release()  # a step that fails while staging must not keep its slot: the next one needs it
-            raise
-
-    def _stage_into(self, slot: Slot, batch: Batch) -> Staged:
-        bufs = self._np[slot.index]
-        spec = self.model.spec
-        merge2 = spec.merge_size**2
-        off = row = 0
-        seq_lens, grids, token_offsets = [], [], [0]
-        for i, item in enumerate(batch.items):
-            img: PreparedImage = item.payload.image
-            t, gh, gw = img.grid_thw
-            h, w = img.pixels.shape[:2]
-            n_bytes, n_patches = img.pixels.size, gh * gw
-            assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
-            bufs["pixels"][off : off + n_bytes] = img.pixels.reshape(-1)
-            bufs["images"][i] = (off, h, w, row)
-            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
-            bufs["pos_hw"][row : row + n_patches] = geo.pos_hw
-            bufs["interp_idx"][row : row + n_patches] = geo.interp_idx
-            bufs["interp_w"][row : row + n_patches] = geo.interp_w
-            off += n_bytes
-            row += n_patches
-            seq_lens.append(n_patches)
-            grids.append((t, gh, gw))
-            token_offsets.append(token_offsets[-1] + n_patches // merge2)
-        graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
-        padded = graph[0] if graph and not graph[1] else row  # a varlen graph's bucket; else no padding
-        cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
-        if graph and not graph[1]:
-            used = cu.index(padded) + 1  # real segments, padding, the leading 0
-            assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
-        bufs["cu_seqlens"][:] = cu
-        return Staged(slot, batch.items, off, row, graph, tuple(seq_lens), token_offsets, grids)
-
-    def run(self, st: Staged) -> Launched:
-        """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
-        return self._run_cuda(st) if self.cuda else self._run_cpu(st)
-
-    def _run_cpu(self, st: Staged) -> Launched:
-        b, n, nb = st.slot.buffers, st.num_patches, len(st.items)
-        try:
-            rows = []
-            for i in range(nb):
-                off, h, w, _ = (int(x) for x in b["images"][i])
-                pixels = b["pixels"][off : off + h * w * 3].view(h, w, 3)
-                rows.append(patchify(pixels, self.lut, self.model.params))
-            batch = TowerBatch(
-                patches=torch.cat(rows).to(self.model.dtype),
-                pos_hw=b["pos_hw"][:n], interp_idx=b["interp_idx"][:n], interp_w=b["interp_w"][:n],
-                cu_seqlens=b["cu_seqlens"][: nb + 1], seq_lens=st.seq_lens,
-            )
-            with torch.inference_mode():
-                out = self.model.tower(batch)
-        finally:
-            st.slot.release()  # CPU work is synchronous: the slot is free again
-        return Launched(st.items, out, None, None, st.token_offsets, st.grids)
-
-    def _run_cuda(self, st: Staged) -> Launched:
-        slot, n, nb, nbytes = st.slot, st.num_patches, len(st.items), st.num_bytes
-        d = self.dev
-        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
-            try:
-                if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
-                    torch.cuda._sleep(self.test_stall_cycles)
-                rows = {"pixels": nbytes, "images": nb, "pos_hw": n, "interp_idx": n, "interp_w": n,
-                        "cu_seqlens": self.cu_length}
-                self._copy_async([(dst, src, row_bytes * rows[name]) for name, dst, src, row_bytes in self._h2d[slot.index]],
-                                 self.compute_stream)
-            finally:
-                # The H2D copies above are the last device work that reads slot k: fence it here.
-                slot.release(self.compute_stream)
-            patches = self.patches[:n]
-            self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
-                                patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
-            tokens = st.token_offsets[-1]
-            if st.graph is not None:
-                # One launch for the whole tower. The graph's output is static and the next replay
-                # overwrites it: take a device copy (cheap) for the D2H to read.
-                out = self.graphs.run(st.graph)[:tokens].clone()
-            else:
-                batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                                   d["cu_seqlens"][: nb + 1], st.seq_lens)
-                out = self.model.tower(batch)
-        k = self.out_free.get()  # back-pressure: only blocks when the writer is pool_slots steps behind
-        host, done = self.out_bufs[k][:tokens], self.out_events[k]
-        self.copy_stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(self.copy_stream):
-            host.copy_(out, non_blocking=True)
-            done.record(self.copy_stream)
-        self._in_flight.append(done)
-        # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
-        out.record_stream(self.copy_stream)
-        return Launched(st.items, host, done, k, st.token_offsets, st.grids)
-
-    def publish(self, launched: Launched) -> None:
-        self._writer_q.put(launched)
-
-    # ---- writer thread -----------------------------------------------------------------------------
-    def _writer(self) -> None:
-        while True:
-            job = self._writer_q.get()
-            if job is None:
-                self._put_pool.shutdown()
-                return
-            n = len(job.items)
-            offs = job.token_offsets
-            # Reserve every entry's file while the device still computes: allocating tmpfs pages is
-            # most of a store write's cost, and here it overlaps the tower instead of following it.
-            shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
-            dtypes = [job.host_out.dtype] * n
-            if n == 1:
-                held = [self._reserve(job.items[0], shapes[0], dtypes[0], job.grids[0])]
-            else:
-                held = self._in_parallel(self._reserve, job.items, shapes, dtypes, job.grids)
-            try:
-                if job.done is not None:
-                    job.done.synchronize()  # the writer's one device wait: this step's D2H copy
-                    self.batcher.wake()  # the device may be idle now: a waiting batch can close
-            except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
-                log.error("step of %d images failed on the device: %r", n, e)
-                for item, r in zip(job.items, held):
-                    if r is not None:
-                        self.store.abort(r)
-                        self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
-            else:
-                rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
-                # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
-                # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
-                # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
-                if n == 1:
-                    self._commit(job.items[0], held[0], rows[0])
-                else:
-                    self._in_parallel(self._commit, job.items, held, rows)
-            finally:
-                if job.out_index is not None:
-                    self.out_free.put(job.out_index)  # every commit above has returned: the buffer is free
-            self.metrics.store_bytes.set(self.store.bytes_used)
-            self.metrics.store_items.set(len(self.store))
-            self.metrics.store_evictions.set(self.store.evictions)
-
-    def _in_parallel(self, fn, *columns: list) -> list:
-        """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
-        shares, one of them run by this thread. Why not Executor.map: one submit per image contends on
-        the executor's locks with the threads finishing; py-spy put 10% of the engine process's GIL
-        samples there under HTTP load on an H200 host."""
-        n = len(columns[0])
-        k = max(1, min(self._writers, n))
-        shares = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
-        run = lambda idx: [fn(*(c[j] for c in columns)) for j in idx]  # noqa: E731
-        futures = [self._put_pool.submit(run, share) for share in shares[1:]]
-        out = run(shares[0])
-        for f in futures:
-            out += f.result()
-        return out
-
-    def _reserve(self, item: WorkItem, shape: tuple[int, int], dtype: torch.dtype, grid: tuple[int, int, int]):
-        """Reserve one entry's file, or answer its waiters with the error (then None)."""
-        try:
-            return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
-        except Exception as e:
-            self._store_failed(item, e)
-            return None
-
-    def _commit(self, item: WorkItem, reservation, rows: torch.Tensor) -> None:
-        """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
-        if reservation is None:
-            return  # answered by _reserve
-        try:
-            stored = self.store.commit(reservation, rows)
-        except Exception as e:
-            self._store_failed(item, e)
-        else:
-            self.batcher.finish(item, result=stored)
-
-    def _store_failed(self, item: WorkItem, e: Exception) -> None:
-        if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
-            log.warning("store write for %s refused: %s", item.key, e.message)
-            self.batcher.finish(item, error=e)
-        else:
-            log.error("store write for %s failed: %r", item.key, e)
-            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
 
     # ---- synchronous path (warm-up, tests, benchmarks) ----------------------------------------------
     def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:
@@ -470,7 +74,8 @@ class Engine:
                      waiters=0, enqueued_at=time.monotonic())
             for i, img in enumerate(images)
         ]
-        launched = self.run(self.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")))
+        with self.runner.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")) as staged:
+            launched = self.runner.run(staged)
         try:
             if launched.done is not None:
                 launched.done.synchronize()
@@ -478,13 +83,4 @@ class Engine:
             return [launched.host_out[offs[i] : offs[i + 1]].clone() for i in range(len(images))]
         finally:
             if launched.out_index is not None:
-                self.out_free.put(launched.out_index)
-
-
-def _use_compile_cache(path) -> None:
-    """Point Inductor's and Triton's on-disk caches at `path` (unless the user set them), so a restart
-    loads compiled kernels instead of compiling again. Must run before the first compile."""
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))
+                self.runner.free_output(launched.out_index)

@@ -60,7 +60,7 @@ def model_info(model: LoadedModel, engine: Engine, startup: dict, ready: bool) -
     return {"ready": ready, "model": m.model_id, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
             "random_weights": m.random_weights, "out_hidden_size": m.spec.out_hidden_size,
             "deepstack_levels": m.spec.deepstack_levels, "compiled": m.tower.compiled,
-            "cuda_graphs": len(engine.graphs) if engine.graphs else 0, "startup_s": startup,
+            "cuda_graphs": len(engine.runner.graphs) if engine.runner.graphs else 0, "startup_s": startup,
             # The preprocessing bounds in force (--min-pixels / --max-pixels or the checkpoint's): a client
             # that recomputes embeddings (the load tool's --verify) must resize the same way.
             "min_pixels": m.params.min_pixels, "max_pixels": m.params.max_pixels,
@@ -234,7 +234,7 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     batcher = build_batcher(settings)
     engine = Engine(model, store, batcher, settings, metrics)
     host = EngineHost(settings, model, store, batcher, engine, metrics)
-    host.startup = {"load_s": model.load_s, **engine.startup}
+    host.startup = {"load_s": model.load_s, **engine.runner.startup}
     host.server = server = EngineServer(socket_path, host)
     server.start()  # the API processes connect now; /ready says 503 until the warm-up below is done
     stop = threading.Event()

@@ -9,13 +9,16 @@ slot, and `acquire` waits on it before handing the slot back to the host for wri
 
 Use, once per step, from the one thread that owns the pool (it is not thread-safe):
 
-    slot = pool.acquire()                      # fence: waits until the GPU is done with this slot
-    n = stage(slot.buffers["pixels"])          # host writes; slice, never reallocate
-    launch_preprocess(slot.buffers["pixels"][:n], ...)   # GPU reads the slot (UVA or H2D)
-    slot.release(keepalive=(images_table,))    # record the event after that last read
+    with pool.acquired() as slot:                # fence: waits until the GPU is done with this slot
+        n = stage(slot.buffers["pixels"])        # host writes; slice, never reallocate
+        launch_preprocess(slot.buffers["pixels"][:n], ...)   # GPU reads the slot (UVA or H2D)
+        slot.release(keepalive=(images_table,))  # record the event after that last read
+        launch_the_rest(...)                     # device work that no longer reads the slot
 
-Call `release` even when the step fails after `acquire` (try/finally): recording the event then is
-still correct, since it orders after whatever was already enqueued.
+The slot is released inside the block, right after its last read, not at the block's end: later
+work of the step must not delay its reuse. If the block raises before that, `acquired` releases it
+on the way out: recording the event then is still correct, since it orders after whatever was
+already enqueued, and a slot left held would fail every later step that comes round to it.
 
 On CPU the same code runs with no-op events: CPU ops are synchronous, so by the time `release` is
 called the work that read the slot has finished.
@@ -23,8 +26,9 @@ called the work that read the slot has finished.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -172,6 +176,19 @@ class StagingPool:
         slot._state = Slot._HELD
         self.stats.acquires += 1
         return slot
+
+    @contextlib.contextmanager
+    def acquired(self) -> Iterator[Slot]:
+        """`acquire()` and the guarantee of a `release()`, in one place (see the module docstring): the
+        block releases the slot at its fence point; if it raises first, the slot is released here."""
+        slot = self.acquire()
+        try:
+            yield slot
+        except BaseException:
+            if slot._state == Slot._HELD:
+                slot.release()
+            raise
+        assert slot._state != Slot._HELD, f"This is a bug: slot {slot.index} still held after its step (release it)"
 
     def drain(self) -> None:
         """Wait for every in-flight slot and drop its references (at shutdown, before freeing)."""

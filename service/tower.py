@@ -153,7 +153,7 @@ def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> s
     BATCHED needs equal lengths).
     NOTE: unforced, a single image goes through varlen, not a batch of one: under torch.compile a
     batch size of 1 is specialised into a compiled graph of its own, compiled at start-up only for
-    the graphs that use it (Engine._warm_compiled)."""
+    the graphs that use it (Runner._warm_compiled)."""
     lens = b.seq_lens
     fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
     equal = all(n == lens[0] for n in lens)

@@ -38,8 +38,8 @@ class _Gate:
 
     def __init__(self, engine):
         self.engine, self.entered, self.release = engine, threading.Event(), threading.Event()
-        self._run = engine.run
-        engine.run = self._gated
+        self._run = engine.runner.run
+        engine.runner.run = self._gated
 
     def _gated(self, staged):
         self.entered.set()
@@ -193,7 +193,7 @@ def test_bad_requests_get_clear_4xx_and_good_ones_in_the_same_step_succeed(tmp_p
 def test_failed_step_fails_only_its_requests_and_the_loop_lives_on(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
         engine = app.state.rt.engine
-        real_run, calls = engine.run, []
+        real_run, calls = engine.runner.run, []
 
         def flaky(staged):
             calls.append(1)
@@ -201,7 +201,7 @@ def test_failed_step_fails_only_its_requests_and_the_loop_lives_on(tmp_path, tin
                 raise RuntimeError("injected device fault")
             return real_run(staged)
 
-        engine.run = flaky
+        engine.runner.run = flaky
         bad = httpx.post(url + "/encode", json=json_body(_png(600)), timeout=30)
         assert bad.status_code == 500 and bad.json()["error"]["code"] == "backend_error"
         assert "injected device fault" in bad.json()["error"]["message"]

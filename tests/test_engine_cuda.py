@@ -92,7 +92,7 @@ def test_service_on_cuda_stores_exact_embeddings(tmp_path, tiny_checkpoint, blob
             ec = torch.cat([st.main, *st.deepstack], 1)
             assert item["shape"] == list(ec.shape) == list(ref.shape)
             assert (ec - ref).abs().max().item() <= 1e-4, name
-        stats = app.state.rt.engine.pool.stats
+        stats = app.state.rt.engine.runner.pool.stats
         assert stats.acquires >= 6  # 12 images, at most 2 a step, plus warm-up
 
 
@@ -102,7 +102,7 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_checkpoint, blobs):
     m = load_model(s)
     graphed = Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
     eager = Engine(m, store=None, batcher=None, settings=s.model_copy(update={"cuda_graphs": False}), metrics=Metrics())
-    assert graphed.graphs is not None and eager.graphs is None
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
     imgs = [prepare_image(b, m.params, s.image_limits) for b in blobs]
     ref32 = _reference(tiny_checkpoint, blobs)
     for step in (imgs[:1], imgs[1:6], imgs, imgs[3:4]):  # buckets change between steps, and repeat
@@ -130,8 +130,8 @@ def _stalled_run(settings, model, imgs, root, fence: bool):
     s = settings.model_copy(update={"store": root})
     store, batcher = build_store(s, model), build_batcher(s)
     engine = Engine(model, store=store, batcher=batcher, settings=s, metrics=Metrics())
-    engine.pool.fence = fence
-    engine.test_stall_cycles = STALL_CYCLES
+    engine.runner.pool.fence = fence
+    engine.runner.test_stall_cycles = STALL_CYCLES
     engine.start()
     try:
         tickets = [batcher.submit(f"k{i}", EncodeJob(f"k{i}", img), img.num_tokens) for i, img in enumerate(imgs)]
@@ -145,7 +145,7 @@ def _stalled_run(settings, model, imgs, root, fence: bool):
     for i in range(len(imgs)):
         st = read_embeddings(root, f"k{i}")
         outs.append(torch.cat([st.main, *st.deepstack], 1))
-    return outs, engine.pool.stats
+    return outs, engine.runner.pool.stats
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph-replayed", "eager"])
@@ -158,7 +158,7 @@ def test_fence_keeps_a_lagging_gpu_exact_and_without_it_embeddings_go_wrong(tmp_
             for i in range(96)]
     # The reference: each image alone through the same step path, no stall, fence on.
     ref_engine = Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
-    assert (ref_engine.graphs is not None) == graphs
+    assert (ref_engine.runner.graphs is not None) == graphs
     refs = [ref_engine.encode_sync([img])[0] for img in imgs]
     assert len({r.float().sum().item() for r in refs}) == len(refs)  # distinct images, distinct outputs
 

@@ -250,6 +250,36 @@ def test_acquire_before_release_is_a_bug():
     assert pool.acquire() is slot
 
 
+def test_acquired_block_releases_a_slot_its_step_did_not_get_to_release():
+    records: list[tuple[int, object]] = []
+
+    class RecordingEvent(NullEvent):
+        def __init__(self, index: int):
+            self.index = index
+
+        def record(self, stream=None) -> None:
+            records.append((self.index, stream))
+
+    made = iter(range(2))
+    pool = StagingPool({"x": BufferSpec((1,), torch.int32)}, num_slots=2, device=torch.device("cpu"),
+                       event_factory=lambda: RecordingEvent(next(made)))
+    with pytest.raises(RuntimeError, match="staging failed"):
+        with pool.acquired():
+            raise RuntimeError("staging failed")  # before the step's own release: the block releases
+    with pytest.raises(RuntimeError, match="tower failed"):
+        with pool.acquired() as slot:
+            slot.release("compute stream")  # the fence point, then the step fails: not released twice
+            raise RuntimeError("tower failed")
+    assert records == [(0, None), (1, "compute stream")]
+    for _ in range(2):  # both slots came back: every later step gets its slot
+        with pool.acquired() as slot:
+            slot.release()
+    with pytest.raises(AssertionError, match="still held"):
+        with pool.acquired():
+            pass  # a step that never released its slot is a bug, not something to cover up
+    assert pool.stats.acquires == 5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pool_pinned_and_fenced():
     steps, n = 8, 1 << 20

@@ -49,15 +49,16 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
                 for name, imgs in steps.items()}
 
     fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
-    assert model.tower.compiled and fast.graphs is not None
-    assert fast.startup["compile_s"] > 0 and fast.startup["graphs"] == len(fast.buckets) + len(fast.equal_steps)
-    assert (1, 784) in fast.equal_steps and (16, 784) in fast.equal_steps
+    runner = fast.runner
+    assert model.tower.compiled and runner.graphs is not None
+    assert runner.startup["compile_s"] > 0 and runner.startup["graphs"] == len(runner.buckets) + len(runner.equal_steps)
+    assert (1, 784) in runner.equal_steps and (16, 784) in runner.equal_steps
     from torch._dynamo.utils import counters
 
     graphs_after_startup = counters["stats"]["unique_graphs"]
     for name, imgs in steps.items():
         patches = sum(i.num_patches for i in imgs)
-        graph = fast.graphs.graph_for(tuple(i.num_patches for i in imgs))
+        graph = runner.graphs.graph_for(tuple(i.num_patches for i in imgs))
         replayed = graph is not None
         assert replayed == (name != "20 x 448px"), name
         if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: an unpadded batched-attention graph
@@ -92,8 +93,8 @@ def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(t
                    settings=s.model_copy(update={"compile": False, "cuda_graphs": False}))
     expected = torch.cat(eager.encode_sync(imgs))
     fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
-    varlen = fast.graphs.graph_for((1024, 544))
-    assert varlen[1] == 0 and varlen[0] >= 1568 and fast.graphs.graph_for((784, 784)) == (1568, 2)
+    varlen = fast.runner.graphs.graph_for((1024, 544))
+    assert varlen[1] == 0 and varlen[0] >= 1568 and fast.runner.graphs.graph_for((784, 784)) == (1568, 2)
     out = torch.cat(fast.encode_sync(imgs))
     assert _rel(out, expected) < 2e-2
     # and the equal step of the same size right after it still replays its own graph correctly
@@ -112,7 +113,7 @@ def test_graph_replays_of_one_step_are_identical_and_independent_of_stale_paddin
                  graph_exact_sides=[])  # no exact buckets: one image pads to its bucket
     fast = Engine(load_model(s), store=None, batcher=None, metrics=Metrics(), settings=s)
     one = steps["1 x 448px"]
-    assert fast.graphs.bucket_for(784) > 784
+    assert fast.runner.graphs.bucket_for(784) > 784
     first = torch.cat(fast.encode_sync(one))
     fast.encode_sync(steps["16 x 448px"])  # fills the padding rows of one image's bucket with other data
     again = torch.cat(fast.encode_sync(one))
