@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,20 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_gpu import cuda_time  # noqa: E402
 
-def cuda_ms(fn, iters=20, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+
+def cuda_ms(fn, iters=20) -> float:
+    """Median milliseconds of fn(), CUDA events (bench_gpu.cuda_time, which gives seconds)."""
+    return 1e3 * cuda_time(fn, reps=iters)
 
 
 def attention(out: dict) -> None:
@@ -244,9 +238,6 @@ def store_commit(out: dict, root: str) -> None:
     """The real EmbeddingStore's reserve + commit of one 448px image, from a pinned buffer the GPU has
     just written, with the system calls inside commit timed (is it writev, or something around it?),
     interleaved with a raw writev of the same bytes into a fallocated file."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import service.store as st
 
     dev = torch.randn(196, 10240, device="cuda" if torch.cuda.is_available() else "cpu").to(torch.bfloat16)
