@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.app import create_app, server_options
+from service.app import create_app
+from service.boot import server_options
 
 
 def free_port() -> int:
