@@ -242,9 +242,9 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     # (child_setup): a terminal's Ctrl-C reaches this process too, before the API processes are done.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if settings.warmup:
-        from .app import _warmup_image
+        from .frontend import warmup_image
 
-        engine.encode_sync([_warmup_image(model)])
+        engine.encode_sync([warmup_image(model)])
     engine.start()
     host.startup["total_s"] = round(time.perf_counter() - t0 + model.load_s, 2)
     host.ready.set()

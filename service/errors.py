@@ -155,6 +155,12 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
 ]
 
 
+def at_index(err, index: int):
+    """Tag a per-image error (ImageError, KeyConflict) with the image's position in the request."""
+    err.index = index
+    return err
+
+
 def error_body(code: str, message: str, index: int | None = None) -> dict:
     """The one JSON shape of every error answer (encoder, LM consumer, router): {"error": {"code",
     "message", "index"?}}; `index` is the image's position in the request, for per-image errors."""

@@ -107,8 +107,9 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     os.environ[MULTIPROC_ENV] = metrics_dir
     import uvicorn
 
-    from .app import RemoteEngine, create_app, server_options
-    from .boot import Server
+    from .app import create_app
+    from .boot import Server, server_options
+    from .frontend import RemoteEngine
 
     sys.setswitchinterval(0.001)
     app = create_app(settings, remote=RemoteEngine(engine_sockets, arena_name, settings.arena_bytes))

@@ -1,5 +1,5 @@
 """Run the real app under uvicorn on a loopback port, in this process (so tests can reach its runtime),
-or the real service as its own process (`ServiceProcess`)."""
+or the real service as its own process (`ServiceProcess`); hold an in-process step loop (`Gate`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,22 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.app import create_app, server_options
+from service.app import create_app
+from service.boot import server_options
+
+
+class Gate:
+    """Holds the step loop inside `run` until released: makes queueing states deterministic."""
+
+    def __init__(self, engine):
+        self.engine, self.entered, self.release = engine, threading.Event(), threading.Event()
+        self._run = engine.runner.run
+        engine.runner.run = self._gated
+
+    def _gated(self, staged):
+        self.entered.set()
+        assert self.release.wait(30), "test gate never released"
+        return self._run(staged)
 
 
 def free_port() -> int:

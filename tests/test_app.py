@@ -14,7 +14,7 @@ from service.config import Settings
 from service.loader import load_model
 from service.store import read_embeddings
 from tests import imagedata as data
-from tests.live import json_body, live_server, metric
+from tests.live import Gate, json_body, live_server, metric
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +31,6 @@ def _settings(tmp_path, **kw):
 
 def _png(seed: int, w: int = 96, h: int = 64) -> bytes:
     return data.encode(data.textured_rgb(w, h, seed=seed), "PNG")
-
-
-class _Gate:
-    """Holds the step loop inside `run` until released: makes queueing states deterministic."""
-
-    def __init__(self, engine):
-        self.engine, self.entered, self.release = engine, threading.Event(), threading.Event()
-        self._run = engine.runner.run
-        engine.runner.run = self._gated
-
-    def _gated(self, staged):
-        self.entered.set()
-        assert self.release.wait(30), "test gate never released"
-        return self._run(staged)
 
 
 def _wait_for(pred, timeout=10.0):
@@ -102,7 +88,7 @@ def test_twenty_identical_concurrent_requests_encode_once(tmp_path, tiny_model):
 
 def test_overload_answers_429_with_retry_after_and_recovers(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_queue_images=2, max_batch_images=1), tiny_model) as (url, app):
-        gate = _Gate(app.state.rt.engine)
+        gate = Gate(app.state.rt.engine)
         with ThreadPoolExecutor(8) as pool:
             first = pool.submit(httpx.post, url + "/encode", json=json_body(_png(100)), timeout=60)
             assert gate.entered.wait(10)  # image 100 is in the step loop, held
@@ -122,7 +108,7 @@ def test_overload_answers_429_with_retry_after_and_recovers(tmp_path, tiny_model
 def test_client_that_disconnects_is_dropped_before_running(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
         rt = app.state.rt
-        gate = _Gate(rt.engine)
+        gate = Gate(rt.engine)
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(300)), timeout=60)
             assert gate.entered.wait(10)
@@ -295,7 +281,7 @@ def test_keys_cannot_be_poisoned_a_uuid_names_one_image(tmp_path, tiny_model):
         assert post(json_body(x, x, uuids=["u2", "u2"])).status_code == 200  # the same image twice is fine
 
         # While the uuid's first image is still being encoded, other bytes under it are refused too.
-        gate = _Gate(app.state.rt.engine)
+        gate = Gate(app.state.rt.engine)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, json_body(x, uuids=["u3"]))
             assert gate.entered.wait(10)
@@ -589,7 +575,7 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
     s = _settings(tmp_path, max_queue_images=2, max_batch_images=1, max_queue_tokens=600)
     with live_server(s, tiny_model) as (url, app):
         rt = app.state.rt
-        gate = _Gate(rt.engine)
+        gate = Gate(rt.engine)
         decoded, real_decode = [], rt.decode
 
         async def counting_decode(blob):
@@ -617,7 +603,7 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
         # By tokens: with one small image queued, a large one (1444 tokens by its header: 1216x1216 once resized) is
         # over the 600-token bound: 429 before its decode; a small one still fits.
         large = data.encode(data.textured_rgb(1200, 1200, seed=1199), "JPEG")
-        gate = _Gate(rt.engine)
+        gate = Gate(rt.engine)
         with ThreadPoolExecutor(4) as pool:
             held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1200)), timeout=60)
             assert gate.entered.wait(10)
