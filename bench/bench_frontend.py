@@ -6,7 +6,8 @@
 2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes,
    KxG = K API processes and G engines, one per GPU: --devices cuda:0,...,cuda:G-1):
    start `python -m service serve`, then
-     idle   one distinct 448px JPEG at a time, 100 requests: p50 / p90 end to end
+     idle   one distinct 448px JPEG at a time, 100 requests: p50 / p90 end to end, and the p50 of each
+            phase of the server's Server-Timing header (parse, keys, admit, decode, encode, total)
      x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
      x8     the same with 8 images per request, --clients x --conc8 connections
    and stop it.
@@ -133,8 +134,8 @@ def idle(port: int, blobs: list[bytes]) -> dict:
     import http.client
 
     c = http.client.HTTPConnection("127.0.0.1", port)
-    lat, codes = [], set()
-    for b in blobs:
+    lat, codes, phases = [], set(), {}
+    for i, b in enumerate(blobs):
         payload = body([b])
         t0 = time.perf_counter()
         c.request("POST", "/encode", payload, {"Content-Type": "application/json"})
@@ -142,9 +143,14 @@ def idle(port: int, blobs: list[bytes]) -> dict:
         r.read()
         lat.append(time.perf_counter() - t0)
         codes.add(r.status)
+        if i >= 10 and (st := r.getheader("Server-Timing")):  # where the server says the time went
+            for part in st.split(","):
+                name, dur = part.strip().split(";dur=")
+                phases.setdefault(name, []).append(float(dur))
     lat = sorted(lat[10:])
     return {"n": len(lat), "p50_ms": round(1e3 * statistics.median(lat), 2),
-            "p90_ms": round(1e3 * lat[int(0.9 * len(lat))], 2), "status": sorted(codes)}
+            "p90_ms": round(1e3 * lat[int(0.9 * len(lat))], 2), "status": sorted(codes),
+            "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
 
 
 def parse_mode(mode: str) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pybase64
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -356,20 +356,24 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         "multipart/form-data": {"schema": {"type": "object", "properties": {
             "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
             "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})
-    async def encode(request: Request):
-        """Encode images; answer one item per image, in input order, once each is in the store."""
+    async def encode(request: Request, response: Response):
+        """Encode images; answer one item per image, in input order, once each is in the store. The
+        `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
         rt: Runtime = request.app.state.rt
-        t0 = time.perf_counter()
+        phases = frontend.Phases()
+        t0 = phases.start
         status = 500
         try:
             authorize(request)
             if remote is not None:
                 rt.require_ready()  # before the body is read (or any URL fetched)
             inputs = await _parse_inputs(rt, request)
-            answers = await frontend.encode(rt, inputs, request.is_disconnected)
+            phases.mark("parse")
+            answers = await frontend.encode(rt, inputs, request.is_disconnected, phases)
             status = 200 if answers is not None else 499
             if answers is None:  # client gone: nobody to answer
                 return PlainTextResponse("client disconnected", status_code=499)
+            response.headers["Server-Timing"] = phases.header()
             return EncodeResponse(items=[_item(a) for a in answers])
         except ServiceError as e:
             status = http_status(e)

@@ -69,12 +69,35 @@ class Answer(NamedTuple):
 ClientGone = Callable[[], Awaitable[bool]]
 
 
-async def encode(rt: Runtime | RemoteRuntime, inputs: list[Input], client_gone: ClientGone) -> list[Answer] | None:
+class Phases:
+    """Where one request's time went, for its `Server-Timing` response header (W3C Server Timing: browsers'
+    developer tools and `curl -i` show it): each `mark(name)` ends the phase `name` that began at the
+    previous mark. Wall time of this request, not CPU time: concurrent requests overlap."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.spans: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spans.append((name, now - self._last))
+        self._last = now
+
+    def header(self) -> str:
+        parts = [f"{name};dur={s * 1e3:.3f}" for name, s in self.spans]
+        return ", ".join(parts + [f"total;dur={(self._last - self.start) * 1e3:.3f}"])
+
+
+async def encode(rt: Runtime | RemoteRuntime, inputs: list[Input], client_gone: ClientGone,
+                 phases: Phases | None = None) -> list[Answer] | None:
     """Answer one item per input image, in order; None if the client went away first (its queued work
-    is cancelled). Raises the request's ServiceError; nothing of a failed request stays queued."""
+    is cancelled). Raises the request's ServiceError; nothing of a failed request stays queued.
+    `phases` gets the marks keys, admit (cache checks, claims, queue places), decode (decoded and
+    queued) and encode (every answer in the store)."""
+    phases = phases or Phases()
     if isinstance(rt, RemoteRuntime):
-        return await _encode_remote(rt, inputs, client_gone)
-    return await _encode_local(rt, inputs, client_gone)
+        return await _encode_remote(rt, inputs, client_gone, phases)
+    return await _encode_local(rt, inputs, client_gone, phases)
 
 
 # ---- the running service --------------------------------------------------------------------------
@@ -188,6 +211,7 @@ class RemoteRuntime:
         self.key_salt = b""
         self.engine_lost = False
         self.mismatch: str | None = None  # the engines disagree on keys / preprocessing (see EngineRouter.status)
+        self.requests_in_flight = 0  # requests between their keys and their last submit (an idle process decodes early)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -258,11 +282,13 @@ def _prepare_into_arena(rt: RemoteRuntime, data: bytes) -> tuple[PreparedImage, 
     return prep, off
 
 
-async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: ClientGone) -> list[Answer] | None:
+async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: ClientGone,
+                         phases: Phases) -> list[Answer] | None:
     """`_encode_local` for an API process: the same answers, with the engine process deciding hits,
     coalescing and admission (a claim per image, before it is decoded). The caller has checked
     `rt.require_ready()`."""
-    keys, shas = await _keys_for(rt, inputs)
+    keys, shas, tokens = await _keys_for(rt, inputs, rt.params)
+    phases.mark("keys")
     answers: dict[str, Answer] = {}
     waits: dict[str, tuple[int, asyncio.Future, bool]] = {}  # key -> (request id, future, coalesced)
     grants: dict[str, tuple[int, int]] = {}  # key -> (grant id, image index) to decode
@@ -279,10 +305,35 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
             rt.client.cancel(gid)
 
     loop = asyncio.get_running_loop()
+    firsts: dict[str, int] = {}  # key -> the first image with it (a key twice in one request is handled once)
+    for i, key in enumerate(keys):
+        firsts.setdefault(key, i)
+
+    # Admission happens before decode (a full engine answers 429 before any pixels exist), except on an
+    # idle API process: a request that finds no other request here decodes while its claims travel, so
+    # a lone image does not pay the claim's round trip before its decode. Under load nothing is decoded
+    # ahead of its grant. A speculative decode whose claim is not a grant frees its cell when it ends.
+    early: dict[str, asyncio.Future] = {}
+    if rt.requests_in_flight == 0:
+        early = {key: loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
+                 for key, i in firsts.items()}
+    rt.requests_in_flight += 1
+
+    def free_when_done(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:  # (a failed decode allocated no cell)
+            prep, off = f.result()
+            rt.free_cell(off, prep.pixels.nbytes)
+
+    def drop_early(keep: set[str]) -> None:
+        for key in [k for k in early if k not in keep]:
+            early.pop(key).add_done_callback(free_when_done)
 
     async def decode_and_submit(key: str, gid: int, i: int) -> None:
         try:
-            prep, off = await loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
+            if key in early:
+                prep, off = await early.pop(key)
+            else:
+                prep, off = await loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
         except Exception as p:
             raise _decode_failure(inputs, i, p)
         h, w = prep.pixels.shape[:2]
@@ -303,14 +354,9 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
         return next((o for o in outcomes if isinstance(o, BaseException)), None)
 
     try:
-        # One claim per distinct key, all in flight at once (a round trip each, not one after another).
-        firsts: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            firsts.setdefault(key, i)
-        # Each claim names the image's tokens by its header: the engine admits by images and tokens before decode.
-        tokens = await asyncio.to_thread(lambda: [header_tokens(inputs[i].data, rt.params, rt.settings.image_limits)
-                                                  for i in firsts.values()])
-        claims = await asyncio.gather(*(rt.client.claim(k, shas[i], n) for (k, i), n in zip(firsts.items(), tokens)),
+        # One claim per distinct key, all in flight at once (a round trip each, not one after another);
+        # each names the image's tokens by its header: the engine admits by images and tokens.
+        claims = await asyncio.gather(*(rt.client.claim(k, shas[i], tokens[i]) for k, i in firsts.items()),
                                       return_exceptions=True)
         for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
             if isinstance(c, KeyConflict):
@@ -328,18 +374,25 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
                     grants[key] = (val, i)
         if (err := first_error(claims)) is not None:
             raise err
+        phases.mark("admit")
+        drop_early(keep=set(grants))
         # Each image is submitted as soon as it is decoded.
         done = await asyncio.gather(*(decode_and_submit(k, gid, i) for k, (gid, i) in list(grants.items())),
                                     return_exceptions=True)
         if (err := first_error(done)) is not None:
             raise err
+        phases.mark("decode")
     except BaseException:
+        drop_early(keep=set())  # those not submitted (a submitted one has left `early`)
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
+    finally:
+        rt.requests_in_flight -= 1
     futures = [fut for _, fut, _ in waits.values()]
     if not await _wait_or_disconnect(client_gone, futures):
         give_back()
         return None
+    phases.mark("encode")
     for key, (_, fut, coalesced) in waits.items():
         answers[key] = Answer(fut.result(), cached=False)
         rt.metrics.images.labels(outcome="coalesced" if coalesced else "encoded").inc()
@@ -392,25 +445,29 @@ async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Fut
     return False
 
 
-async def _keys_for(rt, inputs: list[Input]) -> tuple[list[str], list[str]]:
-    """Each image's store key (its uuid, or its content key) and the SHA-256 of its bytes; 409 when
-    one uuid is given to different images in one request."""
+async def _keys_for(rt, inputs: list[Input], params) -> tuple[list[str], list[str], list[int]]:
+    """Each image's store key (its uuid, or its content key), the SHA-256 of its bytes and its output
+    tokens by its header (what admission counts before decode); 409 when one uuid is given to different
+    images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
             raise at_index(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
-    # (sha256 of bytes, content key) of every image in one thread hop: a hop each (sequential awaits) cost
-    # an 8-image request 8 event-loop round trips through the executor.
-    digests = await asyncio.to_thread(lambda: [_digests(rt, inp.data) for inp in inputs])
-    keys = [inp.uuid if inp.uuid is not None else key for inp, (_, key) in zip(inputs, digests)]
-    shas = [sha for sha, _ in digests]
+    # (sha256 of bytes, content key, header tokens) of every image in one thread hop: a hop each cost an
+    # 8-image request 8 event-loop round trips through the executor, and a lone image one more for its
+    # tokens (~0.1-0.2 ms of its latency on an idle server).
+    limits = rt.settings.image_limits
+    digests = await asyncio.to_thread(lambda: [(*_digests(rt, inp.data), header_tokens(inp.data, params, limits))
+                                               for inp in inputs])
+    keys = [inp.uuid if inp.uuid is not None else key for inp, (_, key, _) in zip(inputs, digests)]
+    shas = [sha for sha, _, _ in digests]
     bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
     for i, (key, sha) in enumerate(zip(keys, shas)):
         if bound.setdefault(key, sha) != sha:
             raise at_index(KeyConflict(f"images[{i}]: uuid {key!r} is also given to other image bytes earlier in this "
                                        "request; one uuid names one image"), i)
-    return keys, shas
+    return keys, shas, [tokens for _, _, tokens in digests]
 
 
 def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceError:
@@ -428,9 +485,11 @@ def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceErr
     return err
 
 
-async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGone) -> list[Answer] | None:
+async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
+                        phases: Phases) -> list[Answer] | None:
     """`encode` in a single process: the store, the batcher and the decode pool are this process's."""
-    keys, shas = await _keys_for(rt, inputs)
+    keys, shas, tokens = await _keys_for(rt, inputs, rt.model.params)
+    phases.mark("keys")
 
     answers: dict[str, Answer] = {}  # key -> answer; a key twice in one request is handled once
     tickets: dict[str, Ticket] = {}  # key -> this request's claim on an encode (queued or running)
@@ -474,10 +533,9 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
         # Admission before decode: each image to decode takes its queue place (its tokens read from its
         # header) now, so a full queue answers 429 before any pixels exist; an admitted image is queued
         # once decoded, whatever the queue holds by then.
-        tokens = await asyncio.to_thread(lambda: [header_tokens(inputs[i].data, rt.model.params, rt.settings.image_limits)
-                                                  for i in todo.values()])
-        for key, n in zip(todo, tokens):
-            places[key] = rt.batcher.reserve(n)
+        for key, i in todo.items():
+            places[key] = rt.batcher.reserve(tokens[i])
+        phases.mark("admit")
 
         prepared = await asyncio.gather(*(rt.decode(inputs[i].data) for i in todo.values()), return_exceptions=True)
         for i, p in zip(todo.values(), prepared):
@@ -488,6 +546,7 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
             if not cache_hit(i):  # it may have landed while we decoded
                 claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens,
                                            reservation=places[key]))
+        phases.mark("decode")
     except ServiceError:
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
@@ -499,6 +558,7 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
     if not await _wait_or_disconnect(client_gone, futures):
         give_back()
         return None
+    phases.mark("encode")
     for (key, t), fut in zip(tickets.items(), futures):
         answers[key] = Answer(fut.result(), cached=False)
         rt.metrics.images.labels(outcome="coalesced" if t.coalesced else "encoded").inc()

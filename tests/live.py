@@ -126,6 +126,24 @@ def json_body(*blobs: bytes, uuids=None) -> dict:
     return {"images": parts}
 
 
+SERVER_TIMING_PHASES = ["parse", "keys", "admit", "decode", "encode", "total"]
+
+
+def server_timing(response: httpx.Response, wall_s: float) -> dict[str, float]:
+    """The /encode answer's Server-Timing header as {phase: ms}, checked: every phase in order, none
+    negative, the parts summing to the total, and the total within the client's wall time `wall_s`."""
+    spans = {}
+    for part in response.headers["server-timing"].split(","):
+        name, dur = part.strip().split(";dur=")
+        spans[name] = float(dur)
+    assert list(spans) == SERVER_TIMING_PHASES, spans
+    assert all(v >= 0 for v in spans.values()), spans
+    parts = sum(v for k, v in spans.items() if k != "total")
+    assert abs(parts - spans["total"]) <= 0.001 * len(spans) + 1e-9, spans  # rounding to 1 us each
+    assert spans["total"] <= wall_s * 1e3, (spans, wall_s)
+    return spans
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """Value of one sample in Prometheus text (0 if absent)."""
     want = f"{name}{{{labels}}}" if labels else name

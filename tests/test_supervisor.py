@@ -14,7 +14,7 @@ import torch
 from service.arena import leaked_segments
 from service.store import read_embeddings
 from tests import imagedata as data
-from tests.live import json_body, metric
+from tests.live import json_body, metric, server_timing
 from tests.test_server import IMAGES, Server, reference, two_image_client  # noqa: F401  (reference: a fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
@@ -79,6 +79,7 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
             results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
         for names, r in results:
             assert r.status_code == 200, r.text
+            server_timing(r, 120)  # an API process's answer says where its time went (its phases, in order)
             for name, item in zip(names, r.json()["items"]):
                 grid, ref = reference[name]
                 stored = read_embeddings(store, item["key"])
@@ -123,6 +124,21 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
                 data.textured_rgb(96, 96, seed=424243 + k), "PNG")), timeout=60) for k in range(6)]
             assert bad.result().status_code in (400, 422) and bad.result().json()["error"]["index"] == 1
             assert [f.result().status_code for f in fine] == [200] * 6
+        # One request at a time (an idle API process decodes while its claim travels): a cache hit, a broken
+        # image and a new one each give their cell back, the hit's and the broken one's unused.
+        blobs = data.valid_images()
+        for blob, code in [(blobs[IMAGES[0]], 200), (b"\x89PNG\r\n\x1a\n broken", 422), (blobs[IMAGES[0]], 200),
+                           (data.encode(data.textured_rgb(80, 80, seed=77), "PNG"), 200)]:
+            t0 = time.perf_counter()
+            r = httpx.post(server.url + "/encode", json=json_body(blob), timeout=60)
+            assert r.status_code == code, r.text
+            if code == 200:
+                server_timing(r, time.perf_counter() - t0)
+        cached = [httpx.post(server.url + "/encode", json=json_body(blobs[IMAGES[0]]), timeout=60).json()["items"][0]
+                  for _ in range(3)]
+        assert all(c["cached"] for c in cached)
+        wait_for(lambda: all(metric(httpx.get(server.url + "/metrics", timeout=10, headers={"Connection": "close"}).text,
+                                    "qve_arena_bytes_in_use") == 0 for _ in range(4)), 10, "every cell given back")
         children = descendants(sup)
         assert len(leaked_segments(sup)) == 2  # one arena per API process, nothing more
     finally:
