@@ -69,6 +69,14 @@ def _named_device(d: str) -> bool:
     return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
 
 
+def default_api_processes() -> int:
+    """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
+    served more than 8 (bench/RESULTS.md, session 3: 554 vs 507 img/s), the rest of the cores going to
+    their decode threads, the engine and the store writers."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // 4))
+
+
 class Settings(BaseSettings):
     """All service settings. Field names are the CLI flags with '-' for '_'."""
 
@@ -80,7 +88,7 @@ class Settings(BaseSettings):
     devices: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="one engine process per device, comma-separated (cuda:0,cuda:1); the "
         "store's keys are split between them (each engine writes, indexes and evicts only its shard, with "
-        "--store-capacity-bytes / n). Several devices need API processes: with --api-processes 0 the default "
+        "--store-capacity-bytes / n). Several devices need API processes: with --api-processes 0 or unset the default "
         "number is started. A cuda device may appear once; cpu may repeat (tests, CPU-only machines). One "
         "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
@@ -138,9 +146,11 @@ class Settings(BaseSettings):
                                   "429. An image alone in the queue is always admitted")
 
     # processes
-    api_processes: int = Field(0, ge=0, description="HTTP API processes started by a supervisor beside the engine "
-                               "process(es) (images reach the engines through shared memory); 0 = one process does "
-                               "everything, or, with several --devices, the default number (half the cores, 1-8)")
+    api_processes: int | None = Field(None, ge=0, description="HTTP API processes started by a supervisor beside "
+                                      "the engine process(es) (images reach the engines through shared memory); 0 = "
+                                      "one process does everything; unset = the default for this machine: on a GPU "
+                                      "(--device cuda..., or auto with one present) or with several --devices, a "
+                                      "quarter of the usable cores (1-8), on the CPU 0")
     arena_bytes: int = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
                              "(decoded images waiting for the engine); full -> 429")
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
@@ -233,11 +243,20 @@ class Settings(BaseSettings):
         """One engine process per entry (and store shard per engine)."""
         return self.devices if len(self.devices) > 1 else [self.device]
 
+    def api_process_count(self) -> int:
+        """The API processes `serve` starts (0: one process does everything). Unset, a GPU gets several: one
+        process cannot parse, hash and decode at the tower's rate (~350-480 images/s at most: bench/RESULTS.md),
+        while a CPU engine needs the cores for itself. Several devices always need them."""
+        n = self.api_processes
+        if n is None:
+            on_gpu = self.device.startswith("cuda") or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
+            n = default_api_processes() if on_gpu else 0
+        return n if n > 0 or len(self.engine_devices) == 1 else default_api_processes()
+
     @property
     def supervised(self) -> bool:
-        """A supervisor with API processes and engine processes, rather than one process doing everything:
-        asked for (--api-processes), or needed by several devices."""
-        return self.api_processes > 0 or len(self.engine_devices) > 1
+        """A supervisor with API processes and engine processes, rather than one process doing everything."""
+        return self.api_process_count() > 0
 
     @property
     def image_limits(self) -> ImageLimits:

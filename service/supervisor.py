@@ -93,10 +93,6 @@ def child_setup(parent_pid: int, log_level: str, role: str) -> None:
     die_with_parent(parent_pid)
 
 
-def default_api_processes() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
              metrics_dir: str, log_level: str, parent_pid: int) -> None:
     """Entry point of an API process."""
@@ -122,7 +118,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
 class Supervisor:
     def __init__(self, settings: Settings, sock: socket.socket):
         self.settings, self.log_level, self.sock = settings, settings.log_level, sock
-        self.n_api = settings.api_processes if settings.api_processes > 0 else default_api_processes()
+        self.n_api = settings.api_process_count()
         self.ctx = multiprocessing.get_context("spawn")
         self.pid = os.getpid()
         self.devices = settings.engine_devices
@@ -152,8 +148,9 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         n = len(self.devices)
-        if self.settings.api_processes == 0:
-            log.info("%d devices need API processes: starting %d (the default for --api-processes 0)", n, self.n_api)
+        if not self.settings.api_processes:
+            log.info("--api-processes %s: starting %d, the default for this machine (a quarter of its cores, 1-8)",
+                     "unset" if self.settings.api_processes is None else "0 with several devices", self.n_api)
         log.info("supervisor %d: http://%s:%d, %d API processes + %d engine(s) (%s)", self.pid, self.settings.host,
                  self.sock.getsockname()[1], self.n_api, n, ",".join(self.devices))
         if n > 1:

@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.__main__ import build_parser, main
-from service.config import Settings
+from service.config import Settings, default_api_processes
 
 
 def _from_cli(*argv):
@@ -84,10 +84,11 @@ def test_unknown_qve_variables_get_the_closest_setting_and_known_ones_nothing():
 def test_devices_one_engine_each_validated_and_supervised(capsys):
     s = _from_cli("--devices", "cuda:0, cuda:1")
     assert s.engine_devices == ["cuda:0", "cuda:1"] and s.supervised  # several devices need a supervisor
-    assert s.api_processes == 0  # ... which then starts default_api_processes() (service/supervisor.py)
+    assert s.api_processes is None and s.api_process_count() == default_api_processes()  # the machine's default
+    assert _from_cli("--devices", "cuda:0,cuda:1", "--api-processes", "0").api_process_count() == default_api_processes()
     assert _from_cli("--devices", "cpu,cpu").engine_devices == ["cpu", "cpu"]  # cpu may repeat (tests)
     one = _from_cli("--devices", "cuda:1")
-    assert one.device == "cuda:1" and one.engine_devices == ["cuda:1"] and not one.supervised  # one = --device
+    assert one.device == "cuda:1" and one.engine_devices == ["cuda:1"]  # one = --device
     none = _from_cli("--device", "cpu")
     assert none.devices == [] and none.engine_devices == ["cpu"] and not none.supervised  # today's service
     for bad, says in [("cuda:0,cuda:0", "cuda:0 is listed more than once"),
@@ -97,3 +98,26 @@ def test_devices_one_engine_each_validated_and_supervised(capsys):
         assert main(["serve", "--devices", bad]) == 2
         err = capsys.readouterr().err
         assert f"--devices={bad}: " in err and says in err, err
+
+
+def test_api_processes_default_fits_the_machine(monkeypatch):
+    """Unset: several on a GPU (a quarter of the usable cores, 1-8), none on the CPU; 0 and N as given."""
+    import service.config as config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert config.default_api_processes() == 4
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert config.default_api_processes() == 1
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(128)))
+    assert config.default_api_processes() == 8
+    assert _from_cli("--device", "cuda").api_process_count() == 8 and _from_cli("--device", "cuda:1").supervised
+    assert _from_cli("--device", "cpu").api_process_count() == 0 and not _from_cli("--device", "cpu").supervised
+    assert _from_cli("--device", "cuda", "--api-processes", "0").api_process_count() == 0
+    assert _from_cli("--device", "cpu", "--api-processes", "3").api_process_count() == 3
+    gpu_present = {"/dev/nvidiactl": True}
+    real_exists = config.os.path.exists
+    monkeypatch.setattr(config.os.path, "exists", lambda p: gpu_present.get(p, False) if p == "/dev/nvidiactl"
+                        else real_exists(p))
+    assert _from_cli("--device", "auto").api_process_count() == 8
+    gpu_present["/dev/nvidiactl"] = False
+    assert _from_cli("--device", "auto").api_process_count() == 0
