@@ -17,7 +17,7 @@ own files instead (cycled: from the second pass on they are cache hits).
 
 Checks. `--replay-every N` reads every Nth answered image back from the store the way a consumer does
 (vLLM's ECExampleConnector reads `<store root>/<key>/encoder_cache.safetensors`; here with the
-project's reader, service.store.read_embeddings) and checks it against the answer: shape, grid_thw,
+project's reader, service.storeformat.read_embeddings) and checks it against the answer: shape, grid_thw,
 deepstack levels, dtype, finite values. `--verify` also compares those embeddings with float32 ones
 computed here, on the CPU, by the service's own tower on the same weights (tests/test_engine.py and
 tests/test_server.py hold that tower to transformers within 1e-5), as a relative L2 error.
@@ -398,7 +398,7 @@ def replay(root: Path, item: dict):
     import torch
 
     from service.consumer import check
-    from service.store import FILE_NAME, StoreFormatError, read_embeddings
+    from service.storeformat import FILE_NAME, StoreFormatError, read_embeddings
 
     key = item["key"]
     try:

@@ -7,7 +7,7 @@ Per request (`POST /v1/chat/completions`, a subset of OpenAI's: text and `image_
 `max_tokens`, greedy decoding only):
   1. every image part goes to the encoder's `/encode` (the same content-part shape, one call for all)
      -> key, grid_thw, num_tokens;
-  2. `<store>/<key>/encoder_cache.safetensors` is read (`store.read_embeddings`) -> the main
+  2. `<store>/<key>/encoder_cache.safetensors` is read (`storeformat.read_embeddings`) -> the main
      embeddings and the deepstack features;
   3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per embedding row;
   4. transformers' Qwen3-VL generates greedily from the embeddings (`mm_encoder_outputs`), taking
@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from .client import apost
 from .errors import ModelLoadError, error_body
-from .store import StoredEmbeddings, StoreFormatError, read_embeddings
+from .storeformat import StoredEmbeddings, StoreFormatError, read_embeddings
 
 log = logging.getLogger(__name__)
 

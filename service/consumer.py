@@ -25,7 +25,7 @@ import httpx
 
 from service.client import post
 from service.config import default_store_dir
-from service.store import StoredEmbeddings, read_embeddings
+from service.storeformat import StoredEmbeddings, read_embeddings
 
 SPATIAL_MERGE = 2  # Qwen3-VL merges 2x2 patches into one output token
 

@@ -26,7 +26,8 @@ from .images import PreparedImage
 from .ipc import EngineServer, error_to_wire, item_to_wire
 from .loader import LoadedModel, load_model
 from .metrics import Metrics
-from .store import EmbeddingStore, validate_key
+from .store import EmbeddingStore
+from .storeformat import validate_key
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from .errors import (
 from .images import PreparedImage, header_tokens, prepare_image
 from .loader import LoadedModel
 from .metrics import Metrics
-from .store import CONTENT_KEY_PREFIX, StoredItem, validate_key
+from .store import StoredItem
+from .storeformat import CONTENT_KEY_PREFIX, validate_key
 from .supervisor import exit_with
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import torch
 
 from service.config import Settings
 from service.loader import load_model
-from service.store import read_embeddings
+from service.storeformat import read_embeddings
 from tests import imagedata as data
 from tests.live import Gate, json_body, live_server, metric, server_timing
 

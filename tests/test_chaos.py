@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.store import FILE_NAME, read_embeddings
+from service.storeformat import FILE_NAME, read_embeddings
 from tests import imagedata as data
 from tests.live import ServiceProcess, free_port, json_body, metric
 from tests.test_supervisor import alive, descendants, ready_info, wait_for

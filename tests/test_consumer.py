@@ -15,7 +15,7 @@ from service import consumer
 from service.config import Settings
 from service.loader import load_model
 from service.preprocess import grid_for, smart_resize
-from service.store import StoredEmbeddings, read_embeddings
+from service.storeformat import StoredEmbeddings, read_embeddings
 from tests import imagedata as data
 from tests.live import free_port, live_server
 

@@ -16,7 +16,7 @@ from service.images import prepare_image
 from service.loader import load_model
 from service.metrics import Metrics
 from service.preprocess import to_rgb
-from service.store import read_embeddings
+from service.storeformat import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
 from tests.live import json_body, live_server

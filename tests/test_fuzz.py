@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from service.app import EncodeResponse, ErrorResponse
 from service.config import Settings
 from service.loader import load_model
-from service.store import KEY_RE
+from service.storeformat import KEY_RE
 from tests import imagedata as data
 from tests.live import json_body, live_server, metric
 

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
 
-from service.store import read_embeddings
+from service.storeformat import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
 from tests.live import ServiceProcess, free_port, json_body, metric

@@ -1,4 +1,5 @@
-"""Tests for service/store.py: format, atomicity, LRU capacity, concurrency, restart, key safety."""
+"""Tests for service/store.py, the store's writer: put and reserve, byte identity with safetensors, atomicity,
+LRU capacity, concurrency, restart, shards. The format's tests (reading, keys) are in tests/test_storeformat.py."""
 
 from __future__ import annotations
 
@@ -18,17 +19,10 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 import service.store as store_mod
-from service.errors import InvalidKey, StoreFull
-from service.store import (
-    FILE_NAME,
-    EmbeddingStore,
-    StoredItem,
-    StoreFormatError,
-    StoreOwnershipError,
-    read_embeddings,
-    shard_of,
-    validate_key,
-)
+import service.storeformat as format_mod
+from service.errors import StoreFull
+from service.store import EmbeddingStore, StoreOwnershipError, shard_of
+from service.storeformat import FILE_NAME, read_embeddings
 
 MODEL = "test-model"
 D = 8  # out_hidden_size
@@ -64,46 +58,7 @@ def tmp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob(".tmp*")]
 
 
-# ---- format ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("use_mmap", [False, True], ids=["copy", "mmap"])
-@pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
-def test_roundtrip_bit_exact_and_split_order(tmp_path, dtype, name, use_mmap):
-    store = make_store(tmp_path / "s", dtype=name)
-    parts = parts_for(7, 5, dtype)
-    ec = torch.cat(parts, dim=1).contiguous()
-    item = store.put("img-1", ec, (1, 4, 5))
-
-    assert item == StoredItem(
-        key="img-1", path=f"img-1/{FILE_NAME}", num_tokens=5, grid_thw=(1, 4, 5),
-        shape=(5, W), dtype=name, nbytes=(tmp_path / "s" / "img-1" / FILE_NAME).stat().st_size,
-    )
-    got = read_embeddings(tmp_path / "s", "img-1", mmap=use_mmap)
-    assert got.main.dtype == dtype and got.main.shape == (5, D)
-    assert len(got.deepstack) == L
-    # bit-exact, and in order: main first, then each tap (the +100*i offsets make a swap visible)
-    for out, ref in zip([got.main, *got.deepstack], parts):
-        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-    assert got.grid_thw == (1, 4, 5)
-    meta = got.metadata
-    assert meta["format_version"] == "1" and meta["model"] == MODEL
-    assert meta["out_hidden_size"] == str(D) and meta["deepstack_levels"] == str(L)
-    assert json.loads(meta["grid_thw"]) == [1, 4, 5] and meta["num_tokens"] == "5"
-
-    # what vLLM's ECExampleConnector does: load_file(...)["ec_cache"]
-    ref = load_file(str(tmp_path / "s" / item.path))
-    assert list(ref) == ["ec_cache"] and ref["ec_cache"].dtype == dtype
-    assert torch.equal(ref["ec_cache"], ec)
-    assert store.lookup("img-1") == item
-    # the result outlives the file (an eviction after the read), and writing to it never touches the store
-    (tmp_path / "s" / item.path).unlink()
-    got.main.add_(1)
-    assert torch.equal(got.deepstack[0], parts[1]) and torch.equal(got.main, parts[0] + 1)
-    store.put("img-1", ec, (1, 4, 5))
-    # readable by others: the consumer may run as another user
-    assert (tmp_path / "s" / item.path).stat().st_mode & 0o777 == 0o644
-
-
+# ---- put and reserve -------------------------------------------------------------------------------
 def test_put_accepts_row_slice_of_a_larger_buffer(tmp_path):
     # the engine hands the store row slices of one persistent host output buffer
     buf = ec_for(5, 12)
@@ -154,29 +109,6 @@ def test_reserve_allocates_the_file_before_the_data_exists_then_commit_or_abort(
     assert tmp_files(tmp_path / "s") == [] and not (tmp_path / "s" / "c").exists()
 
 
-def test_read_rejects_malformed_files(tmp_path):
-    root = tmp_path / "s"
-    store = make_store(root)
-    store.put("a", ec_for(1, 6), (1, 4, 6))
-    path = root / "a" / FILE_NAME
-    whole = path.read_bytes()
-
-    path.write_bytes(whole[:-3])  # truncated data
-    with pytest.raises(StoreFormatError, match="bytes, header says"):
-        read_embeddings(root, "a")
-    path.write_bytes(whole[:5])  # not even a length prefix
-    with pytest.raises(StoreFormatError, match="only 5 bytes"):
-        read_embeddings(root, "a")
-    path.write_bytes((10**12).to_bytes(8, "little") + whole[8:])  # absurd header length
-    with pytest.raises(StoreFormatError, match="impossible"):
-        read_embeddings(root, "a")
-    path.write_bytes(b"garbage!" * 40)
-    with pytest.raises(StoreFormatError):
-        read_embeddings(root, "a")
-    with pytest.raises(KeyError):
-        read_embeddings(root, "never-written")
-
-
 # ---- byte identity with safetensors ---------------------------------------------------------------
 # NOTE: safetensors 0.8 writes the __metadata__ entries in Rust HashMap order, randomized per call, so
 # its own output is not reproducible; our writer uses the metadata dict's order. Byte identity is
@@ -196,7 +128,7 @@ def st_header(data: bytes) -> tuple[int, dict]:
 def our_bytes(t: torch.Tensor, metadata: dict[str, str], path: Path) -> bytes:
     """What the store's writer produces for `t` (through the real file write)."""
     code = {torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype]
-    header = store_mod._encode_header(code, tuple(t.shape), t.numel() * t.element_size(), metadata)
+    header = format_mod._encode_header(code, tuple(t.shape), t.numel() * t.element_size(), metadata)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         nbytes = store_mod._write_ec_file(fd, header, t, fsync=False)
@@ -429,21 +361,6 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     store.put("c", ec_for(ord("c"), 4), (1, 2, 8))
     assert len(store) == 3 and store.bytes_used == 3 * size and store.lru_keys() == ["a", "d", "c"]
     assert sorted(p.name for p in root.iterdir()) == ["a", "c", "d"]
-
-
-def test_content_keys_are_store_keys_but_never_client_keys(tmp_path):
-    content = "sha256+" + "ab" * 32
-    assert validate_key(content) == content  # the store holds and serves them
-    with pytest.raises(InvalidKey):
-        validate_key(content, content_keys=False)  # a client uuid cannot be one
-    for bad in ("sha256+" + "ab" * 31, "sha256+" + "AB" * 32, "sha256-" + "ab" * 32 + "/", "md5+" + "ab" * 16):
-        with pytest.raises(InvalidKey):
-            validate_key(bad)
-    store = make_store(tmp_path / "s")
-    item = store.put(content, ec_for(1, 4), (1, 2, 8), content_sha256="cd" * 32)
-    assert item.content_sha256 == "cd" * 32 and read_embeddings(tmp_path / "s", content).metadata["content_sha256"] == "cd" * 32
-    again = make_store(tmp_path / "s")  # the index is rebuilt from disk with the hash
-    assert again.lookup(content).content_sha256 == "cd" * 32
 
 
 def test_the_service_owns_its_root_private_checked_and_locked(tmp_path):
@@ -721,48 +638,6 @@ def test_malformed_file_at_start_is_counted_not_a_hit(tmp_path):
     (root / "junk" / FILE_NAME).write_bytes(b"not safetensors at all")
     store = make_store(root)
     assert len(store) == 1 and store.bytes_used == 22 and store.lookup("junk") is None
-
-
-# ---- keys ------------------------------------------------------------------------------------------
-BAD_KEYS = ["../x", "/abs", "", "a" * 129, ".hidden", "a/b", "a\x00b", "ключ", "é", ".", "..",
-            "abc\n", "a b", "a\\b", "~x", None, 12]
-
-
-@pytest.mark.parametrize("key", BAD_KEYS)
-def test_invalid_keys_rejected_and_nothing_created(tmp_path, key):
-    root = tmp_path / "s"
-    store = make_store(root)
-    store.put("ok", ec_for(1, 4), (1, 2, 8))
-    before = files_under(tmp_path)
-    with pytest.raises(InvalidKey, match="invalid key"):
-        validate_key(key)
-    with pytest.raises(InvalidKey):
-        store.put(key, ec_for(2, 4), (1, 2, 8))
-    with pytest.raises(InvalidKey):
-        store.lookup(key)
-    with pytest.raises(InvalidKey):
-        read_embeddings(root, key)
-    assert files_under(tmp_path) == before and len(store) == 1
-
-
-def test_valid_keys(tmp_path):
-    for key in ["a", "A-b_c.d", "_x", "-x", "0" * 128, "f" * 64, "x..y"]:
-        assert validate_key(key) == key
-    store = make_store(tmp_path / "s")
-    store.put("x..y", ec_for(1, 4), (1, 2, 8))
-    assert (tmp_path / "s" / "x..y" / FILE_NAME).exists()
-
-
-def test_symlinked_key_dir_outside_root_is_refused(tmp_path):
-    root = tmp_path / "s"
-    store = make_store(root)
-    (tmp_path / "elsewhere").mkdir()
-    (root / "evil").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(InvalidKey, match="outside the store root"):
-        store.put("evil", ec_for(1, 4), (1, 2, 8))
-    with pytest.raises(InvalidKey, match="outside the store root"):
-        read_embeddings(root, "evil")
-    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 # ---- a filesystem smaller than the capacity -----------------------------------------------------------

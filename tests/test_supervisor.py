@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.arena import leaked_segments
-from service.store import read_embeddings
+from service.storeformat import read_embeddings
 from tests import imagedata as data
 from tests.live import json_body, metric, server_timing
 from tests.test_server import IMAGES, Server, reference, two_image_client  # noqa: F401  (reference: a fixture)

@@ -15,7 +15,8 @@ from service.engine import EncodeJob
 from service.errors import BackendError, StoreFull
 from service.metrics import Metrics
 from service.runner import Launched
-from service.store import EmbeddingStore, read_embeddings
+from service.store import EmbeddingStore
+from service.storeformat import read_embeddings
 from service.writer import Writer
 from tests.live import metric
 
