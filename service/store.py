@@ -33,8 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from service.errors import StoreFull
 from service.storeformat import (
@@ -53,10 +52,14 @@ from service.storeformat import (
     validate_key,
 )
 
+if TYPE_CHECKING:  # torch is not imported here: preflight's root check (and so every start-up) would wait on it
+    import torch
+
 log = logging.getLogger(__name__)
 
-# torch dtype -> safetensors dtype code (storeformat's _DTYPES the other way round)
-_CODE_OF: dict[torch.dtype, str] = {getattr(torch, name): code for code, (name, _) in _DTYPES.items()}
+# str(torch dtype) -> safetensors dtype code (storeformat's _DTYPES the other way round), keyed by name
+# so that this module needs no torch.
+_CODE_OF: dict[str, str] = {f"torch.{name}": code for code, (name, _) in _DTYPES.items()}
 
 
 ROOT_LOCK = ".lock"  # held by the root's one writer: a service's store, or the supervisor of a sharded service
@@ -403,7 +406,7 @@ class EmbeddingStore:
         }
         if content_sha256 is not None:  # what lets a later request for this key check it is the same image
             metadata["content_sha256"] = content_sha256
-        code = _CODE_OF[dtype]
+        code = _CODE_OF[str(dtype)]
         data_bytes = n * width * dtype.itemsize
         header = _encode_header(code, (n, width), data_bytes, metadata)
         with self._lock:
@@ -490,7 +493,7 @@ class EmbeddingStore:
             num_tokens=n,
             grid_thw=grid,  # type: ignore[arg-type]
             shape=(n, width),
-            dtype=_DTYPES[_CODE_OF[r.dtype]][0],
+            dtype=_DTYPES[_CODE_OF[str(r.dtype)]][0],
             nbytes=nbytes,
             content_sha256=content_sha256,
         )
@@ -538,7 +541,7 @@ class EmbeddingStore:
         width = self.out_hidden_size * (1 + self.deepstack_levels)
         if len(shape) != 2 or shape[1] != width or shape[0] == 0:
             raise ValueError(f"ec_cache must be [num_tokens>0, {width}], got {tuple(shape)}")
-        if dtype not in _CODE_OF:
+        if str(dtype) not in _CODE_OF:
             raise ValueError(f"ec_cache dtype must be float32 or bfloat16, got {dtype}")
         if len(grid) != 3 or min(grid) <= 0:
             raise ValueError(f"grid_thw must be three positive ints, got {grid}")

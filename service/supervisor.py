@@ -115,6 +115,14 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     Server(config, ignore_sigint=True).run(sockets=[sock])
 
 
+def _engine_entry(*args) -> None:
+    """An engine process's target: enginep (torch, transformers: seconds to import) is imported in the
+    engine process only, never in the supervisor, which would wait for it before starting anyone."""
+    from .enginep import engine_main
+
+    engine_main(*args)
+
+
 class Supervisor:
     def __init__(self, settings: Settings, sock: socket.socket):
         self.settings, self.log_level, self.sock = settings, settings.log_level, sock
@@ -143,8 +151,6 @@ class Supervisor:
         self.apis[i] = p
 
     def run(self) -> int:
-        from .enginep import engine_main
-
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         n = len(self.devices)
@@ -165,7 +171,7 @@ class Supervisor:
                 self._stop()
                 return 2
         for i, device in enumerate(self.devices):
-            p = self.ctx.Process(target=engine_main, name=f"qve-engine{i}",
+            p = self.ctx.Process(target=_engine_entry, name=f"qve-engine{i}",
                                  args=(self.settings.model_copy(update={"device": device}), self.engine_sockets[i],
                                        self.log_level, self.pid, (i, n)))
             p.start()
