@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,7 +31,6 @@ from pydantic import BaseModel, Field, ValidationError
 from . import frontend
 from .config import Settings
 from .docs import mount_docs
-from .enginep import model_info
 from .errors import (
     BadRequest,
     ImageFetchError,
@@ -46,7 +45,9 @@ from .errors import (
     http_status,
 )
 from .frontend import Answer, Input, RemoteEngine, RemoteRuntime, Runtime
-from .loader import LoadedModel, load_model
+
+if TYPE_CHECKING:  # an API process (--api-processes) never imports torch: the model lives in the engine process
+    from .loader import LoadedModel
 
 
 # ---- request / response schemas (OpenAI content-part shape) ---------------------------------------
@@ -293,6 +294,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             app.state.rt = rt
             await rt.start()
         else:
+            from .loader import load_model
+
             loaded = model or await asyncio.to_thread(load_model, settings)
             # In a thread: on cuda the Engine compiles and captures graphs (seconds), and meanwhile the
             # loop keeps answering (service/boot.py answers /ready with the phase).
@@ -366,7 +369,7 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         try:
             authorize(request)
             if remote is not None:
-                rt.require_ready()  # before the body is read (or any URL fetched)
+                await rt.require_ready()  # before the body is read (or any URL fetched)
             inputs = await _parse_inputs(rt, request)
             phases.mark("parse")
             answers = await frontend.encode(rt, inputs, request.is_disconnected, phases)
@@ -429,6 +432,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
             return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid(), "engines": info["engines"]}
         if not rt.ready.is_set():
             return JSONResponse({"ready": False, "phase": "failed" if rt.warmup_failed else "warming"}, status_code=503)
+        from .enginep import model_info
+
         return model_info(rt.model, rt.engine, rt.startup, ready=True)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

@@ -21,15 +21,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import httpx
 import numpy as np
 
 from .batcher import Reservation, Ticket
 from .config import ImageLimits, Settings
-from .engine import EncodeJob, Engine
-from .enginep import build_batcher, build_store, key_salt
 from .errors import (
     BackendError,
     EmptyImage,
@@ -41,11 +39,14 @@ from .errors import (
     at_index,
 )
 from .images import PreparedImage, header_tokens, prepare_image
-from .loader import LoadedModel
 from .metrics import Metrics
 from .store import StoredItem
 from .storeformat import CONTENT_KEY_PREFIX, validate_key
 from .supervisor import exit_with
+
+if TYPE_CHECKING:  # the single-process runtime's; an API process (RemoteRuntime) never imports torch
+    from .engine import Engine
+    from .loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class Runtime:
     """Everything one app instance owns. Built in the lifespan; torn down gracefully on shutdown."""
 
     def __init__(self, settings: Settings, model: LoadedModel):
+        from .engine import Engine
+        from .enginep import build_batcher, build_store, key_salt
+
         self.created_at = time.perf_counter()
         self.settings, self.model = settings, model
         self.metrics = Metrics()
@@ -252,8 +256,19 @@ class RemoteRuntime:
     def ready(self) -> bool:
         return bool(self.info and self.info["info"]["ready"] and self.client.connected)
 
-    def require_ready(self) -> None:
-        """503 until the engine answers ready (app.py asks before it reads the request body)."""
+    async def require_ready(self) -> None:
+        """503 until the engine answers ready (app.py asks before it reads the request body). This process
+        polls the engine's status every 0.2 s while it starts; a request in that window asks the engine
+        itself, so that a sibling API process's /ready 200 is never followed by a 503 from this one."""
+        if not self.ready and self.info is not None and self.client.connected and self.mismatch is None:
+            from .ipc import EngineMismatch
+
+            try:
+                info = await self.client.status()
+            except (ServiceError, EngineMismatch):  # the poll (_connect) reports these
+                info = None
+            if info is not None and info["info"]["ready"]:
+                self.info = info
         if not self.ready:
             raise Unavailable("the encoder is still starting (or its engine is not running); retry shortly",
                               retry_after_s=1)
@@ -287,7 +302,7 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
                          phases: Phases) -> list[Answer] | None:
     """`_encode_local` for an API process: the same answers, with the engine process deciding hits,
     coalescing and admission (a claim per image, before it is decoded). The caller has checked
-    `rt.require_ready()`."""
+    `await rt.require_ready()`."""
     keys, shas, tokens = await _keys_for(rt, inputs, rt.params)
     phases.mark("keys")
     answers: dict[str, Answer] = {}
@@ -489,6 +504,8 @@ def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceErr
 async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
                         phases: Phases) -> list[Answer] | None:
     """`encode` in a single process: the store, the batcher and the decode pool are this process's."""
+    from .engine import EncodeJob  # (imported already by Runtime; not at the top: API processes never need it)
+
     keys, shas, tokens = await _keys_for(rt, inputs, rt.model.params)
     phases.mark("keys")
 

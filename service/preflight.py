@@ -8,10 +8,10 @@ second and one line instead of a model load and a traceback:
     --store   the store's own ownership checks (service/store.py): creatable, this user's, not writable
               by others, not locked by another service
 
-Each failure is a StartupError whose message is the line the CLI prints. Only the store check
-imports torch (service/store.py does at module level): it runs last. Measured here through the CLI
-(tests/test_main.py prints it): a failed model, device or port check exits in 0.4-0.6 s; a failed
-store check in 3.6-3.8 s, most of it importing torch.
+Each failure is a StartupError whose message is the line the CLI prints. None of them imports torch
+(tests/test_preflight.py checks it): a failed check exits in about half a second (tests/test_main.py
+prints it), and a supervisor starts its engine process without waiting seconds on an import it does
+not need.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def bind(host: str, port: int) -> socket.socket:
 def check_store(root: Path, group: str | None) -> None:
     """Run the store's own root checks now (creating the root if needed), then release its lock: the
     service's store takes it again once the model is loaded."""
-    from .store import EmbeddingStore, StoreOwnershipError  # imports torch
+    from .store import EmbeddingStore, StoreOwnershipError
 
     # NOTE: EmbeddingStore's constructor would also rebuild the index from every file in the root;
     # only its root checks are wanted here (lock_root).

@@ -182,7 +182,7 @@ def test_store_not_creatable_or_not_the_services_own_fails_before_the_model_load
                                (locked, "another service \\(pid .*\\) is writing to the store root .*locked")):
             r, took = run_cli("serve", "--model", "qwen3-vl-2b", "--device", "cpu", "--store", str(store),
                               "--port", "0")
-            assert_failed_fast(r, message, torch_imported=True)  # service/store.py imports torch
+            assert_failed_fast(r, message, torch_imported=False)  # the store check needs no torch either
             print(f"store {store.name}: exit 2 after {took:.1f} s")
     finally:
         os.close(fd)

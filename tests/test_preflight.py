@@ -117,10 +117,11 @@ def test_each_of_several_devices_needs_a_driver_that_sees_it():
         preflight(Settings(devices=[f"cuda:{k}" for k in range(n + 2)], port=0))
 
 
-def test_the_supervisor_and_every_start_up_check_run_without_importing_torch(tmp_path):
+def test_the_supervisor_api_processes_and_start_up_checks_run_without_importing_torch(tmp_path):
     """Importing torch (and transformers) takes seconds: the supervisor must not wait on it before it
     starts the engine process, which imports it anyway (bench/RESULTS.md: start-up 40.8 s with, against
-    26.6 in one process). Every check, the whole of preflight included, and the supervisor's module."""
+    26.6 in one process), and the API processes (app, frontend, ipc) must not spend cores and memory
+    on it while the engine starts. Every check, the whole of preflight included."""
     import subprocess
     import sys
 
@@ -128,11 +129,11 @@ def test_the_supervisor_and_every_start_up_check_run_without_importing_torch(tmp
         "import sys\n"
         "from service.config import Settings\n"
         "from service.preflight import preflight\n"
-        "import service.supervisor, service.store, service.storeformat\n"
+        "import service.supervisor, service.store, service.storeformat, service.app, service.frontend, service.ipc\n"
         f"sock = preflight(Settings(model='tiny', device='cpu', port=0, store={str(tmp_path / 's')!r}))\n"
         "sock.close()\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'cupy') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['numpy']", out.stdout  # numpy (the arena) is cheap; torch is not
+    assert out.stdout.strip() == "['numpy']", out.stdout  # numpy (the arena, decoding) is cheap; torch is not
