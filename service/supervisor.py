@@ -155,8 +155,9 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         n = len(self.devices)
         if not self.settings.api_processes:
-            log.info("--api-processes %s: starting %d, the default for this machine (a quarter of its cores, 1-8)",
-                     "unset" if self.settings.api_processes is None else "0 with several devices", self.n_api)
+            log.info("--api-processes %s%s: starting %d, the default for this machine (a quarter of its cores, 1-8)",
+                     "unset" if self.settings.api_processes is None else "0", f" with {n} devices" if n > 1 else "",
+                     self.n_api)
         log.info("supervisor %d: http://%s:%d, %d API processes + %d engine(s) (%s)", self.pid, self.settings.host,
                  self.sock.getsockname()[1], self.n_api, n, ",".join(self.devices))
         if n > 1:

@@ -310,7 +310,7 @@ def test_sigkill_of_one_of_two_engines_turns_health_503_and_the_supervisor_exits
         assert server.proc.wait(30) == 1
         log = server.log.read_text()
         assert "the engine process exited (engine 1 of 2, cpu" in log
-        assert "2 devices need API processes: starting" in log  # --api-processes 0 with several devices
+        assert "--api-processes unset with 2 devices: starting" in log  # several devices: a supervisor by default
     finally:
         server.stop()
     wait_for(lambda: not any(alive(p) for p in children), 15, "no process left")
