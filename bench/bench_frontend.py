@@ -287,7 +287,9 @@ def main() -> int:
                 s2 = step_counters(port)
                 r["x8"]["images_per_step"] = round((s2[1] - s1[1]) / max(1, s2[0] - s1[0]), 1)
                 print(f"mode {mode}: 8 img/request {r['x8']}", flush=True)
-                res["modes"][str(mode)] = r
+                # A mode given twice (--modes 4,4: two passes in one run) keeps both: "4", then "4#2".
+                name = str(mode) if str(mode) not in res["modes"] else f"{mode}#{mi + 1}"
+                res["modes"][name] = r
                 save()
             finally:
                 proc.terminate()

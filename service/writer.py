@@ -85,9 +85,7 @@ class Writer:
         finally:
             if job.out_index is not None:
                 self._free_output(job.out_index)  # every commit above has returned: the buffer is free
-        self.metrics.store_bytes.set(self.store.bytes_used)
-        self.metrics.store_items.set(len(self.store))
-        self.metrics.store_evictions.set(self.store.evictions)
+        # (The store's gauges are read at scrape time: Metrics.update_gauges.)
 
     def _in_parallel(self, fn, *columns: list) -> list:
         """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous

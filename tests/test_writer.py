@@ -78,6 +78,7 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
         rows = job.host_out[job.token_offsets[i] : job.token_offsets[i + 1]]
         assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
     assert freed == [OUT_INDEX] and batcher.in_flight() == 0
+    writer.metrics.update_gauges(batcher, store)  # what a scrape does first (app.py, enginep.py)
     m = writer.metrics.exposition().decode()
     assert metric(m, "qve_store_items") == 5 and metric(m, "qve_store_bytes") == store.bytes_used > 0
 
