@@ -37,6 +37,44 @@ class Gate:
         return self._run(staged)
 
 
+@contextlib.contextmanager
+def file_server(bodies: dict[str, bytes], redirects: dict[str, str] | None = None):
+    """A loopback HTTP server answering GET path -> body (404 otherwise; `redirects`: path -> 302
+    Location), for the image-URL tests. Yields its port."""
+    import http.server
+    import socketserver
+
+    redirects = redirects or {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path in redirects:
+                self.send_response(302)
+                self.send_header("Location", redirects[self.path])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = bodies.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as srv:
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        try:
+            yield srv.server_address[1]
+        finally:
+            srv.shutdown()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

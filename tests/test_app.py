@@ -2,7 +2,6 @@
 disconnects, hostile keys, bad input, failed steps and metrics."""
 
 import hashlib
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,7 @@ from service.config import Settings
 from service.loader import load_model
 from service.storeformat import read_embeddings
 from tests import imagedata as data
-from tests.live import Gate, json_body, live_server, metric, server_timing
+from tests.live import Gate, file_server, json_body, live_server, metric, server_timing
 
 
 @pytest.fixture(scope="module")
@@ -473,33 +472,15 @@ def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_pa
 
 
 def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
-    import http.server
-    import socketserver
-
     blob = _png(950)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000, "/secret": b"SECRET-metrics 42 not an image"}.get(self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    with socketserver.TCPServer(("127.0.0.1", 0), Handler) as images:
-        threading.Thread(target=images.serve_forever, daemon=True).start()
-        base = f"http://127.0.0.1:{images.server_address[1]}"
+    bodies = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000, "/secret": b"SECRET-metrics 42 not an image"}
+    with file_server(bodies) as port:
+        base = f"http://127.0.0.1:{port}"
         s = _settings(tmp_path, allowed_url_hosts="127.0.0.1,localhost", max_image_bytes=2_000_000)
         with live_server(s, tiny_model) as (url, app):
             # Allow-listed, but resolving to loopback: refused unless --allow-private-url-addresses.
             r = httpx.post(url + "/encode", timeout=30, json={"images": [
-                {"type": "image_url", "image_url": {"url": f"http://localhost:{images.server_address[1]}/ok.png"}}]})
+                {"type": "image_url", "image_url": {"url": f"http://localhost:{port}/ok.png"}}]})
             assert r.status_code == 422 and "loopback, private or link-local" in r.json()["error"]["message"]
             # Malformed URLs are the client's mistake: 400, never a 500.
             for bad in ("http://[::1", "http://[zzz]/", "http://127.0.0.1:99999/x.png", "http://127.0.0.1/a\tb.png",
@@ -521,12 +502,11 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
             assert big.status_code == 413 and big.json()["error"]["code"] == "image_too_large"
             missing = post(base + "/nope.png")
             assert missing.status_code == 422 and "answered 404" in missing.json()["error"]["message"]
-            other = post(f"http://localhost:{images.server_address[1]}/ok.png")  # not on the allow-list
+            other = post(f"http://localhost:{port}/ok.png")  # not on the allow-list
             assert other.status_code == 422 and "not allowed" in other.json()["error"]["message"]
             leak = post(base + "/secret")  # fetched content that is no image: never echoed back
             assert leak.status_code == 422 and leak.json()["error"]["code"] == "not_an_image"
             assert "SECRET" not in leak.text and "fetched from" in leak.json()["error"]["message"]
-        images.shutdown()
 
 
 def test_failed_warmup_is_reported_by_health(tmp_path, tiny_model, monkeypatch):

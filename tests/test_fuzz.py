@@ -18,11 +18,8 @@ Deterministic: hypothesis is derandomized (the cases depend only on the code), n
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import itertools
-import socketserver
-import threading
 from collections import Counter
 from urllib.parse import quote, urlsplit
 
@@ -37,7 +34,7 @@ from service.config import Settings
 from service.loader import load_model
 from service.storeformat import KEY_RE
 from tests import imagedata as data
-from tests.live import json_body, live_server, metric
+from tests.live import file_server, json_body, live_server
 
 MAX_IMAGES = 8
 MAX_IMAGE_BYTES = 200_000
@@ -64,32 +61,8 @@ def fetch_server(images):
     """What allow-listed image URLs point at: a loopback HTTP server with a few kinds of answers."""
     bodies = {"/ok.png": images[0], "/ok.jpg": images[1], "/big": b"\0" * (MAX_IMAGE_BYTES + 1),
               "/text": b"not an image, and secret", "/empty": b""}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path == "/redirect":
-                self.send_response(302)
-                self.send_header("Location", "/ok.png")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            body = bodies.get(self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as srv:
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        yield srv.server_address[1]
-        srv.shutdown()
+    with file_server(bodies, redirects={"/redirect": "/ok.png"}) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")
