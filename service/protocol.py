@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 from .errors import error_body
 
@@ -79,12 +80,31 @@ class HeaderTimeout:
         self.transport.close()
 
 
+async def over_limit(scope, receive, send) -> None:
+    """The answer to a request beyond --max-connections (uvicorn's `limit_concurrency`): uvicorn's own is
+    a text/plain "Service Unavailable"; this is the service's JSON error shape, with Retry-After."""
+    body = json.dumps(error_body("unavailable", "this server has too many open connections and requests in "
+                                 "progress (--max-connections); retry shortly")).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
     """uvicorn's HTTP protocol class with HeaderTimeout. `base`: the uvicorn protocol to extend; default
-    what uvicorn's "auto" picks (httptools where it is installed, else h11)."""
+    what uvicorn's "auto" picks (httptools where it is installed, else h11).
+
+    Also makes `over_limit` the protocol's answer beyond the concurrency limit. uvicorn picks that app
+    inside its head parser by the module-level name `service_unavailable` (uvicorn 0.2x-0.54), so the
+    name is rebound in the protocol's module: every server of this process answers so, which is what
+    the service wants (tests/test_protocol.py fails if uvicorn stops looking it up there)."""
     if base is None:
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
         except ImportError:
             from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    module = sys.modules[base.__module__]
+    if hasattr(module, "service_unavailable"):
+        module.service_unavailable = over_limit
     return type(f"HeaderTimeout{base.__name__}", (HeaderTimeout, base), {"header_timeout_s": timeout_s})

@@ -39,10 +39,11 @@ async def _app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def _serve(base):
+def _serve(base, limit: int | None = None):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                           http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30))
+    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+                                           http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
+                                           limit_concurrency=limit))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -132,3 +133,23 @@ def test_malformed_requests_get_400_in_the_json_error_shape(addr):
         answer = _read_until_closed(c)
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_beyond_the_connection_limit_a_request_gets_503_in_the_json_error_shape(base):
+    with _serve(base, limit=2) as addr, socket.create_connection(addr, timeout=10) as a, \
+            socket.create_connection(addr, timeout=10) as b, socket.create_connection(addr, timeout=10) as c:
+        time.sleep(0.1)  # all three accepted: two connections already reach the limit of 2
+        c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        answer = _read_until_closed(c)
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 "), answer
+        assert b"retry-after: 1" in head.lower() and b"application/json" in head.lower(), head
+        error = json.loads(body)["error"]
+        assert error["code"] == "unavailable" and "--max-connections" in error["message"], error
+        a.close()
+        b.close()
+    with _serve(base, limit=2) as addr, socket.create_connection(addr, timeout=10) as c:  # under the limit: served
+        c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+        assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+
