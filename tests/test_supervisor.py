@@ -215,6 +215,10 @@ def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_c
 
     server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2", "--header-timeout-s", "1")
     try:
+        # Both API processes ready first: the "meanwhile" request may reach either (on a loaded machine
+        # one still starting answered it 503 once).
+        pids: set[int] = set()
+        wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 60, "both API processes answer")
         stalled_heads_are_cut_off(server, 1.0)
     finally:
         server.stop()
