@@ -137,19 +137,24 @@ def test_malformed_requests_get_400_in_the_json_error_shape(addr):
 
 @pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
 def test_beyond_the_connection_limit_a_request_gets_503_in_the_json_error_shape(base):
-    with _serve(base, limit=2) as addr, socket.create_connection(addr, timeout=10) as a, \
-            socket.create_connection(addr, timeout=10) as b, socket.create_connection(addr, timeout=10) as c:
-        time.sleep(0.1)  # all three accepted: two connections already reach the limit of 2
-        c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
-        answer = _read_until_closed(c)
-        head, body = answer.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 503 "), answer
-        assert b"retry-after: 1" in head.lower() and b"application/json" in head.lower(), head
-        error = json.loads(body)["error"]
-        assert error["code"] == "unavailable" and "--max-connections" in error["message"], error
-        a.close()
-        b.close()
-    with _serve(base, limit=2) as addr, socket.create_connection(addr, timeout=10) as c:  # under the limit: served
-        c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
-        assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
-
+    request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+    with _serve(base, limit=2) as addr:
+        with socket.create_connection(addr, timeout=10) as c:  # under the limit: served
+            c.sendall(request)
+            assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(addr, timeout=10), socket.create_connection(addr, timeout=10):
+            # Two idle connections reach the limit of 2 once the server has accepted them: a third's
+            # request is then refused (until then it is served: try again, with a deadline).
+            deadline = time.monotonic() + 10
+            while True:
+                with socket.create_connection(addr, timeout=10) as c:
+                    c.sendall(request)
+                    answer = _read_until_closed(c)
+                if not answer.startswith(b"HTTP/1.1 200 ") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert b"retry-after: 1" in head.lower() and b"application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "unavailable" and "--max-connections" in error["message"], error
