@@ -19,8 +19,12 @@ import sys
 from .errors import error_body
 
 
+def _json_error(code: str, message: str) -> bytes:
+    return json.dumps(error_body(code, message)).encode()
+
+
 def _raw_response(status: str, code: str, message: str) -> bytes:
-    body = json.dumps(error_body(code, message)).encode()
+    body = _json_error(code, message)
     return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 
@@ -83,8 +87,8 @@ class HeaderTimeout:
 async def over_limit(scope, receive, send) -> None:
     """The answer to a request beyond --max-connections (uvicorn's `limit_concurrency`): uvicorn's own is
     a text/plain "Service Unavailable"; this is the service's JSON error shape, with Retry-After."""
-    body = json.dumps(error_body("unavailable", "this server has too many open connections and requests in "
-                                 "progress (--max-connections); retry shortly")).encode()
+    body = _json_error("unavailable", "this server has too many open connections and requests in progress "
+                       "(--max-connections); retry shortly")
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"retry-after", b"1"), (b"connection", b"close")]})
