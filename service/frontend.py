@@ -45,7 +45,6 @@ from .storeformat import CONTENT_KEY_PREFIX, validate_key
 from .supervisor import exit_with
 
 if TYPE_CHECKING:  # the single-process runtime's; an API process (RemoteRuntime) never imports torch
-    from .engine import Engine
     from .loader import LoadedModel
 
 log = logging.getLogger(__name__)
