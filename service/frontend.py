@@ -345,10 +345,9 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
 
     async def decode_and_submit(key: str, gid: int, i: int) -> None:
         try:
-            if key in early:
-                prep, off = await early.pop(key)
-            else:
-                prep, off = await loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
+            decoded = early.pop(key, None) or loop.run_in_executor(rt.decoders, _prepare_into_arena, rt,
+                                                                   inputs[i].data)
+            prep, off = await decoded
         except Exception as p:
             raise _decode_failure(inputs, i, p)
         h, w = prep.pixels.shape[:2]
