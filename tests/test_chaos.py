@@ -28,6 +28,18 @@ from tests.test_supervisor import alive, descendants, ready_info, wait_for
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 
 
+_RUNNING: list[Load] = []  # every Load started, for _stop_loads
+
+
+@pytest.fixture(autouse=True)
+def _stop_loads():
+    """Stop every Load a test started when it ends, failed or not: client threads left posting keep
+    pytest from exiting (CI once hung so after a failed wait, with an earlier Load still running)."""
+    yield
+    while _RUNNING:
+        _RUNNING.pop().stop.set()
+
+
 class Load:
     """Client threads posting distinct images until stopped; remembers what was answered 200."""
 
@@ -38,6 +50,7 @@ class Load:
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(clients)
         self.futures = [self.pool.submit(self._client, c) for c in range(clients)]
+        _RUNNING.append(self)
 
     def _client(self, c: int) -> None:
         i = 0
@@ -56,11 +69,7 @@ class Load:
 
     def wait_answers(self, n: int, timeout: float = 90) -> None:  # a fresh decode pool imports for seconds on a busy 2-core CI machine
         start = len(self.answered)
-        try:
-            wait_for(lambda: len(self.answered) >= start + n, timeout, f"{n} more answers under load")
-        except TimeoutError:
-            self.stop.set()  # else the client threads post forever and pytest never exits (seen in CI)
-            raise
+        wait_for(lambda: len(self.answered) >= start + n, timeout, f"{n} more answers under load")
 
     def finish(self) -> dict[str, bytes]:
         self.stop.set()
