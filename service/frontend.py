@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # the single-process runtime's; an API process (RemoteRuntime
 
 log = logging.getLogger(__name__)
 
+# A decode waiting this long with no decode of its pool finishing meanwhile means the pool is stuck
+# (Runtime.decode). The largest admitted image decodes in about a second on one core.
+DECODE_STALL_S = 30.0
+
 
 @dataclass
 class Input:
@@ -119,6 +123,7 @@ class Runtime:
         self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.runner.startup}
         self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)
         self.decoders = self._decode_pool()
+        self._decode_done = time.monotonic()  # when a decode last finished (a pool that finishes none is stuck)
         self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
         self.ready = threading.Event()
         self.started = False
@@ -136,11 +141,32 @@ class Runtime:
 
     async def decode(self, data: bytes) -> PreparedImage:
         """prepare_image in a decode worker. A dead worker (the OOM killer's SIGKILL) breaks the whole
-        pool: it is replaced at once and this image answered 503, so one death costs one request."""
+        pool: it is replaced at once and this image answered 503, so one death costs one request.
+
+        A pool can also stall without breaking: a worker SIGKILLed while it held the call queue's lock
+        leaves the others waiting on it forever, and the executor never learns of it (CPython 3.11; the
+        chaos test met it once in CI). So a decode that waits DECODE_STALL_S with no decode of its pool
+        finishing meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and
+        the images waiting on the old one are answered 503."""
         pool = self.decoders
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                pool, prepare_image, data, self.model.params, self.settings.image_limits)
+        waiting_since = time.monotonic()
+        try:  # (a pool already broken raises here, at submit)
+            fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, self.model.params,
+                                                             self.settings.image_limits)
+            while not (await asyncio.wait({fut}, timeout=1.0))[0]:
+                stalled = time.monotonic() - max(waiting_since, self._decode_done) > DECODE_STALL_S
+                if stalled or pool is not self.decoders:
+                    fut.cancel()
+                    if self.decoders is pool:
+                        log.error("no decode finished in %.0f s: the decode pool is stuck; starting a new one",
+                                  DECODE_STALL_S)
+                        self.decoders = self._decode_pool()
+                        for worker in list(pool._processes.values()):  # (private, stable since 3.2)
+                            worker.kill()
+                        pool.shutdown(wait=False, cancel_futures=True)
+                    raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
+                                      retry_after_s=1)
+            prepared = fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
             if self.decoders is pool:
                 log.error("a decode worker died (killed, out of memory?); starting a new pool")
@@ -148,6 +174,8 @@ class Runtime:
                 await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
             raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
                               "retry", retry_after_s=1) from None
+        self._decode_done = time.monotonic()
+        return prepared
 
     def start(self) -> None:
         def warm_then_run():

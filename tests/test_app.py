@@ -471,6 +471,48 @@ def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_pa
         assert rt.decoders is not old_pool and httpx.get(url + "/health").status_code == 200
 
 
+def test_a_stuck_decode_pool_is_replaced_its_waiting_images_answered_503(tmp_path, tiny_model, monkeypatch):
+    """A pool whose workers stop answering without the executor noticing (a worker killed while it held
+    the call queue's lock): after DECODE_STALL_S with no decode finished, its workers are killed, a new
+    pool serves, and the image that waited gets a 503 it can retry."""
+    import concurrent.futures
+
+    from service import frontend
+
+    class Worker:
+        killed = False
+
+        def kill(self):
+            self.killed = True
+
+    class StuckPool(concurrent.futures.Executor):
+        def __init__(self):
+            self._processes, self.shut = {1: Worker(), 2: Worker()}, False
+
+        def submit(self, fn, /, *args, **kwargs):
+            return concurrent.futures.Future()  # never runs, never finishes
+
+        def shutdown(self, wait=True, *, cancel_futures=False):
+            self.shut = True
+
+    monkeypatch.setattr(frontend, "DECODE_STALL_S", 1.5)
+    with live_server(_settings(tmp_path, decode_workers=1), tiny_model) as (url, app):
+        rt = app.state.rt
+        assert httpx.post(url + "/encode", json=json_body(_png(980)), timeout=30).status_code == 200
+        real, stuck = rt.decoders, StuckPool()
+        rt.decoders = stuck
+        real.shutdown(wait=True)
+        t0 = time.monotonic()
+        r = httpx.post(url + "/encode", json=json_body(_png(981)), timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "unavailable" and "stopped answering" in r.json()["error"]["message"]
+        assert 1.5 <= time.monotonic() - t0 < 15
+        assert rt.decoders is not stuck and stuck.shut and all(w.killed for w in stuck._processes.values())
+        again = httpx.post(url + "/encode", json=json_body(_png(981)), timeout=30)  # the retry: a new pool serves
+        assert again.status_code == 200, again.text
+        assert httpx.get(url + "/health").status_code == 200
+
+
 def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
     blob = _png(950)
     bodies = {"/ok.png": blob, "/big.png": b"\0" * 3_000_000, "/secret": b"SECRET-metrics 42 not an image"}
