@@ -143,11 +143,11 @@ class Runtime:
         """prepare_image in a decode worker. A dead worker (the OOM killer's SIGKILL) breaks the whole
         pool: it is replaced at once and this image answered 503, so one death costs one request.
 
-        A pool can also stall without breaking: a worker SIGKILLed while it held the call queue's lock
-        leaves the others waiting on it forever, and the executor never learns of it (CPython 3.11; the
-        chaos test met it once in CI). So a decode that waits DECODE_STALL_S with no decode of its pool
-        finishing meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and
-        the images waiting on the old one are answered 503."""
+        A pool can also stop answering without breaking: the chaos test met it once in CI (after a
+        worker's SIGKILL the pool finished no more decodes and the executor never reported it broken;
+        why was not found). So a decode that waits DECODE_STALL_S with no decode of its pool finishing
+        meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and the images
+        waiting on the old one are answered 503."""
         pool = self.decoders
         waiting_since = time.monotonic()
         try:  # (a pool already broken raises here, at submit)
@@ -166,6 +166,7 @@ class Runtime:
                         pool.shutdown(wait=False, cancel_futures=True)
                     raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
                                       retry_after_s=1)
+            self._decode_done = time.monotonic()  # any outcome, a refused image too: the pool is alive
             prepared = fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
             if self.decoders is pool:
@@ -174,7 +175,6 @@ class Runtime:
                 await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
             raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
                               "retry", retry_after_s=1) from None
-        self._decode_done = time.monotonic()
         return prepared
 
     def start(self) -> None:
