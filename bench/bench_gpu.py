@@ -33,14 +33,14 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.batcher import BatchLimits, Batcher  # noqa: E402
+from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine import EncodeJob, Engine  # noqa: E402
-from service.images import prepare_image  # noqa: E402
-from service.loader import load_model  # noqa: E402
+from service.engine.core import EncodeJob, Engine  # noqa: E402
+from service.media.images import prepare_image  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.store import EmbeddingStore  # noqa: E402
-from service.tower import TowerBatch, build_batch  # noqa: E402
+from service.store.directory import EmbeddingStore  # noqa: E402
+from service.engine.tower import TowerBatch, build_batch  # noqa: E402
 
 
 def cuda_time(fn, reps=20, warmup=3) -> float:

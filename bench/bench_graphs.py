@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gpu import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.graphs import padded_cu_seqlens  # noqa: E402
-from service.loader import load_model  # noqa: E402
-from service.runner import Runner  # noqa: E402
-from service.tower import TowerBatch, build_batch  # noqa: E402
+from service.engine.graphs import padded_cu_seqlens  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
+from service.engine.runner import Runner  # noqa: E402
+from service.engine.tower import TowerBatch, build_batch  # noqa: E402
 
 
 def main() -> int:

@@ -38,15 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E402
-from service.batcher import BatchLimits, Batcher  # noqa: E402
+from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine import EncodeJob, Engine  # noqa: E402
-from service.graphs import padded_cu_seqlens  # noqa: E402
-from service.images import prepare_image  # noqa: E402
-from service.loader import load_model  # noqa: E402
+from service.engine.core import EncodeJob, Engine  # noqa: E402
+from service.engine.graphs import padded_cu_seqlens  # noqa: E402
+from service.media.images import prepare_image  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.store import EmbeddingStore  # noqa: E402
-from service.tower import VARLEN, TowerBatch, build_batch  # noqa: E402
+from service.store.directory import EmbeddingStore  # noqa: E402
+from service.engine.tower import VARLEN, TowerBatch, build_batch  # noqa: E402
 
 ALL = "ceiling,tower,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
 
@@ -344,7 +344,7 @@ def main() -> int:
 def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
     """Where a lone image's step spends its time: each phase's start and end (ms after submit, medians),
     from wrappers around the loop's own calls. The writer's device wait ends where `commit` starts."""
-    import service.store as store_module
+    import service.store.directory as store_module
 
     marks: dict[str, list] = {}
 

@@ -279,7 +279,7 @@ class Settings(BaseSettings):
 ENV_PREFIX = "QVE_"
 # QVE_ variables that are not settings, so not worth a warning at start.
 OTHER_ENV = frozenset({
-    "QVE_FAULT_INJECT",  # test-only fault injection, read by service/runner.py (FAULT_ENV)
+    "QVE_FAULT_INJECT",  # test-only fault injection, read by service/engine/runner.py (FAULT_ENV)
     "QVE_COMPOSE_TEST", "QVE_COMPOSE_LOG", "QVE_TEST_SUPERVISOR_REQUESTS",  # read by the tests
 })
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.app import create_app
-from service.boot import server_options
+from service.api.app import create_app
+from service.procs.boot import server_options
 
 
 class Gate:

@@ -5,9 +5,9 @@ import torch
 from transformers import Qwen3VLVisionModel
 
 from service.config import Settings
-from service.loader import load_model
+from service.engine.loader import load_model
 from service.presets import PRESETS, preset_vision_config
-from service.tower import TowerSpec, VisionTower
+from service.engine.tower import TowerSpec, VisionTower
 
 # From the released checkpoints' vision_config (DESIGN.md): depth, hidden, intermediate, heads, out_hidden, taps, params(M)
 RELEASED = {

@@ -1,0 +1,86 @@
+"""The engine of one device: three small objects and the two threads that drive them.
+
+    Runner    (runner.py)    the tower, the pinned staging pool, device buffers, CUDA graphs; stage/run, no threads
+    StepLoop  (steploop.py)  thread "step-loop": schedule -> stage -> run -> publish
+    Writer    (writer.py)    thread "store-writer": copy-done -> store -> answers
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.batcher import Batch, Batcher, WorkItem
+from service.config import Settings
+from service.media.images import PreparedImage
+from service.engine.loader import LoadedModel
+from service.metrics import Metrics
+from service.engine.runner import Runner
+from service.engine.steploop import StepLoop
+from service.store.directory import EmbeddingStore
+from service.engine.writer import Writer
+
+
+@dataclass
+class EncodeJob:
+    """The batcher's payload for one distinct image (a key). Plain host data, no tensors."""
+
+    key: str
+    image: PreparedImage
+    content_sha256: str | None = None  # of the image's encoded bytes; recorded in the store entry
+
+
+class Engine:
+    """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
+
+    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher, settings: Settings, metrics: Metrics):
+        self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
+        self.runner = Runner(model, settings)
+        self._store_writers = settings.store_writers
+        self.writer: Writer | None = None  # from start()
+        self.loop: StepLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._writer_thread: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers,
+                             free_output=self.runner.free_output)
+        self.loop = StepLoop(self.batcher, self.runner, self.writer, self.metrics)
+        self._writer_thread = threading.Thread(target=self.writer.run, name="store-writer", daemon=True)
+        self._loop_thread = threading.Thread(target=self.loop.run, name="step-loop", daemon=True)
+        self._writer_thread.start()
+        self._loop_thread.start()
+
+    def alive(self) -> bool:
+        return bool(self._loop_thread and self._loop_thread.is_alive() and self._writer_thread.is_alive())
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the loop to drain (after batcher.close()) and the writer to finish."""
+        if self._loop_thread:
+            self._loop_thread.join(timeout)
+        if self._writer_thread:
+            self._writer_thread.join(timeout)
+
+    # ---- synchronous path (warm-up, tests, benchmarks) ----------------------------------------------
+    def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """Encode one packed batch through the same stage/run path as the loop, wait, and return one
+        CPU tensor per image ([num_tokens, out_width]). Must not run concurrently with the loop."""
+        items = [
+            WorkItem(key=f"__sync{i}__", payload=EncodeJob(f"__sync{i}__", img), tokens=img.num_tokens, future=None,
+                     waiters=0, enqueued_at=time.monotonic())
+            for i, img in enumerate(images)
+        ]
+        with self.runner.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")) as staged:
+            launched = self.runner.run(staged)
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()
+            offs = launched.token_offsets
+            return [launched.host_out[offs[i] : offs[i + 1]].clone() for i in range(len(images))]
+        finally:
+            if launched.out_index is not None:
+                self.runner.free_output(launched.out_index)
