@@ -165,7 +165,7 @@ def _serve(flags: dict) -> int:
         from service.procs.supervisor import serve_supervised
 
         return serve_supervised(settings, sock)
-    from service.procs.boot import serve_single
+    from service.procs.single import serve_single
 
     return serve_single(settings, sock)
 

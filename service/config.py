@@ -69,12 +69,15 @@ def _named_device(d: str) -> bool:
     return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_api_processes() -> int:
     """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
     served more than 8 (bench/RESULTS.md, session 3: 554 vs 507 img/s), the rest of the cores going to
     their decode threads, the engine and the store writers."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cpus // 4))
+    return max(1, min(8, _usable_cores() // 4))
 
 
 class Settings(BaseSettings):
@@ -134,7 +137,9 @@ class Settings(BaseSettings):
     # images
     max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
     max_input_pixels: int = Field(64_000_000, gt=0)
-    decode_workers: int = Field(0, ge=0, description="image decode processes; 0 = one per core (max 8)")
+    decode_workers: int = Field(0, ge=0, description="image decode workers per serving process (processes in a single-"
+                                "process service, threads in each API process); 0 = this process's share of the "
+                                "cores: all of them, or divided among the API processes; 2-8 either way")
 
     # batching
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
@@ -258,6 +263,13 @@ class Settings(BaseSettings):
         """A supervisor with API processes and engine processes, rather than one process doing everything."""
         return self.api_process_count() > 0
 
+    def decode_worker_count(self) -> int:
+        """--decode-workers, or the default: the cores this process may use, divided among the API processes
+        when there are any (each decodes in its own threads), at least 2 and at most 8."""
+        if self.decode_workers:
+            return self.decode_workers
+        return min(8, max(2, _usable_cores() // max(1, self.api_process_count())))
+
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
@@ -277,6 +289,9 @@ class Settings(BaseSettings):
 
 # ---- where a setting comes from: the QVE_ environment ---------------------------------------------
 ENV_PREFIX = "QVE_"
+# prometheus_client's multiprocess directory (metrics.py; set in each API process by procs/api_process.py).
+# Here, not in metrics.py: that imports prometheus_client, which must not be imported before it is set.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # QVE_ variables that are not settings, so not worth a warning at start.
 OTHER_ENV = frozenset({
     "QVE_FAULT_INJECT",  # test-only fault injection, read by service/engine/runner.py (FAULT_ENV)

@@ -175,3 +175,20 @@ def http_status(err: ServiceError) -> int:
         if isinstance(err, cls):
             return status
     raise AssertionError(f"unmapped error type {type(err).__name__}: this is a bug")
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def from_code(code: str, message: str, retry_after_s: int | None = None) -> ServiceError:
+    """The ServiceError whose class has `code`, made again from its parts (an engine's answer, raised in
+    the API process, answers the engine's status). An unknown code is a BackendError."""
+    for cls in _subclasses(ServiceError):
+        if "code" in cls.__dict__ and cls.code == code:
+            err = cls.__new__(cls)
+            ServiceError.__init__(err, message)
+            if retry_after_s is not None or hasattr(cls, "retry_after_s"):
+                err.retry_after_s = retry_after_s
+            return err
+    return BackendError(message)

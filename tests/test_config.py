@@ -63,7 +63,7 @@ def test_list_settings_take_comma_separated_values(monkeypatch):
 
 
 def test_queue_bounds_reach_the_batcher():
-    from service.procs.enginep import build_batcher
+    from service.engine.host import build_batcher
 
     limits = build_batcher(Settings(max_queue_images=7, max_queue_tokens=1234)).limits
     assert (limits.max_queue_images, limits.max_queue_tokens) == (7, 1234)

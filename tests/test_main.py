@@ -206,7 +206,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180
     answers, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
-        bound = re.search(r"service.procs.boot: listening on|service.procs.supervisor: supervisor", log.read_text())
+        bound = re.search(r"service.procs.single: listening on|service.procs.supervisor: supervisor", log.read_text())
         try:
             r = httpx.get(url + "/ready", timeout=10)
             answers.append({"status": r.status_code, **r.json()})

@@ -1,94 +1,42 @@
-"""HTTP front end: routes, request parsing (bodies, data URLs, URL fetches), auth, error mapping,
-/health /ready /metrics.
+"""HTTP front end: routes, auth, error mapping, /health /ready /metrics.
 
-The /encode handler parses the request into `frontend.Input`s, calls `frontend.encode` (keys, store
-checks, coalescing, decode, submit: frontend.py) and maps its answers to the response. Handlers never
-see tensors: they deal in bytes, keys and StoredItems. Every ServiceError becomes its HTTP status in
-one place (`errors.HTTP_STATUS`), as `{"error": {"code", "message", "index"?}}`.
+The /encode handler parses the request into `encode.Input`s (api/parse.py), calls `encode.encode`
+(keys, claims, decode, submit: api/encode.py) and maps its answers to the response. Handlers never see
+tensors: they deal in bytes, keys and StoredItems, and the same app serves a single-process service and
+each API process of a supervised one (api/runtime.py's Runtime is what differs, built by procs/).
+Every ServiceError becomes its HTTP status in one place (`errors.HTTP_STATUS`), as
+`{"error": {"code", "message", "index"?}}`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import binascii
 import hmac
-import ipaddress
-import os
-import socket
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Literal
-from urllib.parse import urlsplit
 
-import httpx
-import pybase64
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api import encode as frontend
-from service.config import Settings
+from service.api import encode as encoding
 from service.api.docs import mount_docs
+from service.api.encode import Answer
+from service.api.parse import parse_inputs
+from service.api.runtime import Runtime
+from service.api.schemas import EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
+from service.config import Settings
 from service.errors import (
-    BadRequest,
-    ImageFetchError,
-    ImageTooLarge,
     Overloaded,
     RequestTimeout,
     RequestTooLarge,
     ServiceError,
     Unauthorized,
-    at_index,
     error_body,
     http_status,
 )
-from service.api.encode import Answer, Input, RemoteEngine, RemoteRuntime, Runtime
-
-if TYPE_CHECKING:  # an API process (--api-processes) never imports torch: the model lives in the engine process
-    from service.engine.loader import LoadedModel
-
-
-# ---- request / response schemas (OpenAI content-part shape) ---------------------------------------
-class ImageURL(BaseModel):
-    url: str = Field(description="data:image/...;base64,... or an http(s) URL on the allow-list")
-
-
-class ImagePart(BaseModel):
-    type: Literal["image_url"] = "image_url"
-    image_url: ImageURL
-    uuid: str | None = Field(None, description="optional store key; default: content hash")
-
-
-class EncodeRequest(BaseModel):
-    images: list[ImagePart] = Field(min_length=1)
-
-
-class EncodedItem(BaseModel):
-    key: str
-    num_tokens: int
-    grid_thw: list[int]
-    shape: list[int]
-    dtype: str
-    cached: bool
-    path: str = Field(description="relative to the store root: <key>/encoder_cache.safetensors")
-
-
-class EncodeResponse(BaseModel):
-    items: list[EncodedItem]
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="machine-readable, e.g. not_an_image, key_conflict, overloaded")
-    message: str = Field(description="what was wrong, for a person")
-    index: int | None = Field(None, description="the image's position in the request, for per-image errors")
-
-
-class ErrorResponse(BaseModel):
-    """The shape of every error answer (errors.error_body)."""
-
-    error: ErrorDetail
 
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
@@ -103,139 +51,6 @@ _HEALTH = {"description": "the service's state, in words", "content": {"applicat
 _REQUEST_SCHEMA = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
 _REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
 
-
-# ---- parsing --------------------------------------------------------------------------------------
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ImageTooLarge(f"request body is {int(declared)} bytes, over the limit of {limit}; send fewer or smaller images")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ImageTooLarge(f"request body is over the limit of {limit} bytes; send fewer or smaller images")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
-    head, sep, payload = url.partition(",")
-    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
-        raise BadRequest(f"images[{index}].image_url.url must be a data URL 'data:image/<fmt>;base64,<data>' "
-                         f"or an allowed http(s) URL")
-    if len(payload) > (max_bytes * 4) // 3 + 4:
-        raise at_index(ImageTooLarge(f"images[{index}] is over the limit of {max_bytes} bytes"), index)
-    try:
-        # pybase64: ~30x the standard library's speed, so far less time holding the GIL (8 vs 249 us a JPEG)
-        return pybase64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
-
-
-def _url_host(url: str, index: int) -> tuple[str, int]:
-    """(host, port) of an http(s) URL, or BadRequest for one that does not parse."""
-    try:
-        parts = urlsplit(url)
-        host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
-        raise BadRequest(f"images[{index}].image_url.url is not a valid URL: {e}") from None
-    if not host or any(c.isspace() or ord(c) < 32 for c in url):
-        raise BadRequest(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
-                         "characters in it)")
-    return host, port
-
-
-async def _check_resolves_public(rt: Runtime, host: str, port: int, index: int) -> None:
-    """Refuse a host that resolves to loopback, private, link-local or otherwise non-public addresses
-    (the service's own /metrics, cloud metadata endpoints), unless --allow-private-url-addresses.
-    NOTE: checked at resolution; the fetch resolves again, so a DNS-rebinding host could still switch
-    addresses in between. Only allow-listed hosts get here."""
-    if rt.settings.allow_private_url_addresses:
-        return
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise at_index(ImageFetchError(f"images[{index}]: cannot resolve {host!r}: {e}"), index) from None
-    for *_, sockaddr in infos:
-        addr = ipaddress.ip_address(sockaddr[0].split("%")[0])
-        if not addr.is_global:
-            raise at_index(ImageFetchError(f"images[{index}]: {host!r} resolves to {addr}, a loopback, private or "
-                                           "link-local address; such fetches are refused (--allow-private-url-addresses)"),
-                           index)
-
-
-async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
-    host, port = _url_host(url, index)
-    if host not in rt.settings.allowed_url_hosts:
-        raise at_index(ImageFetchError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
-                                       f"the host to --allowed-url-hosts"), index)
-    await _check_resolves_public(rt, host, port, index)
-    limit = rt.settings.max_image_bytes
-    try:
-        async with rt.http.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise at_index(ImageFetchError(f"images[{index}]: GET {url} answered {resp.status_code}"), index)
-            chunks, size = [], 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    raise at_index(ImageTooLarge(f"images[{index}]: {url} is over the limit of {limit} bytes"), index)
-                chunks.append(chunk)
-            return b"".join(chunks)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
-        raise at_index(ImageFetchError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}"), index) from None
-
-
-async def _parse_inputs(rt: Runtime, request: Request) -> list[Input]:
-    s = rt.settings
-    limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype == "multipart/form-data":
-        try:
-            form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
-        except ServiceError:
-            raise  # RequestTooLarge from the body limit, as it is
-        except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
-            raise BadRequest(f"malformed multipart body: {e}") from None
-        files = form.getlist("image")
-        uuids = form.getlist("uuid")
-        if not files:
-            raise BadRequest("multipart request has no 'image' file parts")
-        if uuids and len(uuids) != len(files):
-            raise BadRequest(f"got {len(uuids)} 'uuid' fields for {len(files)} images; send one per image or none")
-        inputs = []
-        for i, f in enumerate(files):
-            if isinstance(f, str):
-                raise BadRequest(f"'image' part {i} is a text field; send it as a file part")
-            data = await f.read(s.max_image_bytes + 1)
-            if len(data) > s.max_image_bytes:
-                raise at_index(ImageTooLarge(f"images[{i}] is over the limit of {s.max_image_bytes} bytes"), i)
-            inputs.append(Input(data, uuids[i] if uuids else None))
-        return inputs
-    if ctype not in ("application/json", ""):
-        raise BadRequest(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
-    body = await _read_body(request, limit)
-    try:
-        req = EncodeRequest.model_validate_json(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
-    if len(req.images) > s.max_images_per_request:
-        raise BadRequest(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
-    inputs = []
-    for i, part in enumerate(req.images):
-        url = part.image_url.url
-        if url.startswith("data:"):
-            data = _decode_data_url(url, i, s.max_image_bytes)
-        elif url.startswith(("http://", "https://")):
-            data = await _fetch_url(rt, url, i)
-            inputs.append(Input(data, part.uuid, source=url))
-            continue
-        else:
-            raise BadRequest(f"images[{i}].image_url.url must start with data:, http:// or https://")
-        inputs.append(Input(data, part.uuid))
-    return inputs
 
 
 def _item(answer: Answer) -> EncodedItem:
@@ -284,24 +99,14 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
 
-def create_app(settings: Settings, model: LoadedModel | None = None, remote: RemoteEngine | None = None) -> FastAPI:
-    """The app of a single-process service (the model in this process), or, with `remote`, of one
-    API process of a supervised service (the model in the engine process)."""
+def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]]) -> FastAPI:
+    """The app of one serving process; its lifespan builds the Runtime (`make_runtime`: procs/ says what
+    it holds), starts it, and shuts it down."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if remote is not None:
-            rt = RemoteRuntime(settings, remote)
-            app.state.rt = rt
-            await rt.start()
-        else:
-            from service.engine.loader import load_model
-
-            loaded = model or await asyncio.to_thread(load_model, settings)
-            # In a thread: on cuda the Engine compiles and captures graphs (seconds), and meanwhile the
-            # loop keeps answering (service/procs/boot.py answers /ready with the phase).
-            rt = await asyncio.to_thread(Runtime, settings, loaded)
-            app.state.rt = rt
-            rt.start()
+        rt = await make_runtime()
+        app.state.rt = rt
+        await rt.start()
         try:
             yield
         finally:
@@ -363,16 +168,15 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
         """Encode images; answer one item per image, in input order, once each is in the store. The
         `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
         rt: Runtime = request.app.state.rt
-        phases = frontend.Phases()
+        phases = encoding.Phases()
         t0 = phases.start
         status = 500
         try:
             authorize(request)
-            if remote is not None:
-                await rt.require_ready()  # before the body is read (or any URL fetched)
-            inputs = await _parse_inputs(rt, request)
+            await rt.require_ready()  # before the body is read (or any URL fetched)
+            inputs = await parse_inputs(rt, request)
             phases.mark("parse")
-            answers = await frontend.encode(rt, inputs, request.is_disconnected, phases)
+            answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
             status = 200 if answers is not None else 499
             if answers is None:  # client gone: nobody to answer
                 return PlainTextResponse("client disconnected", status_code=499)
@@ -390,28 +194,9 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
     @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
                                                         "not running, warm-up failed, or the store cannot be written"}})
     async def health(request: Request):
-        """200 while the step loop is alive (or still warming up) and the store takes writes; 503 otherwise."""
-        rt = request.app.state.rt
-        if remote is not None:
-            if rt.mismatch:
-                return JSONResponse({"status": rt.mismatch}, status_code=503)
-            if rt.engine_lost or (rt.info is not None and not rt.client.connected):
-                return JSONResponse({"status": "the engine process is not running"}, status_code=503)
-            if rt.info is not None:
-                try:
-                    store_error = (await rt.client.status())["store_error"]
-                except ServiceError:
-                    return JSONResponse({"status": "the engine process is not running"}, status_code=503)
-                if store_error:
-                    return JSONResponse({"status": f"the store cannot be written: {store_error}"}, status_code=503)
-            return {"status": "ok"}
-        if rt.store.unwritable:
-            return JSONResponse({"status": f"the store cannot be written: {rt.store.unwritable}"}, status_code=503)
-        if rt.warmup_failed:
-            return JSONResponse({"status": "warm-up failed; see the log"}, status_code=503)
-        if rt.started and not rt.engine.alive():
-            return JSONResponse({"status": "step loop is not running"}, status_code=503)
-        return {"status": "ok"}
+        """200 while the engines are alive (or still warming up) and the store takes writes; 503 otherwise."""
+        status, body = await request.app.state.rt.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/ready", responses={503: {"description": "not ready yet (loading, warming up) or the engine is gone",
                                         "content": {"application/json": {"schema": {
@@ -419,22 +204,8 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
                                             "required": ["ready"]}}}}})
     async def ready(request: Request):
         """200 once the model is loaded and warmed up."""
-        rt = request.app.state.rt
-        if remote is not None:  # the engine process answers
-            if not rt.ready:  # the engine process loads (and compiles) before it answers, then warms up
-                phase = "failed" if rt.mismatch else "warming" if rt.info else "loading"
-                return JSONResponse({"ready": False, "phase": phase}, status_code=503)
-            try:
-                info = await rt.client.status()
-            except ServiceError:
-                return JSONResponse({"ready": False}, status_code=503)
-            # With several engines (--devices) the top-level fields are engine 0's; "engines" lists each.
-            return {**info["info"], "engine_pid": info["pid"], "api_pid": os.getpid(), "engines": info["engines"]}
-        if not rt.ready.is_set():
-            return JSONResponse({"ready": False, "phase": "failed" if rt.warmup_failed else "warming"}, status_code=503)
-        from service.procs.enginep import model_info
-
-        return model_info(rt.model, rt.engine, rt.startup, ready=True)
+        status, body = await request.app.state.rt.readiness()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}},
@@ -442,18 +213,6 @@ def create_app(settings: Settings, model: LoadedModel | None = None, remote: Rem
     async def metrics(request: Request):
         if settings.api_key_metrics:
             authorize(request)
-        rt = request.app.state.rt
-        if remote is None:
-            rt.metrics.update_gauges(rt.batcher, rt.store)
-            return PlainTextResponse(rt.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-        # Every API process's request counters (summed; see metrics.py), then the engine's (steps, queue, store).
-        text = rt.metrics.exposition(api_side=True).decode()
-        try:
-            text += await rt.client.metrics()
-        except ServiceError:
-            pass  # the engine is gone: /health says so; the request counters are still worth reading
-        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(await request.app.state.rt.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-

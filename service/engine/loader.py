@@ -23,8 +23,7 @@ from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 
 from service.config import PreprocessParams, Settings
 from service.errors import ModelLoadError
-from service.procs.preflight import check_model
-from service.presets import PRESETS, preset_vision_config
+from service.presets import PRESETS, check_model, preset_vision_config
 from service.engine.tower import TowerSpec, VisionTower
 
 log = logging.getLogger(__name__)

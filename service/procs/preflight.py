@@ -21,16 +21,8 @@ import errno
 import socket
 from pathlib import Path
 
-from service.errors import ModelLoadError, StartupError
-from service.presets import PRESETS
-
-
-def check_model(name: str) -> None:
-    """`--model` names a preset or an existing directory (what is inside is checked by the loader)."""
-    if name not in PRESETS and not Path(name).is_dir():
-        raise ModelLoadError(
-            f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing checkpoint directory"
-        )
+from service.errors import StartupError
+from service.presets import check_model
 
 
 def cuda_device_count() -> int:

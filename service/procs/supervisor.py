@@ -1,5 +1,5 @@
 """`serve --api-processes N` (N >= 1) or `serve --devices D0,D1,...`: the supervisor. It binds the port
-once, starts one engine process (enginep.py) per device and N API processes serving the FastAPI app on
+once, starts one engine process (procs/engine_process.py) per device and N API processes serving the FastAPI app on
 the shared socket, and watches them.
 
     supervisor ──spawn──> engine process 0..E-1 (one per device: model, batcher, step loop, the writer
@@ -25,100 +25,28 @@ Ctrl-C reaches the whole process group, and the engine must not stop before the 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
-import select
 import shutil
 import signal
 import socket
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from service.procs.arena import leaked_segments, segment_name, unlink_segment
 from service.config import Settings
+from service.procs.api_process import api_main
+from service.procs.arena import leaked_segments, segment_name, unlink_segment
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
-# prometheus_client's own variable (metrics.py). NOTE: not imported from metrics.py: that imports
-# prometheus_client, and this module is imported in every API process before api_main runs.
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def die_with_parent(parent_pid: int | None, sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send `sig` to this process when its parent exits, SIGKILL of the parent included
-    (Linux). Exits now if the parent is already gone (`parent_pid` None: any parent but init)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    if os.getppid() == 1 or (parent_pid is not None and os.getppid() != parent_pid):
-        os._exit(1)
-
-
-def exit_with(pid: int) -> None:
-    """In a pool worker: exit as soon as process `pid` does (SIGKILL included). For workers forked by
-    multiprocessing's forkserver, whose parent (the forkserver) outlives a killed service: they hold
-    its liveness pipe, so it never sees the service go, and PR_SET_PDEATHSIG would never fire.
-    The worker ignores SIGINT: a terminal's Ctrl-C reaches it too (a KeyboardInterrupt traceback per
-    worker), and the service, which may still need it to drain, ends it itself. NOTE: not SIGTERM:
-    the pool terminates the survivors of a broken pool with it (a killed worker's replacement)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def watch():
-        try:
-            fd = os.pidfd_open(pid)  # readable once the process has exited (Linux >= 5.3)
-            select.select([fd], [], [])
-        except (AttributeError, OSError):  # no pidfd here, or `pid` already gone: poll
-            while True:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                except PermissionError:
-                    pass
-                time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
-
-
-def child_setup(parent_pid: int, log_level: str, role: str) -> None:
-    """In every child: ignore SIGINT (see the module's docstring), die with the supervisor (SIGKILL of
-    it included), log like it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
-    die_with_parent(parent_pid)
-
-
-def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
-             metrics_dir: str, log_level: str, parent_pid: int) -> None:
-    """Entry point of an API process."""
-    child_setup(parent_pid, log_level, f"api{index}")
-    # One /metrics for every API process (metrics.py): prometheus_client picks its multiprocess mode
-    # from this variable when it is first imported, which must be after this line.
-    assert "prometheus_client" not in sys.modules, "prometheus_client imported before its multiprocess set-up"
-    os.environ[MULTIPROC_ENV] = metrics_dir
-    import uvicorn
-
-    from service.api.app import create_app
-    from service.procs.boot import Server, server_options
-    from service.api.encode import RemoteEngine
-
-    sys.setswitchinterval(0.001)
-    app = create_app(settings, remote=RemoteEngine(engine_sockets, arena_name, settings.arena_bytes))
-    # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
-    # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
-    config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
-    Server(config, ignore_sigint=True).run(sockets=[sock])
 
 
 def _engine_entry(*args) -> None:
-    """An engine process's target: enginep (torch, transformers: seconds to import) is imported in the
-    engine process only, never in the supervisor, which would wait for it before starting anyone."""
-    from service.procs.enginep import engine_main
+    """An engine process's target. NOTE: procs/engine_process.py (torch, transformers: seconds to import)
+    is imported in the engine process only, never in the supervisor, which would wait for it before
+    starting anyone."""
+    from service.procs.engine_process import engine_main
 
     engine_main(*args)
 

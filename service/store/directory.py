@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -44,11 +43,13 @@ from service.store.format import (
     FORMAT_VERSION,
     TMP_PREFIX,
     StoreFormatError,
+    StoredItem,
     _encode_header,
     _Header,
     _key_dir,
     _read_header,
     is_store_key,
+    shard_of,
     validate_key,
 )
 
@@ -63,15 +64,6 @@ _CODE_OF: dict[str, str] = {f"torch.{name}": code for code, (name, _) in _DTYPES
 
 
 ROOT_LOCK = ".lock"  # held by the root's one writer: a service's store, or the supervisor of a sharded service
-
-
-def shard_of(key: str, n: int) -> int:
-    """The shard (engine, with several --devices) that owns `key`: the only process that writes, indexes
-    and evicts `<root>/<key>`, so dedupe and coalescing stay exact. The same in every process and every
-    run (blake2b of the key; Python's hash() is salted per process)."""
-    if n == 1:
-        return 0
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
 
 
 def shard_lock(index: int, count: int) -> str:
@@ -140,20 +132,6 @@ def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: boo
 
 
 # ---- the writer side -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StoredItem:
-    """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
-
-    key: str
-    path: str  # relative to the store root: "<key>/encoder_cache.safetensors"
-    num_tokens: int
-    grid_thw: tuple[int, int, int]
-    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
-    dtype: str  # "float32" | "bfloat16"
-    nbytes: int  # whole file (header + data): what counts against the capacity
-    content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
-
-
 @dataclass
 class _Entry:
     nbytes: int

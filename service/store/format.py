@@ -28,6 +28,7 @@ everything from that handle, and checks the size against the header.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap as _mmap
 import os
@@ -66,6 +67,29 @@ _MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 class StoreFormatError(ValueError):
     """A store file that is not a well-formed ec_cache file (truncated, foreign, or corrupt)."""
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
+
+    key: str
+    path: str  # relative to the store root: "<key>/encoder_cache.safetensors"
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
+    dtype: str  # "float32" | "bfloat16"
+    nbytes: int  # whole file (header + data): what counts against the capacity
+    content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
+
+
+def shard_of(key: str, n: int) -> int:
+    """The shard (engine, with several --devices) that owns `key`: the only process that writes, indexes
+    and evicts `<root>/<key>`, so dedupe and coalescing stay exact. The same in every process and every
+    run (blake2b of the key; Python's hash() is salted per process)."""
+    if n == 1:
+        return 0
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
 
 
 def is_store_key(key: object) -> bool:

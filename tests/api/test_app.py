@@ -13,7 +13,7 @@ from service.config import Settings
 from service.engine.loader import load_model
 from service.store.format import read_embeddings
 from tests import imagedata as data
-from tests.live import Gate, file_server, json_body, live_server, metric, server_timing
+from tests.live import Gate, file_server, local_host, json_body, live_server, metric, server_timing
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +96,12 @@ def test_twenty_identical_concurrent_requests_encode_once(tmp_path, tiny_model):
 
 def test_overload_answers_429_with_retry_after_and_recovers(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_queue_images=2, max_batch_images=1), tiny_model) as (url, app):
-        gate = Gate(app.state.rt.engine)
+        gate = Gate(local_host(app.state.rt).engine)
         with ThreadPoolExecutor(8) as pool:
             first = pool.submit(httpx.post, url + "/encode", json=json_body(_png(100)), timeout=60)
             assert gate.entered.wait(10)  # image 100 is in the step loop, held
             queued = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(101 + i)), timeout=60) for i in range(2)]
-            _wait_for(lambda: app.state.rt.batcher.queue_depth() == 2)
+            _wait_for(lambda: local_host(app.state.rt).batcher.queue_depth() == 2)
             over = httpx.post(url + "/encode", json=json_body(_png(200)), timeout=60)
             assert over.status_code == 429
             assert over.headers["retry-after"] == "1"
@@ -116,18 +116,18 @@ def test_overload_answers_429_with_retry_after_and_recovers(tmp_path, tiny_model
 def test_client_that_disconnects_is_dropped_before_running(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
         rt = app.state.rt
-        gate = Gate(rt.engine)
+        gate = Gate(local_host(rt).engine)
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(300)), timeout=60)
             assert gate.entered.wait(10)
             with pytest.raises(httpx.ReadTimeout):  # this client gives up while its image is queued
                 httpx.post(url + "/encode", json=json_body(_png(301)), timeout=httpx.Timeout(60, read=1.0))
-            _wait_for(lambda: rt.batcher.stats.dropped == 1)
-            assert rt.batcher.queue_depth() == 0
+            _wait_for(lambda: local_host(rt).batcher.stats.dropped == 1)
+            assert local_host(rt).batcher.queue_depth() == 0
             gate.release.set()
             assert held.result().status_code == 200
-        _wait_for(lambda: rt.batcher.in_flight() == 0)
-        assert len(rt.store) == 1  # the abandoned image was never encoded
+        _wait_for(lambda: local_host(rt).batcher.in_flight() == 0)
+        assert len(local_host(rt).store) == 1  # the abandoned image was never encoded
         m = httpx.get(url + "/metrics").text
         assert metric(m, "qve_dropped") == 1 and metric(m, "qve_steps_total", 'result="ok"') == 1
 
@@ -186,7 +186,7 @@ def test_bad_requests_get_clear_4xx_and_good_ones_in_the_same_step_succeed(tmp_p
 
 def test_failed_step_fails_only_its_requests_and_the_loop_lives_on(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_batch_images=1), tiny_model) as (url, app):
-        engine = app.state.rt.engine
+        engine = local_host(app.state.rt).engine
         real_run, calls = engine.runner.run, []
 
         def flaky(staged):
@@ -289,7 +289,7 @@ def test_keys_cannot_be_poisoned_a_uuid_names_one_image(tmp_path, tiny_model):
         assert post(json_body(x, x, uuids=["u2", "u2"])).status_code == 200  # the same image twice is fine
 
         # While the uuid's first image is still being encoded, other bytes under it are refused too.
-        gate = Gate(app.state.rt.engine)
+        gate = Gate(local_host(app.state.rt).engine)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, json_body(x, uuids=["u3"]))
             assert gate.entered.wait(10)
@@ -338,15 +338,15 @@ def test_health_turns_503_when_the_step_loop_dies(tmp_path, tiny_model):
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/docs").status_code == 200
         assert "/encode" in httpx.get(url + "/openapi.json").json()["paths"]
-        app.state.rt.batcher.close()  # the loop exits once the queue is empty
-        _wait_for(lambda: not app.state.rt.engine.alive())
+        local_host(app.state.rt).batcher.close()  # the loop exits once the queue is empty
+        _wait_for(lambda: not local_host(app.state.rt).engine.alive())
         r = httpx.get(url + "/health")
         assert r.status_code == 503
 
 
 def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
     with live_server(_settings(tmp_path, max_wait_ms=200), tiny_model) as (url, app):
-        store = app.state.rt.store
+        store = local_host(app.state.rt).store
         real_commit, bad = store.commit, {}
 
         def commit(reservation, ec_cache):  # the write itself fails (after the reservation succeeded)
@@ -453,7 +453,7 @@ def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_pa
     with live_server(_settings(tmp_path, decode_workers=2), tiny_model) as (url, app):
         rt = app.state.rt
         assert httpx.post(url + "/encode", json=json_body(_png(990)), timeout=30).status_code == 200
-        old_pool = rt.decoders
+        old_pool = rt.decoder.pool
         victim = next(iter(old_pool._processes))  # what the OOM killer does to a decode worker
         os.kill(victim, signal.SIGKILL)
         # The executor learns of the death in its management thread; on a loaded machine that can come
@@ -468,7 +468,7 @@ def test_a_killed_decode_worker_is_replaced_and_costs_at_most_one_request(tmp_pa
         if first.status_code == 503:
             assert first.json()["error"]["code"] == "unavailable" and "decode worker died" in first.json()["error"]["message"]
         assert [r.status_code for r in codes[1:]] == [200, 200, 200]
-        assert rt.decoders is not old_pool and httpx.get(url + "/health").status_code == 200
+        assert rt.decoder.pool is not old_pool and httpx.get(url + "/health").status_code == 200
 
 
 def test_a_stuck_decode_pool_is_replaced_its_waiting_images_answered_503(tmp_path, tiny_model, monkeypatch):
@@ -476,8 +476,6 @@ def test_a_stuck_decode_pool_is_replaced_its_waiting_images_answered_503(tmp_pat
     the call queue's lock): after DECODE_STALL_S with no decode finished, its workers are killed, a new
     pool serves, and the image that waited gets a 503 it can retry."""
     import concurrent.futures
-
-    from service.api import encode as frontend
 
     class Worker:
         killed = False
@@ -495,19 +493,19 @@ def test_a_stuck_decode_pool_is_replaced_its_waiting_images_answered_503(tmp_pat
         def shutdown(self, wait=True, *, cancel_futures=False):
             self.shut = True
 
-    monkeypatch.setattr(frontend, "DECODE_STALL_S", 1.5)
     with live_server(_settings(tmp_path, decode_workers=1), tiny_model) as (url, app):
         rt = app.state.rt
+        rt.decoder.stall_s = 1.5
         assert httpx.post(url + "/encode", json=json_body(_png(980)), timeout=30).status_code == 200
-        real, stuck = rt.decoders, StuckPool()
-        rt.decoders = stuck
+        real, stuck = rt.decoder.pool, StuckPool()
+        rt.decoder.pool = stuck
         real.shutdown(wait=True)
         t0 = time.monotonic()
         r = httpx.post(url + "/encode", json=json_body(_png(981)), timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["code"] == "unavailable" and "stopped answering" in r.json()["error"]["message"]
         assert 1.5 <= time.monotonic() - t0 < 15
-        assert rt.decoders is not stuck and stuck.shut and all(w.killed for w in stuck._processes.values())
+        assert rt.decoder.pool is not stuck and stuck.shut and all(w.killed for w in stuck._processes.values())
         again = httpx.post(url + "/encode", json=json_body(_png(981)), timeout=30)  # the retry: a new pool serves
         assert again.status_code == 200, again.text
         assert httpx.get(url + "/health").status_code == 200
@@ -552,25 +550,26 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
 
 
 def test_failed_warmup_is_reported_by_health(tmp_path, tiny_model, monkeypatch):
-    from service.engine.core import core as engine_module
+    from fastapi.testclient import TestClient
+
+    from service.engine.core import Engine
+    from service.procs.local import local_app
 
     def broken(self, images):
         raise RuntimeError("no device")
 
-    monkeypatch.setattr(engine_module.Engine, "encode_sync", broken)
-    from service.api.app import create_app
-    from fastapi.testclient import TestClient
-
-    with TestClient(create_app(_settings(tmp_path), tiny_model)) as client:
+    monkeypatch.setattr(Engine, "encode_sync", broken)
+    with TestClient(local_app(_settings(tmp_path), tiny_model)) as client:
         _wait_for(lambda: client.get("/health").status_code == 503)
         assert client.get("/ready").status_code == 503
         assert "warm-up failed" in client.get("/health").json()["status"]
 
 
 def test_openapi_document_resolves_every_ref_and_lists_the_error_answers(tmp_path, tiny_model):
-    from service.api.app import ErrorResponse, create_app
+    from service.api.schemas import ErrorResponse
+    from service.procs.local import local_app
 
-    doc = create_app(_settings(tmp_path), tiny_model).openapi()
+    doc = local_app(_settings(tmp_path), tiny_model).openapi()
     refs: list[str] = []
 
     def walk(node):
@@ -606,20 +605,20 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
     s = _settings(tmp_path, max_queue_images=2, max_batch_images=1, max_queue_tokens=600)
     with live_server(s, tiny_model) as (url, app):
         rt = app.state.rt
-        gate = Gate(rt.engine)
-        decoded, real_decode = [], rt.decode
+        gate = Gate(local_host(rt).engine)
+        decoded, real_decode = [], rt.decoder.decode
 
-        async def counting_decode(blob):
+        async def counting_decode(blob, params):
             decoded.append(len(blob))
-            return await real_decode(blob)
+            return await real_decode(blob, params)
 
-        rt.decode = counting_decode
+        rt.decoder.decode = counting_decode
         with ThreadPoolExecutor(24) as pool:
             first = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1100)), timeout=60)
             assert gate.entered.wait(10)  # image 1100 is in the step loop, held
             queued = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(1101 + i)), timeout=60)
                       for i in range(2)]
-            _wait_for(lambda: rt.batcher.queue_depth() == 2)
+            _wait_for(lambda: local_host(rt).batcher.queue_depth() == 2)
             before = len(decoded)
             # The queue is full by count: 24 concurrent huge images (distinct keys) all 429, none decoded.
             over = list(pool.map(lambda k: httpx.post(url + "/encode", json=json_body(huge, uuids=[f"huge-{k}"]),
@@ -629,17 +628,17 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
             assert len(decoded) == before, "images refused by admission were decoded"
             gate.release.set()
             assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
-        _wait_for(lambda: rt.batcher.queue_depth() == 0 and rt.batcher.in_flight() == 0)
+        _wait_for(lambda: local_host(rt).batcher.queue_depth() == 0 and local_host(rt).batcher.in_flight() == 0)
 
         # By tokens: with one small image queued, a large one (1444 tokens by its header: 1216x1216 once resized) is
         # over the 600-token bound: 429 before its decode; a small one still fits.
         large = data.encode(data.textured_rgb(1200, 1200, seed=1199), "JPEG")
-        gate = Gate(rt.engine)
+        gate = Gate(local_host(rt).engine)
         with ThreadPoolExecutor(4) as pool:
             held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1200)), timeout=60)
             assert gate.entered.wait(10)
             small = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1201)), timeout=60)
-            _wait_for(lambda: rt.batcher.queue_depth() == 1)
+            _wait_for(lambda: local_host(rt).batcher.queue_depth() == 1)
             before = len(decoded)
             r = httpx.post(url + "/encode", json=json_body(large), timeout=60)
             assert r.status_code == 429 and "this image adds 1444," in r.json()["error"]["message"], r.text
@@ -649,5 +648,5 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
         # A request that fails after taking its places gives them back.
         bad = httpx.post(url + "/encode", json=json_body(_png(1300), b"\x89PNG\r\n\x1a\n broken"), timeout=60)
         assert bad.status_code == 422
-        assert rt.batcher.reserved() == 0
+        assert local_host(rt).batcher.reserved() == 0
         assert httpx.post(url + "/encode", json=json_body(large), timeout=60).status_code == 200  # alone: admitted

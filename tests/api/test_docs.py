@@ -12,10 +12,10 @@ from service.api.docs import openapi_30
 
 
 def _app(tmp_path):
-    from service.api.app import create_app
+    from service.procs.local import local_app
 
     # No lifespan (no model loaded): /docs, its assets and the documents need none.
-    return create_app(Settings(model="tiny", device="cpu", store=tmp_path / "store"))
+    return local_app(Settings(model="tiny", device="cpu", store=tmp_path / "store"))
 
 
 def _get(app, path: str) -> httpx.Response:

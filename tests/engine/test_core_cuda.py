@@ -19,7 +19,7 @@ from service.media.preprocess import to_rgb
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
-from tests.live import json_body, live_server
+from tests.live import local_host, json_body, live_server
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
                                 reason="needs a CUDA GPU and CuPy")
@@ -92,7 +92,7 @@ def test_service_on_cuda_stores_exact_embeddings(tmp_path, tiny_checkpoint, blob
             ec = torch.cat([st.main, *st.deepstack], 1)
             assert item["shape"] == list(ec.shape) == list(ref.shape)
             assert (ec - ref).abs().max().item() <= 1e-4, name
-        stats = app.state.rt.engine.runner.pool.stats
+        stats = local_host(app.state.rt).engine.runner.pool.stats
         assert stats.acquires >= 6  # 12 images, at most 2 a step, plus warm-up
 
 
@@ -124,7 +124,7 @@ STALL_CYCLES = 20_000_000  # ~10 ms at the H200's ~2 GHz: far longer than the ho
 
 
 def _stalled_run(settings, model, imgs, root, fence: bool):
-    from service.procs.enginep import build_batcher, build_store
+    from service.engine.host import build_batcher, build_store
     from service.engine.core import EncodeJob
 
     s = settings.model_copy(update={"store": root})

@@ -1,47 +1,77 @@
-"""Control messages between API and engine processes: frames, stored items and errors survive the trip."""
+"""Messages between API and engine processes (service/procs/ipc.py, service/engine/messages.py): typed
+frames, stored items and errors survive the trip; the router sends each key to its shard."""
 
 import asyncio
 
 import pytest
 
 from service import errors
-from service.procs.ipc import error_from_wire, error_to_wire, frame, item_from_wire, item_to_wire, read_frame
-from service.store.directory import StoredItem
+from service.config import PreprocessParams
+from service.engine.client import EngineMismatch, EngineRouter
+from service.engine.messages import (
+    Cell,
+    Claim,
+    EngineStatus,
+    Failed,
+    Geometry,
+    Hit,
+    ModelInfo,
+    Result,
+    Submit,
+)
+from service.procs.ipc import FROM_ENGINE, MAX_FRAME, TO_ENGINE
+from service.store.format import StoredItem, shard_of
 
 
 def test_errors_keep_their_class_and_retry_hint():
     for e in (errors.KeyConflict("in the store"), errors.Overloaded("queue full", retry_after_s=3),
               errors.StoreFull("full", retry_after_s=7), errors.NotAnImage("not an image")):
-        back = error_from_wire(*error_to_wire(e))
+        back = errors.from_code(e.code, e.message, getattr(e, "retry_after_s", None))
         assert type(back) is type(e) and back.message == e.message and back.code == e.code
         assert getattr(back, "retry_after_s", None) == getattr(e, "retry_after_s", None)
         assert errors.http_status(back) == errors.http_status(e)
-    bug = error_from_wire(*error_to_wire(RuntimeError("boom")))
-    assert type(bug) is errors.BackendError and "RuntimeError: boom" in bug.message
+    unknown = errors.from_code("no_such_code", "boom")
+    assert type(unknown) is errors.BackendError and unknown.message == "boom"
 
 
-def test_frames_and_items_round_trip():
+async def _trip(frames, data: bytes) -> list:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return [await frames.read(reader), await frames.read(reader)]
+
+
+def test_frames_round_trip_typed_messages_and_refuse_what_is_not_one():
     item = StoredItem(key="sha256+" + "ab" * 32, path="k/encoder_cache.safetensors", num_tokens=196,
                       grid_thw=(1, 28, 28), shape=(196, 10240), dtype="bfloat16", nbytes=4_014_176,
                       content_sha256="cd" * 32)
-
-    async def trip(data: bytes):
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        return [await read_frame(reader), await read_frame(reader)]
-
-    msg, end = asyncio.run(trip(frame(["result", 7, item_to_wire(item)])))
-    assert msg[:2] == ["result", 7] and item_from_wire(msg[2]) == item and end is None
+    for msg in (Result(7, item), Hit(8, item), Failed(9, "overloaded", "full", 1)):
+        back, end = asyncio.run(_trip(FROM_ENGINE, FROM_ENGINE.frame(msg)))
+        assert back == msg and type(back) is type(msg) and end is None
+    submit = Submit(3, 1, "k", "ef" * 32, Geometry(448, 448, (1, 28, 28), 196), cell=Cell("qve-1-api0-1", 64, 602112))
+    back, _ = asyncio.run(_trip(TO_ENGINE, TO_ENGINE.frame(submit)))
+    assert back == submit and back.geometry.grid_thw == (1, 28, 28)
     with pytest.raises(ValueError, match="control frame"):
-        asyncio.run(trip((1 << 21).to_bytes(4, "little") + b"x"))
+        asyncio.run(_trip(TO_ENGINE, (MAX_FRAME + 1).to_bytes(4, "little") + b"x"))
+    # An engine-bound message on the API side's decoder (or garbage) is refused, not half-read.
+    with pytest.raises(ValueError, match="malformed control frame"):
+        asyncio.run(_trip(FROM_ENGINE, TO_ENGINE.frame(Claim(1, "k", "0" * 64, 4))))
+
+
+class _Transport:
+    travels, connected = True, False
+
+
+def _status(pid: int, salt: str, store_error: str | None = None) -> EngineStatus:
+    info = ModelInfo(model="m", device="cpu", dtype="float32", random_weights=True, out_hidden_size=8,
+                     deepstack_levels=3, compiled=False, cuda_graphs=0, startup_s={}, min_pixels=1, max_pixels=2,
+                     store="/s")
+    return EngineStatus(ready=True, failed=None, store_error=store_error, key_salt=salt, params=PreprocessParams(),
+                        pid=pid, info=info)
 
 
 def test_router_sends_a_key_to_its_shard_and_a_cancel_to_the_engine_that_issued_the_id():
-    from service.procs.ipc import EngineMismatch, EngineRouter
-    from service.store.directory import shard_of
-
-    router = EngineRouter(["e0.sock", "e1.sock", "e2.sock"], lambda *a: None)
+    router = EngineRouter([_Transport(), _Transport(), _Transport()])
     ids = [[next(c._ids) for _ in range(3)] for c in router.clients]
     assert ids == [[1, 4, 7], [2, 5, 8], [3, 6, 9]]  # disjoint: an id names its engine
     assert all(router._issuer(rid) is router.clients[i] for i, row in enumerate(ids) for rid in row)
@@ -49,17 +79,16 @@ def test_router_sends_a_key_to_its_shard_and_a_cancel_to_the_engine_that_issued_
         assert router.route(key) is router.clients[shard_of(key, 3)]
     assert not router.connected  # none connected yet; one lost engine is enough to say False
 
-    def status(pid, salt, store_error=None):
+    def status(st):
         async def answer():
-            return {"info": {"ready": True, "device": "cpu"}, "key_salt": salt, "params": [1], "pid": pid,
-                    "store_error": store_error}
+            return st
         return answer
 
     for i, c in enumerate(router.clients):
-        c.status = status(100 + i, "m|p|float32", "disk full" if i == 2 else None)
+        c.status = status(_status(100 + i, "m|p|float32", "disk full" if i == 2 else None))
     st = asyncio.run(router.status())
-    assert st["pid"] == 100 and st["info"]["ready"] and st["store_error"] == "engine 2: disk full"
-    assert st["engines"] == [{"device": "cpu", "engine_pid": 100 + i, "ready": True} for i in range(3)]
-    router.clients[1].status = status(101, "m|p|bfloat16")
+    assert st.first.pid == 100 and st.ready and st.store_error == "engine 2: disk full" and st.failed is None
+    assert [s.pid for s in st.engines] == [100, 101, 102]
+    router.clients[1].status = status(_status(101, "m|p|bfloat16"))
     with pytest.raises(EngineMismatch, match="engine 1 keys or preprocesses images differently"):
         asyncio.run(router.status())

@@ -9,7 +9,8 @@ import stat
 import pytest
 
 from service.errors import ModelLoadError, StartupError
-from service.procs.preflight import bind, check_device, check_model, check_store, cuda_device_count, preflight
+from service.presets import check_model
+from service.procs.preflight import bind, check_device, check_store, cuda_device_count, preflight
 from service.store.directory import EmbeddingStore, StoreOwnershipError
 
 
@@ -120,7 +121,7 @@ def test_each_of_several_devices_needs_a_driver_that_sees_it():
 def test_the_supervisor_api_processes_and_start_up_checks_run_without_importing_torch(tmp_path):
     """Importing torch (and transformers) takes seconds: the supervisor must not wait on it before it
     starts the engine process, which imports it anyway (bench/RESULTS.md: start-up 40.8 s with, against
-    26.6 in one process), and the API processes (app, frontend, ipc) must not spend cores and memory
+    26.6 in one process), and the API processes (app, encode, decoders, ipc, the engine client) must not spend cores and memory
     on it while the engine starts. Every check, the whole of preflight included."""
     import subprocess
     import sys
@@ -129,7 +130,8 @@ def test_the_supervisor_api_processes_and_start_up_checks_run_without_importing_
         "import sys\n"
         "from service.config import Settings\n"
         "from service.procs.preflight import preflight\n"
-        "import service.procs.supervisor, service.store.directory, service.store.format, service.api.app, service.api.encode, service.procs.ipc\n"
+        "import service.procs.supervisor, service.store.directory, service.store.format, service.api.app, service.api.encode\n"
+        "import service.procs.ipc, service.procs.api_process, service.procs.decoders, service.engine.client\n"
         f"sock = preflight(Settings(model='tiny', device='cpu', port=0, store={str(tmp_path / 's')!r}))\n"
         "sock.close()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'cupy') if m in sys.modules))\n"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.errors import InvalidKey
-from service.store.directory import StoredItem
+from service.store.format import StoredItem
 from service.store.format import FILE_NAME, StoreFormatError, read_embeddings, validate_key
 from tests.store.test_directory import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
 

@@ -1,4 +1,4 @@
-"""A single-process service from its bound socket to ready (service/procs/boot.py), in this process: /ready
+"""A single-process service from its bound socket to ready (service/procs/single.py), in this process: /ready
 answers 503 with the phase while the model loads, then the real app takes over."""
 
 import threading
@@ -8,7 +8,8 @@ import httpx
 import pytest
 import uvicorn
 
-from service.procs.boot import Booting, Server, serve_single, server_options
+from service.api.server import Server, server_options
+from service.procs.single import Booting, serve_single
 from service.config import Settings
 from service.errors import ModelLoadError
 from service.engine.loader import load_model

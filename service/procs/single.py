@@ -1,17 +1,19 @@
-"""A serving process from its bound socket to ready, and its stop signals.
+"""A single-process service: the app, the decode processes and the engine host in one process, from
+its bound socket to ready, and its stop signals.
 
-One process (`serve`, the default): uvicorn serves the socket preflight bound from the first second.
-Until the model is loaded the app is `Booting`, which answers /ready 503 with the phase; then the real
-app (app.create_app) starts and answers everything, its own /ready 503 "warming" until warm:
+uvicorn serves the socket preflight bound from the first second. Until the model is loaded the app is
+`Booting`, which answers /ready 503 with the phase; then the real app (api/app.py) starts with a Runtime
+of decode processes (procs/decoders.py's PoolDecoder) and the engine host in this process
+(engine/host.py, through its LocalTransport), and answers everything, its /ready 503 "warming" until warm:
 
-    bound -> loading (load_model, a thread) -> compiling (cuda: the Runtime's torch.compile and CUDA
+    bound -> loading (load_model, a thread) -> compiling (cuda: the Engine's torch.compile and CUDA
     graphs) -> warming (the warm-up step, the decode workers) -> ready (/ready 200)
 
 Signals: the first SIGINT or SIGTERM logs one line and drains (uvicorn's graceful shutdown, then the
 app's); no process prints a traceback. The supervisor's children use `Server(ignore_sigint=True)`:
 a terminal's Ctrl-C reaches the whole process group, and the supervisor stops them in order.
 
-Imports stay light here (no torch, no service.api.app at module level): uvicorn must start at once.
+Imports stay light here (no torch at module level): uvicorn must start at once.
 """
 
 from __future__ import annotations
@@ -30,37 +32,11 @@ from collections.abc import Callable
 
 import uvicorn
 
+from service.api.server import Server, server_options
 from service.config import Settings
 from service.errors import StartupError, error_body
-from service.api.protocol import header_timeout_protocol
 
 log = logging.getLogger(__name__)
-
-
-def server_options(settings: Settings) -> dict:
-    """uvicorn's options for serving this app (one process or each API process).
-    NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
-    are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
-    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
-    return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
-            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
-
-
-class Server(uvicorn.Server):
-    """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
-    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first)."""
-
-    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False):
-        super().__init__(config)
-        self.ignore_sigint = ignore_sigint
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGINT and self.ignore_sigint:
-            return
-        if not self.should_exit:
-            log.info("%s: stopping; open requests finish first%s", signal.Signals(sig).name,
-                     " (Ctrl-C again to stop at once)" if sig == signal.SIGINT else "")
-        super().handle_exit(sig, frame)
 
 
 def _in_daemon_thread(fn: Callable, *args):
@@ -88,10 +64,10 @@ def _in_daemon_thread(fn: Callable, *args):
 
 
 def _load_model(settings: Settings):
-    # NOTE: the service's heavy modules (torch, transformers, the app) are imported here, in the
-    # loading thread: imported on the event loop they would stall /ready for seconds.
-    from . import app  # noqa: F401
+    # NOTE: the service's heavy modules (torch, transformers, the app: procs/local.py) are imported here,
+    # in the loading thread: imported on the event loop they would stall /ready for seconds.
     from service.engine.loader import load_model
+    from service.procs import local  # noqa: F401
 
     return load_model(settings)
 
@@ -138,13 +114,13 @@ class Booting:
     async def _boot(self) -> None:
         try:
             model = await _in_daemon_thread(self.load or _load_model, self.settings)
-            # What the Engine does before it is ready on a GPU (runner.py: cuda + bfloat16 only).
+            # What the Engine does before it is ready on a GPU (engine/runner.py: cuda + bfloat16 only).
             if model.device.type == "cuda" and str(model.dtype) == "torch.bfloat16" and (
                     self.settings.compile or self.settings.cuda_graphs):
                 self.phase = "compiling"
-            from service.api.app import create_app
+            from service.procs.local import local_app  # (imported by the loading thread already)
 
-            app = create_app(self.settings, model)
+            app = local_app(self.settings, model)
             await self._lifespans.enter_async_context(app.router.lifespan_context(app))
             self.app = app
         except asyncio.CancelledError:
