@@ -77,7 +77,6 @@ class PreparedImage:
     grid_thw: tuple[int, int, int]  # (1, H'/patch, W'/patch)
     num_patches: int  # t*h*w: rows of pixel_values
     num_tokens: int  # num_patches // merge**2: rows of the embedding
-    orig_size: tuple[int, int]  # (w, h) after EXIF orientation, before resizing
 
 
 def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits) -> PreparedImage:
@@ -89,18 +88,15 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits) ->
             pixels = rgb  # PIL's resize to the same size is a copy: the same pixels
         else:
             pixels = preprocess.resize(Image.fromarray(rgb), params)
-        orig_size = (width, height)
     else:
         img = decode_image(data, limits)
         pixels = preprocess.resize(img, params)
-        orig_size = img.size
     grid = preprocess.grid_for(pixels.shape[0], pixels.shape[1], params)
     return PreparedImage(
         pixels=pixels,
         grid_thw=grid,
         num_patches=preprocess.num_patches(grid),
         num_tokens=preprocess.num_tokens(grid, params),
-        orig_size=orig_size,
     )
 
 

@@ -179,8 +179,7 @@ class EngineHost:
             if nbytes != h * w * 3 or h <= 0 or w <= 0 or tokens * self.model.spec.merge_size**2 != t_ * gh * gw:
                 raise ValueError(f"submit of {key}: inconsistent geometry {h}x{w}, {nbytes} bytes, grid {grid}")
             pixels = self.reader.view(segment, offset, nbytes).reshape(h, w, 3)
-            image = PreparedImage(pixels=pixels, grid_thw=(t_, gh, gw), num_patches=t_ * gh * gw, num_tokens=tokens,
-                                  orig_size=(w, h))
+            image = PreparedImage(pixels=pixels, grid_thw=(t_, gh, gw), num_patches=t_ * gh * gw, num_tokens=tokens)
             ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens, reservation=place)
         except Exception:
             if place is not None:

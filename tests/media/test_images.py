@@ -281,9 +281,8 @@ def test_exif_orientation_8_rotates_counterclockwise():
 
 
 def test_exif_orientation_sets_prepared_geometry():
-    prepared = prepare_image(exif_rotated("JPEG", 6), P, LIMITS)
-    assert prepared.orig_size == (64, 96)
-    assert prepared.pixels.shape == (320, 224, 3) and prepared.grid_thw == (1, 20, 14)
+    prepared = prepare_image(exif_rotated("JPEG", 6), P, LIMITS)  # stored 96x64, displayed 64x96
+    assert prepared.pixels.shape == (320, 224, 3) and prepared.grid_thw == (1, 20, 14)  # (224, 320, 3) unrotated
 
 
 def test_gif_decodes_its_first_frame():
@@ -322,12 +321,11 @@ def test_cmyk_16bit_1bit_and_la_decode_to_rgb():
 
 def test_prepared_image_fields():
     prepared = prepare_image(valid_images()["astronaut.png"], P, LIMITS)
-    assert prepared.orig_size == (512, 512)
     assert prepared.pixels.shape == (512, 512, 3) and prepared.pixels.dtype == np.uint8
     assert prepared.pixels.flags.c_contiguous
     assert prepared.grid_thw == (1, 32, 32) and prepared.num_patches == 1024 and prepared.num_tokens == 256
     tiny = prepare_image(valid_images()["tiny_10x7.png"], P, LIMITS)
-    assert tiny.orig_size == (10, 7) and tiny.pixels.shape == (224, 320, 3) and tiny.num_tokens == 70
+    assert tiny.pixels.shape == (224, 320, 3) and tiny.num_tokens == 70  # 10x7 upscaled to min_pixels
 
 
 def test_prepared_image_and_function_are_picklable():
@@ -407,7 +405,7 @@ def test_plain_jpegs_decode_bit_identically_through_simplejpeg(name, subsampling
         assert decodes == 1, "a plain JPEG must take the fast path"
         assert np.array_equal(fast.pixels, pil.pixels), (name, img.size)
         assert fast.pixels.flags.c_contiguous and fast.pixels.flags.writeable and fast.pixels.dtype == np.uint8
-        assert (fast.grid_thw, fast.num_tokens, fast.orig_size) == (pil.grid_thw, pil.num_tokens, pil.orig_size)
+        assert (fast.grid_thw, fast.num_tokens) == (pil.grid_thw, pil.num_tokens)
 
 
 def test_jpegs_that_are_not_plain_go_through_pil(monkeypatch):
@@ -420,8 +418,8 @@ def test_jpegs_that_are_not_plain_go_through_pil(monkeypatch):
     for what, data in cases.items():
         fast, pil, decodes = _both_paths(data, monkeypatch)
         assert decodes == 0, what
-        assert np.array_equal(fast.pixels, pil.pixels) and fast.orig_size == pil.orig_size, what
-    assert _both_paths(cases["exif rotated"], monkeypatch)[0].orig_size == (64, 96)  # rotated for display
+        assert np.array_equal(fast.pixels, pil.pixels) and fast.grid_thw == pil.grid_thw, what
+    assert _both_paths(cases["exif rotated"], monkeypatch)[0].pixels.shape == (320, 224, 3)  # rotated for display
 
 
 def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejpeg(monkeypatch):
