@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import httpx
-import numpy as np
 
 from service.engine.batcher import Reservation, Ticket
-from service.config import ImageLimits, Settings
+from service.config import Settings
 from service.errors import (
     BackendError,
     EmptyImage,
@@ -38,7 +37,7 @@ from service.errors import (
     Unavailable,
     at_index,
 )
-from service.media.images import PreparedImage, header_tokens, prepare_image
+from service.media.images import PreparedImage, header_tokens, prepare_image, warmup_image, warmup_png
 from service.metrics import Metrics
 from service.store.directory import StoredItem
 from service.store.format import CONTENT_KEY_PREFIX, validate_key
@@ -182,10 +181,10 @@ class Runtime:
             try:
                 t0 = time.perf_counter()
                 if self.settings.warmup:
-                    image = warmup_image(self.model)
+                    image = warmup_image(self.model.params)
                     self.engine.encode_sync([image])
                     # Start every decode worker now (imports, forkserver) rather than on the first requests.
-                    blob = _warmup_png()
+                    blob = warmup_png()
                     list(self.decoders.map(prepare_image, [blob] * self.decode_workers,
                                            [self.model.params] * self.decode_workers,
                                            [self.settings.image_limits] * self.decode_workers))
@@ -439,22 +438,6 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
         answers[key] = Answer(fut.result(), cached=False)
         rt.metrics.images.labels(outcome="coalesced" if coalesced else "encoded").inc()
     return [answers[key] for key in keys]
-
-
-def _warmup_png() -> bytes:
-    """A synthetic image of Qwen3-VL's minimum size (256x256 = 65536 pixels)."""
-    import io
-
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def warmup_image(model: LoadedModel) -> PreparedImage:
-    return prepare_image(_warmup_png(), model.params, ImageLimits())
 
 
 def _digests(rt: Runtime, data: bytes) -> tuple[str, str]:

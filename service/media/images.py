@@ -206,6 +206,20 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
         ) from e
 
 
+def warmup_png() -> bytes:
+    """A synthetic image of Qwen3-VL's minimum size (256x256 = 65536 pixels): start-up decodes and encodes
+    it once, so that the first client's image does not pay for the imports, worker starts and kernels."""
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def warmup_image(params: PreprocessParams) -> PreparedImage:
+    """warmup_png prepared for the step loop's warm-up encode."""
+    return prepare_image(warmup_png(), params, ImageLimits())
+
+
 # ---- stages ---------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from service.engine.batcher import BatchLimits, Batcher, Reservation, Ticket
 from service.config import Settings
 from service.engine.core import EncodeJob, Engine
 from service.errors import KeyConflict, ServiceError
-from service.media.images import PreparedImage
+from service.media.images import PreparedImage, warmup_image
 from service.procs.ipc import EngineServer, error_to_wire, item_to_wire
 from service.engine.loader import LoadedModel, load_model
 from service.metrics import Metrics
@@ -242,9 +242,7 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     # (child_setup): a terminal's Ctrl-C reaches this process too, before the API processes are done.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if settings.warmup:
-        from service.api.encode import warmup_image
-
-        engine.encode_sync([warmup_image(model)])
+        engine.encode_sync([warmup_image(model.params)])
     engine.start()
     host.startup["total_s"] = round(time.perf_counter() - t0 + model.load_s, 2)
     host.ready.set()

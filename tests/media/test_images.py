@@ -436,3 +436,11 @@ def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejp
                     prepare_image(data, P, limits)
             outcomes.append((type(e.value), e.value.message))
         assert outcomes[0] == outcomes[1], outcomes
+
+
+def test_warmup_image_is_the_smallest_image_the_model_takes():
+    # 256x256 = min_pixels: no resize; the same bytes each call (start-up decodes it in every worker)
+    assert images.warmup_png() == images.warmup_png()
+    prepared = images.warmup_image(P)
+    assert prepared.pixels.shape == (256, 256, 3) and prepared.grid_thw == (1, 16, 16) and prepared.num_tokens == 64
+    np.testing.assert_array_equal(prepared.pixels, np.asarray(Image.open(io.BytesIO(images.warmup_png()))))
