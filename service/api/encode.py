@@ -37,7 +37,15 @@ from service.errors import (
     Unavailable,
     at_index,
 )
-from service.media.images import PreparedImage, header_tokens, prepare_image, warmup_image, warmup_png
+from service.media.images import (
+    ImageHeader,
+    PreparedImage,
+    header_tokens,
+    prepare_image,
+    read_header,
+    warmup_image,
+    warmup_png,
+)
 from service.metrics import Metrics
 from service.store.directory import StoredItem
 from service.store.format import CONTENT_KEY_PREFIX, validate_key
@@ -138,8 +146,9 @@ class Runtime:
         return concurrent.futures.ProcessPoolExecutor(self.decode_workers, mp_context=multiprocessing.get_context(method),
                                                       initializer=exit_with, initargs=(os.getpid(),))
 
-    async def decode(self, data: bytes) -> PreparedImage:
-        """prepare_image in a decode worker. A dead worker (the OOM killer's SIGKILL) breaks the whole
+    async def decode(self, data: bytes, header: ImageHeader) -> PreparedImage:
+        """prepare_image in a decode worker (the header read for admission goes with it: not parsed twice).
+        A dead worker (the OOM killer's SIGKILL) breaks the whole
         pool: it is replaced at once and this image answered 503, so one death costs one request.
 
         A pool can also stop answering without breaking: the chaos test met it once in CI (after a
@@ -151,7 +160,7 @@ class Runtime:
         waiting_since = time.monotonic()
         try:  # (a pool already broken raises here, at submit)
             fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, self.model.params,
-                                                             self.settings.image_limits)
+                                                             self.settings.image_limits, header)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
                 stalled = time.monotonic() - max(waiting_since, self._decode_done) > DECODE_STALL_S
                 if stalled or pool is not self.decoders:
@@ -309,11 +318,11 @@ class RemoteRuntime:
         self.arena.close()
 
 
-def _prepare_into_arena(rt: RemoteRuntime, data: bytes) -> tuple[PreparedImage, int]:
+def _prepare_into_arena(rt: RemoteRuntime, data: bytes, header: ImageHeader) -> tuple[PreparedImage, int]:
     """Decode + preprocess (a decode thread), then copy the pixels into a new arena cell."""
     from service.procs.arena import ArenaFull
 
-    prep = prepare_image(data, rt.params, rt.settings.image_limits)
+    prep = prepare_image(data, rt.params, rt.settings.image_limits, header)
     try:
         off = rt.arena.alloc(prep.pixels.nbytes)
     except ArenaFull as e:
@@ -329,7 +338,7 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
     """`_encode_local` for an API process: the same answers, with the engine process deciding hits,
     coalescing and admission (a claim per image, before it is decoded). The caller has checked
     `await rt.require_ready()`."""
-    keys, shas, tokens = await _keys_for(rt, inputs, rt.params)
+    keys, shas, headers, tokens = await _keys_for(rt, inputs, rt.params)
     phases.mark("keys")
     answers: dict[str, Answer] = {}
     waits: dict[str, tuple[int, asyncio.Future, bool]] = {}  # key -> (request id, future, coalesced)
@@ -357,7 +366,7 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
     # ahead of its grant. A speculative decode whose claim is not a grant frees its cell when it ends.
     early: dict[str, asyncio.Future] = {}
     if rt.requests_in_flight == 0:
-        early = {key: loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data)
+        early = {key: loop.run_in_executor(rt.decoders, _prepare_into_arena, rt, inputs[i].data, headers[i])
                  for key, i in firsts.items()}
     rt.requests_in_flight += 1
 
@@ -373,7 +382,7 @@ async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: Cl
     async def decode_and_submit(key: str, gid: int, i: int) -> None:
         try:
             decoded = early.pop(key, None) or loop.run_in_executor(rt.decoders, _prepare_into_arena, rt,
-                                                                   inputs[i].data)
+                                                                   inputs[i].data, headers[i])
             prep, off = await decoded
         except Exception as p:
             raise _decode_failure(inputs, i, p)
@@ -470,29 +479,30 @@ async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Fut
     return False
 
 
-async def _keys_for(rt, inputs: list[Input], params) -> tuple[list[str], list[str], list[int]]:
-    """Each image's store key (its uuid, or its content key), the SHA-256 of its bytes and its output
-    tokens by its header (what admission counts before decode); 409 when one uuid is given to different
-    images in one request."""
+async def _keys_for(rt, inputs: list[Input], params) -> tuple[list[str], list[str], list[ImageHeader], list[int]]:
+    """Each image's store key (its uuid, or its content key), the SHA-256 of its bytes, its header (for its
+    decode: parsed once) and its output tokens by that header (what admission counts before decode); 409
+    when one uuid is given to different images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
             raise at_index(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
-    # (sha256 of bytes, content key, header tokens) of every image in one thread hop: a hop each cost an
-    # 8-image request 8 event-loop round trips through the executor, and a lone image one more for its
-    # tokens (~0.1-0.2 ms of its latency on an idle server).
+    # (sha256 of bytes, content key, header) of every image in one thread hop: a hop each cost an 8-image
+    # request 8 event-loop round trips through the executor, and a lone image one more for its tokens
+    # (~0.1-0.2 ms of its latency on an idle server).
     limits = rt.settings.image_limits
-    digests = await asyncio.to_thread(lambda: [(*_digests(rt, inp.data), header_tokens(inp.data, params, limits))
+    digests = await asyncio.to_thread(lambda: [(*_digests(rt, inp.data), read_header(inp.data, limits))
                                                for inp in inputs])
     keys = [inp.uuid if inp.uuid is not None else key for inp, (_, key, _) in zip(inputs, digests)]
     shas = [sha for sha, _, _ in digests]
+    headers = [header for _, _, header in digests]
     bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
     for i, (key, sha) in enumerate(zip(keys, shas)):
         if bound.setdefault(key, sha) != sha:
             raise at_index(KeyConflict(f"images[{i}]: uuid {key!r} is also given to other image bytes earlier in this "
                                        "request; one uuid names one image"), i)
-    return keys, shas, [tokens for _, _, tokens in digests]
+    return keys, shas, headers, [header_tokens(h, params, limits) for h in headers]
 
 
 def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceError:
@@ -515,7 +525,7 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
     """`encode` in a single process: the store, the batcher and the decode pool are this process's."""
     from service.engine.core import EncodeJob  # (imported already by Runtime; not at the top: API processes never need it)
 
-    keys, shas, tokens = await _keys_for(rt, inputs, rt.model.params)
+    keys, shas, headers, tokens = await _keys_for(rt, inputs, rt.model.params)
     phases.mark("keys")
 
     answers: dict[str, Answer] = {}  # key -> answer; a key twice in one request is handled once
@@ -564,7 +574,8 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
             places[key] = rt.batcher.reserve(tokens[i])
         phases.mark("admit")
 
-        prepared = await asyncio.gather(*(rt.decode(inputs[i].data) for i in todo.values()), return_exceptions=True)
+        prepared = await asyncio.gather(*(rt.decode(inputs[i].data, headers[i]) for i in todo.values()),
+                                        return_exceptions=True)
         for i, p in zip(todo.values(), prepared):
             if isinstance(p, BaseException):
                 raise _decode_failure(inputs, i, p)

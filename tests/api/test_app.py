@@ -609,9 +609,9 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
         gate = Gate(rt.engine)
         decoded, real_decode = [], rt.decode
 
-        async def counting_decode(blob):
+        async def counting_decode(blob, header):
             decoded.append(len(blob))
-            return await real_decode(blob)
+            return await real_decode(blob, header)
 
         rt.decode = counting_decode
         with ThreadPoolExecutor(24) as pool:

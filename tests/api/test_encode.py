@@ -87,9 +87,9 @@ def test_two_concurrent_identical_images_are_decoded_and_encoded_once(tmp_path, 
         gate = Gate(rt.engine)
         decoded, real_decode = [], rt.decode
 
-        async def counting_decode(blob):
+        async def counting_decode(blob, header):
             decoded.append(blob)
-            return await real_decode(blob)
+            return await real_decode(blob, header)
 
         rt.decode = counting_decode
         try:
