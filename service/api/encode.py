@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import httpx
+import numpy as np
 
 from service.engine.batcher import Reservation, Ticket
 from service.config import Settings
@@ -319,18 +320,28 @@ class RemoteRuntime:
 
 
 def _prepare_into_arena(rt: RemoteRuntime, data: bytes, header: ImageHeader) -> tuple[PreparedImage, int]:
-    """Decode + preprocess (a decode thread), then copy the pixels into a new arena cell."""
+    """Decode + preprocess (a decode thread) straight into a new arena cell: the pixels are written once."""
     from service.procs.arena import ArenaFull
 
-    prep = prepare_image(data, rt.params, rt.settings.image_limits, header)
+    cells: list[tuple[int, int]] = []  # (offset, nbytes) of the cell prepare_image asked for, once it has
+
+    def into_cell(nbytes: int) -> np.ndarray:
+        try:
+            off = rt.arena.alloc(nbytes)
+        except ArenaFull as e:
+            raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
+                             retry_after_s=1) from None
+        cells.append((off, nbytes))
+        rt.metrics.arena_bytes.set(rt.arena.used)
+        return rt.arena.view(off, nbytes)
+
     try:
-        off = rt.arena.alloc(prep.pixels.nbytes)
-    except ArenaFull as e:
-        raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
-                         retry_after_s=1) from None
-    rt.arena.view(off, prep.pixels.nbytes)[:] = prep.pixels.reshape(-1)
-    rt.metrics.arena_bytes.set(rt.arena.used)
-    return prep, off
+        prep = prepare_image(data, rt.params, rt.settings.image_limits, header, out=into_cell)
+    except BaseException:
+        for off, nbytes in cells:  # refused after it took its cell (a JPEG whose data is broken): no owner now
+            rt.free_cell(off, nbytes)
+        raise
+    return prep, cells[0][0]
 
 
 async def _encode_remote(rt: RemoteRuntime, inputs: list[Input], client_gone: ClientGone,

@@ -22,6 +22,7 @@ import io
 import struct
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +78,8 @@ _PIL_DATA_ERRORS = (SyntaxError, ValueError, EOFError, IndexError, struct.error,
 class PreparedImage:
     """One decoded, validated, resized image: what crosses from a decode worker to the batcher."""
 
-    pixels: np.ndarray  # [H', W', 3] uint8, C-contiguous, resized (H', W' multiples of patch*merge)
+    # [H', W', 3] uint8, C-contiguous, resized (H', W' multiples of patch*merge); a view of prepare_image's out if given
+    pixels: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, H'/patch, W'/patch)
     num_patches: int  # t*h*w: rows of pixel_values
     num_tokens: int  # num_patches // merge**2: rows of the embedding
@@ -93,6 +95,11 @@ class ImageHeader:
     format: str | None  # the supported format the data's signature names (_sniff_format); None: none does
     size: tuple[int, int] | None  # (width, height) as declared, before EXIF orientation; None: no parser read it
     plain_jpeg: bool  # simplejpeg may decode it straight to the RGB pixels (see _decode_plain_jpeg)
+
+
+# Where prepare_image writes the final pixels: called with their size in bytes, it returns a writable flat
+# uint8 array of exactly that size (e.g. a shared-memory arena cell).
+PixelsOut = Callable[[int], np.ndarray]
 
 
 def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
@@ -142,21 +149,28 @@ def header_tokens(header: ImageHeader, params: PreprocessParams, limits: ImageLi
     return preprocess.num_tokens(preprocess.grid_for(height, width, params), params)
 
 
-def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits,
-                  header: ImageHeader | None = None) -> PreparedImage:
+def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits, header: ImageHeader | None = None,
+                  out: PixelsOut | None = None) -> PreparedImage:
     """Encoded image bytes -> PreparedImage. Raises an ImageError subclass for bad input.
 
     header: `read_header(data, limits)` if the caller has it (admission read it): not parsed again then.
+    out: where the pixels go (PixelsOut), called once, when their final size is known, and decoded or
+      resized straight into, so that `pixels` is a [H', W', 3] view of its buffer; what it raises (a full
+      arena) propagates as it is. If prepare_image raises after calling it, the buffer is still the
+      caller's to release. Without it the pixels are a new array. The same pixels either way.
     """
     if header is None and _sniff_format(data) == "JPEG":
         # Only a JPEG's header picks its path: any other image goes to PIL's open (its one parse) at once.
         header = read_header(data, limits)
     assert header is None or header.nbytes == len(data), "a header read from other bytes: this is a bug"
+    dest = _Destination(out)
     pixels = None
     if header is not None and header.plain_jpeg:
-        pixels = _decode_plain_jpeg(data, header.size, params, limits)
+        pixels = _decode_plain_jpeg(data, header.size, params, limits, dest)
     if pixels is None:
-        pixels = preprocess.resize(decode_image(data, limits), params)
+        img = decode_image(data, limits)
+        new_h, new_w = preprocess.smart_resize(img.height, img.width, params)  # (what resize raises, it raises first)
+        pixels = preprocess.resize(img, params, out=dest.get(new_h, new_w))
     grid = preprocess.grid_for(pixels.shape[0], pixels.shape[1], params)
     return PreparedImage(
         pixels=pixels,
@@ -166,14 +180,37 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits,
     )
 
 
+class _Destination:
+    """prepare_image's `out`, called at most once: a fallback to PIL after simplejpeg refused the data
+    writes into the buffer the fast path already took (the same size: the same header)."""
+
+    def __init__(self, out: PixelsOut | None):
+        self._out = out
+        self._pixels: np.ndarray | None = None  # [H', W', 3] uint8 view of out's buffer, once called
+
+    def get(self, height: int, width: int) -> np.ndarray | None:
+        """[height, width, 3] uint8 over out's buffer, or None without out (the decoder allocates)."""
+        if self._out is None:
+            return None
+        if self._pixels is None:
+            nbytes = height * width * 3
+            flat = self._out(nbytes)
+            assert flat.dtype == np.uint8 and flat.shape == (nbytes,) and flat.flags.writeable, (
+                f"out({nbytes}) gave a {flat.dtype} array of shape {flat.shape}: it must be a writable flat uint8 "
+                "array of exactly that size (this is a bug)")
+            self._pixels = flat.reshape(height, width, 3)
+        assert self._pixels.shape == (height, width, 3), "one image, one final size: this is a bug"
+        return self._pixels
+
+
 try:  # optional: a faster decoder for the most common input (see _decode_plain_jpeg)
     import simplejpeg as _simplejpeg
 except ImportError:  # pragma: no cover - it is a dependency; a build without it takes PIL's path
     _simplejpeg = None
 
 
-def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessParams,
-                       limits: ImageLimits) -> np.ndarray | None:
+def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessParams, limits: ImageLimits,
+                       dest: _Destination) -> np.ndarray | None:
     """[H', W', 3] uint8 final pixels of a plain JPEG decoded by simplejpeg, or None: take decode_image's path.
 
     Why: PIL's decode plus its packing of RGBX into RGB bytes (Image.tobytes) cost ~1.5 ms of a 448px
@@ -183,7 +220,8 @@ def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessPar
     Plain means (read_header): PIL's header parser calls it a JPEG (not an MPO) with YCbCr / RGB pixels
     (mode RGB) and no EXIF orientation to apply. Grayscale, CMYK, rotated and MPO files, and anything
     simplejpeg refuses (corrupt or truncated data: its strict mode errs on libjpeg's warnings), go through
-    PIL, which says what is wrong. The checks before any pixel is decoded are decode_image's."""
+    PIL, which says what is wrong. The checks before any pixel is decoded are decode_image's.
+    An image that needs no resize is decoded into out's buffer (dest): its final pixels, in place."""
     if _simplejpeg is None:
         return None
     _check_geometry(size, limits)  # the header's size is what simplejpeg decodes: refuse a bomb first
@@ -192,15 +230,19 @@ def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessPar
         target = preprocess.smart_resize(height, width, params)
     except BadAspectRatio:  # over the model's 200:1 (a looser --max-aspect-ratio): PIL's path says so, after its decode
         return None
+    # Called before the decode (the header gives the size), outside the try: out's errors are not simplejpeg's.
+    into = dest.get(height, width) if target == (height, width) else None
     try:
-        rgb = _simplejpeg.decode_jpeg(data, colorspace="RGB")
+        rgb = _simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=into)
     except Exception:  # noqa: BLE001 - whatever it is (corrupt, truncated), decode_image meets it again and names it
         return None
     if rgb.shape != (height, width, 3) or not rgb.flags.c_contiguous:
         return None
+    if into is not None:
+        return into  # rgb is a view of it: the final pixels, decoded in place
     if target == (height, width):
         return rgb  # PIL's resize to the same size is a copy: the same pixels
-    return preprocess.resize(Image.fromarray(rgb), params)
+    return preprocess.resize(Image.fromarray(rgb), params, out=dest.get(*target))
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:

@@ -3,13 +3,17 @@ CPU model, parsed inputs in, answers out. Cache hits, coalescing, a client that 
 decode failure that fails its request as a whole."""
 
 import asyncio
+import functools
+import os
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from service.api import encode as frontend
-from service.config import Settings
-from service.errors import NotAnImage, TruncatedImage, http_status
+from service.config import PreprocessParams, Settings
+from service.errors import CorruptImage, NotAnImage, Overloaded, TruncatedImage, http_status
 from service.api.encode import Input, Runtime
 from service.engine.loader import load_model
 from tests import imagedata as data
@@ -157,3 +161,39 @@ def test_an_image_that_fails_to_decode_fails_its_request_with_its_4xx(tmp_path, 
         assert ok.cached is False
 
     _with_runtime(tmp_path, tiny_model, test)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_an_api_process_decodes_into_its_arena_cell_and_gives_the_cell_back_if_the_decode_fails():
+    from service.media.images import prepare_image, read_header
+    from service.metrics import Metrics
+    from service.procs.arena import Arena, segment_name
+
+    settings = Settings()
+    rt = SimpleNamespace(arena=Arena(segment_name(os.getpid(), 0, 98), 1 << 20), params=PreprocessParams(),
+                         settings=settings, metrics=Metrics())
+    rt.free_cell = functools.partial(frontend.RemoteRuntime.free_cell, rt)
+    limits = settings.image_limits
+    try:
+        good = data.encode(data.textured_rgb(448, 448, seed=1), "JPEG", quality=90)  # decoded in place
+        prep, off = frontend._prepare_into_arena(rt, good, read_header(good, limits))
+        assert np.shares_memory(prep.pixels, rt.arena.buf) and rt.arena.used >= prep.pixels.nbytes == 448 * 448 * 3
+        expected = prepare_image(good, rt.params, limits).pixels
+        assert np.array_equal(rt.arena.view(off, prep.pixels.nbytes), expected.reshape(-1))
+        rt.free_cell(off, prep.pixels.nbytes)
+        # a readable header over broken data: the cell it took while simplejpeg tried is given back
+        broken = bytearray(good)
+        dht = broken.index(b"\xff\xc4")
+        broken[dht + 5 : dht + 13] = bytes(b ^ 0xFF for b in broken[dht + 5 : dht + 13])
+        header = read_header(bytes(broken), limits)
+        assert header.plain_jpeg  # so its cell is taken before simplejpeg (and then PIL) refuse it
+        with pytest.raises(CorruptImage):
+            frontend._prepare_into_arena(rt, bytes(broken), header)
+        assert rt.arena.used == 0
+        # no cell for it (1.2 MB in a 1 MB arena): 429, and nothing taken
+        big = data.encode(data.textured_rgb(640, 640, seed=2), "PNG")
+        with pytest.raises(Overloaded, match="too many images"):
+            frontend._prepare_into_arena(rt, big, read_header(big, limits))
+        assert rt.arena.used == 0
+    finally:
+        rt.arena.close()

@@ -547,6 +547,97 @@ def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejp
     assert read_header(bad_images()["corrupt_jpeg"][0], LIMITS).plain_jpeg  # so simplejpeg met it first
 
 
+# ---- decoding into the caller's buffer (out) -------------------------------------------------------------
+
+
+class _Cell:
+    """An `out` for prepare_image: a cell in the middle of a larger buffer, whose guard bytes either side
+    nothing may write; it records every call."""
+
+    GUARD = 64
+
+    def __init__(self):
+        self.calls: list[int] = []
+        self.buf = np.empty(0, np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        self.calls.append(nbytes)
+        self.buf = np.full(nbytes + 2 * self.GUARD, 0xA5, np.uint8)
+        return self.buf[self.GUARD : self.GUARD + nbytes]
+
+    def guards_intact(self) -> bool:
+        return bool((self.buf[: self.GUARD] == 0xA5).all() and (self.buf[-self.GUARD :] == 0xA5).all())
+
+
+def test_decoding_into_out_gives_the_same_pixels_in_its_buffer_for_every_image():
+    for name, data in _corpus().items():
+        alone = prepare_image(data, P, LIMITS)
+        for header in (read_header(data, LIMITS), None):
+            cell = _Cell()
+            into = prepare_image(data, P, LIMITS, header=header, out=cell)
+            assert cell.calls == [alone.pixels.nbytes], name  # once, with the final size
+            assert np.shares_memory(into.pixels, cell.buf) and cell.guards_intact(), name
+            assert into.pixels.shape == alone.pixels.shape and into.pixels.flags.c_contiguous, name
+            assert np.array_equal(into.pixels, alone.pixels), name
+            assert (into.grid_thw, into.num_patches, into.num_tokens) == (alone.grid_thw, alone.num_patches,
+                                                                          alone.num_tokens), name
+
+
+def test_a_plain_jpeg_that_needs_no_resize_is_decoded_in_place(monkeypatch):
+    import simplejpeg
+
+    data = _photo_jpegs("chelsea.png", 2, False)[0]  # 448x448: the decoded pixels are the final pixels
+    buffers, real = [], simplejpeg.decode_jpeg
+
+    def spy(*args, **kwargs):
+        buffers.append(kwargs.get("buffer"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(images, "_simplejpeg", type("SJ", (), {"decode_jpeg": staticmethod(spy)}))
+    cell = _Cell()
+    prepare_image(data, P, LIMITS, out=cell)
+    assert len(buffers) == 1 and buffers[0] is not None and np.shares_memory(buffers[0], cell.buf)
+    prepare_image(_photo_jpegs("chelsea.png", 2, False)[1], P, LIMITS, out=_Cell())  # 451x300: resized
+    assert len(buffers) == 2 and buffers[1] is None  # decoded to its own array, then resized into out
+
+
+def test_a_jpeg_simplejpeg_refuses_after_taking_out_is_decoded_by_pil_into_the_same_buffer():
+    # Zeroed bytes in the scan data: libjpeg's warning, an error in simplejpeg's strict mode; PIL decodes it.
+    data = bytearray(encode(textured_rgb(448, 448, seed=3), "JPEG", quality=90))
+    scan = data.index(b"\xff\xda") + 2000
+    data[scan : scan + 4] = bytes(0 if b != 0xFF else 0xFF for b in data[scan : scan + 4])
+    data = bytes(data)
+    assert read_header(data, LIMITS).plain_jpeg
+    alone, cell = prepare_image(data, P, LIMITS), _Cell()
+    into = prepare_image(data, P, LIMITS, out=cell)
+    assert cell.calls == [448 * 448 * 3] and np.shares_memory(into.pixels, cell.buf)
+    assert np.array_equal(into.pixels, alone.pixels) and cell.guards_intact()
+
+
+def test_what_out_raises_comes_out_of_prepare_image_as_it_is():
+    class Full(Exception):
+        pass
+
+    def full(nbytes):
+        raise Full(f"no {nbytes}-byte cell")
+
+    # simplejpeg in place (448x448), PIL without a resize (512x512), simplejpeg then a resize (640x427 -> 640x416)
+    cases = [(_photo_jpegs("chelsea.png", 2, False)[0], 448 * 448), (valid_images()["astronaut.png"], 512 * 512),
+             (valid_images()["rocket.jpg"], 640 * 416)]
+    for data, pixels in cases:
+        with pytest.raises(Full, match=f"^no {pixels * 3}-byte cell$"):
+            prepare_image(data, P, LIMITS, header=read_header(data, LIMITS), out=full)
+
+
+def test_bad_images_raise_the_same_errors_with_out():
+    for name, (data, cls, _) in bad_images().items():
+        with pytest.raises(cls) as plain:
+            prepare_image(data, P, LIMITS)
+        with pytest.raises(cls) as into:
+            prepare_image(data, P, LIMITS, header=read_header(data, LIMITS), out=_Cell())
+        assert into.value.message == plain.value.message, name
+
+
 def test_warmup_image_is_the_smallest_image_the_model_takes():
     # 256x256 = min_pixels: no resize; the same bytes each call (start-up decodes it in every worker)
     assert images.warmup_png() == images.warmup_png()

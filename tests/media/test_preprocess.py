@@ -237,6 +237,15 @@ def test_resize_output_is_writable_contiguous_uint8():
     assert pixels.flags.c_contiguous and pixels.flags.writeable and pixels.flags.owndata
 
 
+
+def test_resize_writes_into_out():
+    img = textured_rgb(150, 110)
+    out = np.zeros((224, 320, 3), np.uint8)
+    result = preprocess.resize(img, P, out=out)
+    assert result is out and np.array_equal(out, preprocess.resize(img, P))
+    with pytest.raises(AssertionError, match=r"\[224, 320, 3\] uint8"):
+        preprocess.resize(img, P, out=np.zeros((320, 224, 3), np.uint8))
+
 # ---- RGB conversion --------------------------------------------------------------------------------------
 
 
