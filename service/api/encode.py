@@ -26,7 +26,7 @@ from service.api.runtime import Decoded, Runtime
 from service.engine.client import Pending
 from service.engine.messages import Grant, Hit
 from service.errors import BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, at_index
-from service.media.images import header_tokens
+from service.media.images import ImageHeader, header_tokens, read_header
 from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
 
@@ -72,6 +72,7 @@ class Phases:
 class _Keyed(NamedTuple):
     key: str  # the store key: the client's uuid, or the content key
     sha256: str  # of the image's bytes
+    header: ImageHeader  # read once, here; the decode reuses it
     tokens: int  # output tokens by its header (1 when the header is unusable: the decode says why)
 
 
@@ -111,7 +112,8 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     loop = asyncio.get_running_loop()
     early: dict[str, asyncio.Future] = {}
     if engines.travels and rt.requests_in_flight == 0:
-        early = {key: loop.create_task(decoder.decode(inputs[i].data, rt.params)) for key, i in firsts.items()}
+        early = {key: loop.create_task(decoder.decode(inputs[i].data, keyed[i].header, rt.params))
+                 for key, i in firsts.items()}
     rt.requests_in_flight += 1
 
     def release_when_done(f: asyncio.Future) -> None:
@@ -125,7 +127,7 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     async def decode_and_submit(key: str, grant: Grant) -> None:
         i = firsts[key]
         try:
-            decoded: Decoded = await (early.pop(key, None) or decoder.decode(inputs[i].data, rt.params))
+            decoded: Decoded = await (early.pop(key, None) or decoder.decode(inputs[i].data, keyed[i].header, rt.params))
         except Exception as p:
             raise _decode_failure(inputs, i, p)
         try:
@@ -197,8 +199,8 @@ def content_key(salt: bytes, sha256: bytes) -> str:
 
 
 async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
-    """Each image's key, the SHA-256 of its bytes and its header tokens; 409 when one uuid is given to
-    different images in one request."""
+    """Each image's key, the SHA-256 of its bytes, its header and the tokens it declares (what admission
+    counts before decode); 409 when one uuid is given to different images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
             raise at_index(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
@@ -209,7 +211,8 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
     def one(inp: Input) -> _Keyed:
         digest = hashlib.sha256(inp.data).digest()
         key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
-        return _Keyed(key, digest.hex(), header_tokens(inp.data, params, limits))
+        header = read_header(inp.data, limits)
+        return _Keyed(key, digest.hex(), header, header_tokens(header, params, limits))
 
     # Every image in one thread hop: a hop each cost an 8-image request 8 event-loop round trips through
     # the executor (~0.1-0.2 ms of a lone image's latency on an idle server).

@@ -29,6 +29,8 @@ from service.metrics import Metrics
 if TYPE_CHECKING:
     import numpy as np
 
+    from service.media.images import ImageHeader
+
 log = logging.getLogger(__name__)
 
 
@@ -47,8 +49,9 @@ class Decoder(Protocol):
 
     async def start(self, params: PreprocessParams) -> None: ...
 
-    async def decode(self, data: bytes, params: PreprocessParams) -> Decoded:
-        """Raises the image's ImageError, or Overloaded/Unavailable when it cannot take the work."""
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        """`header`: media.images.read_header's of `data`. Raises the image's ImageError, or
+        Overloaded/Unavailable when it cannot take the work."""
 
     def release(self, decoded: Decoded) -> None:
         """Give back the pixels of an image that never reached an engine."""

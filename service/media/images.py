@@ -8,6 +8,10 @@ before the pixels are decoded:
     ->  declared width*height and aspect ratio  ->  full decode (load)  ->  EXIF orientation  ->  RGB
     ->  smart_resize + resize  (service.media.preprocess, bit-exact with transformers)
 
+The header is parsed once, before any of that, by `read_header` (admission counts an image's tokens
+from it, `header_tokens`); given to `prepare_image`, it picks the decode path without a second parse:
+a plain JPEG is parsed once in all, another image once more by the PIL open that decodes it.
+
 Every failure is one of service.errors' ImageError subclasses with a message that says what was wrong
 and how to fix it; PIL's exceptions are caught where they can occur and never escape as a 500.
 """
@@ -18,6 +22,7 @@ import io
 import struct
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,24 +78,99 @@ _PIL_DATA_ERRORS = (SyntaxError, ValueError, EOFError, IndexError, struct.error,
 class PreparedImage:
     """One decoded, validated, resized image: what crosses from a decode worker to the batcher."""
 
-    pixels: np.ndarray  # [H', W', 3] uint8, C-contiguous, resized (H', W' multiples of patch*merge)
+    # [H', W', 3] uint8, C-contiguous, resized (H', W' multiples of patch*merge); a view of prepare_image's out if given
+    pixels: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, H'/patch, W'/patch)
     num_patches: int  # t*h*w: rows of pixel_values
     num_tokens: int  # num_patches // merge**2: rows of the embedding
 
 
-def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits) -> PreparedImage:
-    """Encoded image bytes -> PreparedImage. Raises an ImageError subclass for bad input."""
-    rgb = _decode_plain_jpeg(data, limits)
-    if rgb is not None:
-        height, width = rgb.shape[:2]
-        if preprocess.smart_resize(height, width, params) == (height, width):
-            pixels = rgb  # PIL's resize to the same size is a copy: the same pixels
-        else:
-            pixels = preprocess.resize(Image.fromarray(rgb), params)
-    else:
+@dataclass(frozen=True)
+class ImageHeader:
+    """What one parse of an image's header says (`read_header`): enough for admission (`header_tokens`) and
+    for `prepare_image` to pick its decode path without parsing again. Plain values: it pickles to a decode
+    worker process."""
+
+    nbytes: int  # len() of the data it was read from
+    format: str | None  # the supported format the data's signature names (_sniff_format); None: none does
+    size: tuple[int, int] | None  # (width, height) as declared, before EXIF orientation; None: no parser read it
+    plain_jpeg: bool  # simplejpeg may decode it straight to the RGB pixels (see _decode_plain_jpeg)
+
+
+# Where prepare_image writes the final pixels: called with their size in bytes, it returns a writable flat
+# uint8 array of exactly that size (e.g. a shared-memory arena cell).
+PixelsOut = Callable[[int], np.ndarray]
+
+
+def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
+    """One parse of the image's header, nothing decoded: its format, declared size and whether it is a
+    plain JPEG. Never raises for bad data: what the header's fault is, decoding says (the size is None
+    then). Cheap enough for the event loop's thread hop (a header parse, no pixels)."""
+    fmt = _sniff_format(data)
+    if fmt == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
+        return ImageHeader(len(data), fmt, _declared_size("WEBP", data), plain_jpeg=False)
+    size, plain = None, False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
+                size = img.size
+                plain = fmt == "JPEG" and _is_plain_jpeg(img)
+        except Exception:  # noqa: BLE001 - whatever the header's fault: the decode says what it is
+            pass
+    # simplejpeg never sees what decode_image refuses on its byte count alone (empty, over max_image_bytes).
+    return ImageHeader(len(data), fmt, size, plain_jpeg=plain and 0 < len(data) <= limits.max_image_bytes)
+
+
+def _is_plain_jpeg(img: ImageFile.ImageFile) -> bool:
+    """A JPEG (PIL names one with a multi-picture index MPO) of YCbCr / RGB pixels, no EXIF orientation to apply."""
+    if img.format != "JPEG" or img.mode != "RGB":
+        return False
+    try:
+        return img.getexif().get(ImageOps.ExifTags.Base.Orientation, 1) == 1
+    except Exception:  # noqa: BLE001 - malformed EXIF: PIL's path meets it again (exif_transpose) and names it
+        return False
+
+
+def header_tokens(header: ImageHeader, params: PreprocessParams, limits: ImageLimits) -> int:
+    """The output tokens this image will take, from its header alone (nothing decoded): what admission
+    counts before the image is decoded.
+
+    1 when the header does not give an acceptable size: decoding will refuse the image with the reason,
+    and until then it costs a queue place, not pixels. EXIF orientation does not matter: smart_resize
+    is symmetric in height and width, so a transposed image has the same number of tokens."""
+    if header.size is None:
+        return 1
+    try:
+        _check_geometry(header.size, limits)
+        height, width = preprocess.smart_resize(header.size[1], header.size[0], params)
+    except ImageError:
+        return 1
+    return preprocess.num_tokens(preprocess.grid_for(height, width, params), params)
+
+
+def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits, header: ImageHeader | None = None,
+                  out: PixelsOut | None = None) -> PreparedImage:
+    """Encoded image bytes -> PreparedImage. Raises an ImageError subclass for bad input.
+
+    header: `read_header(data, limits)` if the caller has it (admission read it): not parsed again then.
+    out: where the pixels go (PixelsOut), called once, when their final size is known, and decoded or
+      resized straight into, so that `pixels` is a [H', W', 3] view of its buffer; what it raises (a full
+      arena) propagates as it is. If prepare_image raises after calling it, the buffer is still the
+      caller's to release. Without it the pixels are a new array. The same pixels either way.
+    """
+    if header is None and _sniff_format(data) == "JPEG":
+        # Only a JPEG's header picks its path: any other image goes to PIL's open (its one parse) at once.
+        header = read_header(data, limits)
+    assert header is None or header.nbytes == len(data), "a header read from other bytes: this is a bug"
+    dest = _Destination(out)
+    pixels = None
+    if header is not None and header.plain_jpeg:
+        pixels = _decode_plain_jpeg(data, header.size, params, limits, dest)
+    if pixels is None:
         img = decode_image(data, limits)
-        pixels = preprocess.resize(img, params)
+        new_h, new_w = preprocess.smart_resize(img.height, img.width, params)  # (what resize raises, it raises first)
+        pixels = preprocess.resize(img, params, out=dest.get(new_h, new_w))
     grid = preprocess.grid_for(pixels.shape[0], pixels.shape[1], params)
     return PreparedImage(
         pixels=pixels,
@@ -100,71 +180,69 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits) ->
     )
 
 
+class _Destination:
+    """prepare_image's `out`, called at most once: a fallback to PIL after simplejpeg refused the data
+    writes into the buffer the fast path already took (the same size: the same header)."""
+
+    def __init__(self, out: PixelsOut | None):
+        self._out = out
+        self._pixels: np.ndarray | None = None  # [H', W', 3] uint8 view of out's buffer, once called
+
+    def get(self, height: int, width: int) -> np.ndarray | None:
+        """[height, width, 3] uint8 over out's buffer, or None without out (the decoder allocates)."""
+        if self._out is None:
+            return None
+        if self._pixels is None:
+            nbytes = height * width * 3
+            flat = self._out(nbytes)
+            assert flat.dtype == np.uint8 and flat.shape == (nbytes,) and flat.flags.writeable, (
+                f"out({nbytes}) gave a {flat.dtype} array of shape {flat.shape}: it must be a writable flat uint8 "
+                "array of exactly that size (this is a bug)")
+            self._pixels = flat.reshape(height, width, 3)
+        assert self._pixels.shape == (height, width, 3), "one image, one final size: this is a bug"
+        return self._pixels
+
+
 try:  # optional: a faster decoder for the most common input (see _decode_plain_jpeg)
     import simplejpeg as _simplejpeg
 except ImportError:  # pragma: no cover - it is a dependency; a build without it takes PIL's path
     _simplejpeg = None
 
 
-def _decode_plain_jpeg(data: bytes, limits: ImageLimits) -> np.ndarray | None:
-    """[H, W, 3] uint8 RGB of a plain JPEG decoded by simplejpeg, or None: take decode_image's path.
+def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessParams, limits: ImageLimits,
+                       dest: _Destination) -> np.ndarray | None:
+    """[H', W', 3] uint8 final pixels of a plain JPEG decoded by simplejpeg, or None: take decode_image's path.
 
     Why: PIL's decode plus its packing of RGBX into RGB bytes (Image.tobytes) cost ~1.5 ms of a 448px
     JPEG's ~2 ms in an API process, much of it holding the GIL; simplejpeg decodes straight into a numpy
     array with the same libjpeg-turbo settings as PIL (islow DCT, fancy upsampling), bit-identical on
     the corpus in tests/media/test_images.py (4:4:4, 4:2:2, 4:2:0, baseline and progressive, real photos).
-    Plain means: PIL's header parser calls it a JPEG (not an MPO) with YCbCr / RGB pixels (mode RGB) and
-    no EXIF orientation to apply. Grayscale, CMYK, rotated and MPO files, and anything simplejpeg
-    refuses (corrupt or truncated data: its strict mode errs on libjpeg's warnings), go through PIL,
-    which says what is wrong. The checks before any pixel is decoded are decode_image's."""
-    if _simplejpeg is None or _sniff_format(data) != "JPEG" or not 0 < len(data) <= limits.max_image_bytes:
+    Plain means (read_header): PIL's header parser calls it a JPEG (not an MPO) with YCbCr / RGB pixels
+    (mode RGB) and no EXIF orientation to apply. Grayscale, CMYK, rotated and MPO files, and anything
+    simplejpeg refuses (corrupt or truncated data: its strict mode errs on libjpeg's warnings), go through
+    PIL, which says what is wrong. The checks before any pixel is decoded are decode_image's.
+    An image that needs no resize is decoded into out's buffer (dest): its final pixels, in place."""
+    if _simplejpeg is None:
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with Image.open(io.BytesIO(data), formats=("JPEG",)) as img:
-                if img.format != "JPEG" or img.mode != "RGB" or \
-                        img.getexif().get(ImageOps.ExifTags.Base.Orientation, 1) != 1:
-                    return None
-                size = img.size
-        except Exception:  # noqa: BLE001 - whatever it is (a bad header, malformed EXIF), decode_image meets it again and names it
-            return None
     _check_geometry(size, limits)  # the header's size is what simplejpeg decodes: refuse a bomb first
+    width, height = size
     try:
-        rgb = _simplejpeg.decode_jpeg(data, colorspace="RGB")
-    except Exception:  # noqa: BLE001 - see above
+        target = preprocess.smart_resize(height, width, params)
+    except BadAspectRatio:  # over the model's 200:1 (a looser --max-aspect-ratio): PIL's path says so, after its decode
         return None
-    if rgb.shape != (size[1], size[0], 3) or not rgb.flags.c_contiguous:
-        return None
-    return rgb
-
-
-def header_tokens(data: bytes, params: PreprocessParams, limits: ImageLimits) -> int:
-    """The output tokens this image will take, from its header alone (nothing decoded): what admission
-    counts before the image is decoded. Cheap enough for the event loop (a header parse, no pixels).
-
-    1 when the header does not give an acceptable size: decoding will refuse the image with the reason,
-    and until then it costs a queue place, not pixels. EXIF orientation does not matter: smart_resize
-    is symmetric in height and width, so a transposed image has the same number of tokens."""
-    sniffed = _sniff_format(data)
-    if sniffed == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
-        size = _declared_size("WEBP", data)
-    else:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
-                    size = img.size
-        except Exception:  # whatever the header's fault: the decode says what it is
-            size = None
-    if size is None:
-        return 1
+    # Called before the decode (the header gives the size), outside the try: out's errors are not simplejpeg's.
+    into = dest.get(height, width) if target == (height, width) else None
     try:
-        _check_geometry(size, limits)
-        height, width = preprocess.smart_resize(size[1], size[0], params)
-    except ImageError:
-        return 1
-    return preprocess.num_tokens(preprocess.grid_for(height, width, params), params)
+        rgb = _simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=into)
+    except Exception:  # noqa: BLE001 - whatever it is (corrupt, truncated), decode_image meets it again and names it
+        return None
+    if rgb.shape != (height, width, 3) or not rgb.flags.c_contiguous:
+        return None
+    if into is not None:
+        return into  # rgb is a view of it: the final pixels, decoded in place
+    if target == (height, width):
+        return rgb  # PIL's resize to the same size is a copy: the same pixels
+    return preprocess.resize(Image.fromarray(rgb), params, out=dest.get(*target))
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
@@ -204,6 +282,20 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
             f"{img.format} image with pixel mode {img.mode!r} cannot be converted to RGB ({e}); "
             "re-encode it as 8-bit RGB or RGBA"
         ) from e
+
+
+def warmup_png() -> bytes:
+    """A synthetic image of Qwen3-VL's minimum size (256x256 = 65536 pixels): start-up decodes and encodes
+    it once, so that the first client's image does not pay for the imports, worker starts and kernels."""
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def warmup_image(params: PreprocessParams) -> PreparedImage:
+    """warmup_png prepared for the step loop's warm-up encode."""
+    return prepare_image(warmup_png(), params, ImageLimits())
 
 
 # ---- stages ---------------------------------------------------------------------------------------
@@ -415,16 +507,3 @@ def _looks_truncated(fmt: str, data: bytes) -> bool:
 
 def _mb(n: int) -> str:
     return f"{n:,} bytes ({n / (1024 * 1024):.1f} MiB)"
-
-
-def warmup_png() -> bytes:
-    """A synthetic image of Qwen3-VL's minimum size (256x256 = 65536 pixels): what the warm-up step
-    encodes and the decode workers decode before the service says ready."""
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def warmup_image(params: PreprocessParams) -> PreparedImage:
-    return prepare_image(warmup_png(), params, ImageLimits())

@@ -94,15 +94,23 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def resize(img_rgb: Image.Image, params: PreprocessParams) -> np.ndarray:
+def resize(img_rgb: Image.Image, params: PreprocessParams, out: np.ndarray | None = None) -> np.ndarray:
     """smart_resize + PIL resize of an RGB image, as the processor does it: the uint8 image is resized
-    by PIL itself (reducing_gap=None), so the result is uint8. Returns [H', W', 3] uint8, C-contiguous."""
+    by PIL itself (reducing_gap=None), so the result is uint8. Returns [H', W', 3] uint8, C-contiguous.
+
+    out: optional preallocated [H', W', 3] uint8 C-contiguous array to write into (returned)."""
     assert img_rgb.mode == "RGB", f"resize expects an RGB image, got {img_rgb.mode}: call to_rgb first"
     width, height = img_rgb.size
     new_h, new_w = smart_resize(height, width, params)
     resized = img_rgb.resize((new_w, new_h), resample=params.resample, reducing_gap=None)
-    # np.array copies: the result is writable (torch.from_numpy, pinned copies) and owns its memory.
-    return np.array(resized, dtype=np.uint8, order="C")
+    if out is None:
+        # np.array copies: the result is writable (torch.from_numpy, pinned copies) and owns its memory.
+        return np.array(resized, dtype=np.uint8, order="C")
+    assert out.dtype == np.uint8 and out.shape == (new_h, new_w, 3) and out.flags.c_contiguous, (
+        f"out must be a contiguous [{new_h}, {new_w}, 3] uint8 array, got {out.shape} {out.dtype}"
+    )
+    out[...] = np.asarray(resized)  # asarray is a view of PIL's packed bytes: this is the one copy
+    return out
 
 
 def normalize_lut(params: PreprocessParams) -> np.ndarray:

@@ -20,7 +20,7 @@ from service.api.runtime import Decoded
 from service.config import ImageLimits, PreprocessParams
 from service.engine.messages import Cell, Geometry
 from service.errors import Overloaded, Unavailable
-from service.media.images import PreparedImage, prepare_image, warmup_png
+from service.media.images import ImageHeader, PreparedImage, prepare_image, warmup_png
 from service.metrics import Metrics
 from service.procs.arena import Arena, ArenaFull
 from service.procs.child import exit_with
@@ -81,8 +81,8 @@ class PoolDecoder:
                                                            [params] * self.workers, [self.limits] * self.workers)))
         self.ready = True
 
-    async def decode(self, data: bytes, params: PreprocessParams) -> Decoded:
-        """prepare_image in a decode worker. A dead worker (the OOM killer's SIGKILL) breaks the whole
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        """prepare_image in a decode worker (with the header read at admission: not parsed again). A dead worker (the OOM killer's SIGKILL) breaks the whole
         pool: it is replaced at once and this image answered 503, so one death costs one request.
 
         A pool can also stop answering without breaking: the chaos test met it once in CI (after a
@@ -93,7 +93,7 @@ class PoolDecoder:
         pool = self.pool
         waiting_since = time.monotonic()
         try:  # (a pool already broken raises here, at submit)
-            fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, params, self.limits)
+            fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, params, self.limits, header)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
                 if self._stalled(pool, waiting_since) or pool is not self.pool:
                     fut.cancel()
@@ -142,20 +142,30 @@ class ArenaDecoder:
     async def start(self, params: PreprocessParams) -> None:
         pass  # threads start on demand, and cost nothing to start
 
-    def _decode(self, data: bytes, params: PreprocessParams) -> Decoded:
-        """Decode + preprocess (a decode thread), then the pixels into a new arena cell."""
-        prep = prepare_image(data, params, self.limits)
-        try:
-            off = self.arena.alloc(prep.pixels.nbytes)
-        except ArenaFull as e:
-            raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
-                             retry_after_s=1) from None
-        self.arena.view(off, prep.pixels.nbytes)[:] = prep.pixels.reshape(-1)
-        self.metrics.arena_bytes.set(self.arena.used)
-        return Decoded(_geometry(prep), Cell(self.arena.name, off, prep.pixels.nbytes))
+    def _decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        """Decode + preprocess (a decode thread) straight into a new arena cell: the pixels are written once."""
+        cells: list[Cell] = []  # the cell prepare_image asked for, once it has
 
-    async def decode(self, data: bytes, params: PreprocessParams) -> Decoded:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, params)
+        def into_cell(nbytes: int):
+            try:
+                off = self.arena.alloc(nbytes)
+            except ArenaFull as e:
+                raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
+                                 retry_after_s=1) from None
+            cells.append(Cell(self.arena.name, off, nbytes))
+            self.metrics.arena_bytes.set(self.arena.used)
+            return self.arena.view(off, nbytes)
+
+        try:
+            prep = prepare_image(data, params, self.limits, header, out=into_cell)
+        except BaseException:
+            for cell in cells:  # refused after it took its cell (a JPEG whose data is broken): no owner now
+                self.cell_free(cell)
+            raise
+        return Decoded(_geometry(prep), cells[0])
+
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
     def release(self, decoded: Decoded) -> None:
         """Pixels that never reached an engine (an unneeded early decode, a submit that failed to leave)."""

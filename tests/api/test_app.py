@@ -608,9 +608,9 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
         gate = Gate(local_host(rt).engine)
         decoded, real_decode = [], rt.decoder.decode
 
-        async def counting_decode(blob, params):
+        async def counting_decode(blob, *rest):
             decoded.append(len(blob))
-            return await real_decode(blob, params)
+            return await real_decode(blob, *rest)
 
         rt.decoder.decode = counting_decode
         with ThreadPoolExecutor(24) as pool:

@@ -89,9 +89,9 @@ def test_two_concurrent_identical_images_are_decoded_and_encoded_once(tmp_path, 
         gate = Gate(local_host(rt).engine)
         decoded, real_decode = [], rt.decoder.decode
 
-        async def counting_decode(blob, params):
+        async def counting_decode(blob, *rest):
             decoded.append(blob)
-            return await real_decode(blob, params)
+            return await real_decode(blob, *rest)
 
         rt.decoder.decode = counting_decode
         try:

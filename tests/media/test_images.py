@@ -3,6 +3,7 @@ supported format decodes to the right pixels; limits are enforced from the heade
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 
@@ -23,7 +24,7 @@ from service.errors import (
     UnsupportedFormat,
     http_status,
 )
-from service.media.images import PreparedImage, decode_image, prepare_image
+from service.media.images import ImageHeader, PreparedImage, decode_image, header_tokens, prepare_image, read_header
 from tests.imagedata import (
     SKIMAGE_DATA,
     bad_images,
@@ -62,9 +63,11 @@ def test_bad_image_raises_its_error(name):
     data, cls, fact = bad_images()[name]
     err = _raises(data, cls)
     assert fact in err.message, err.message
-    # prepare_image (what the decode workers run) raises the same error
-    with pytest.raises(cls):
-        prepare_image(data, P, LIMITS)
+    # prepare_image (what the decode workers run) raises the same error, given the header admission read or not
+    for header in (None, read_header(data, LIMITS)):
+        with pytest.raises(cls) as info:
+            prepare_image(data, P, LIMITS, header=header)
+        assert info.value.message == err.message
 
 
 def test_empty():
@@ -281,9 +284,8 @@ def test_exif_orientation_8_rotates_counterclockwise():
 
 
 def test_exif_orientation_sets_prepared_geometry():
-    prepared = prepare_image(exif_rotated("JPEG", 6), P, LIMITS)
-    assert prepared.orig_size == (64, 96)
-    assert prepared.pixels.shape == (320, 224, 3) and prepared.grid_thw == (1, 20, 14)
+    prepared = prepare_image(exif_rotated("JPEG", 6), P, LIMITS)  # stored 96x64, displayed 64x96
+    assert prepared.pixels.shape == (320, 224, 3) and prepared.grid_thw == (1, 20, 14)  # (224, 320, 3) unrotated
 
 
 def test_gif_decodes_its_first_frame():
@@ -322,12 +324,11 @@ def test_cmyk_16bit_1bit_and_la_decode_to_rgb():
 
 def test_prepared_image_fields():
     prepared = prepare_image(valid_images()["astronaut.png"], P, LIMITS)
-    assert prepared.orig_size == (512, 512)
     assert prepared.pixels.shape == (512, 512, 3) and prepared.pixels.dtype == np.uint8
     assert prepared.pixels.flags.c_contiguous
     assert prepared.grid_thw == (1, 32, 32) and prepared.num_patches == 1024 and prepared.num_tokens == 256
     tiny = prepare_image(valid_images()["tiny_10x7.png"], P, LIMITS)
-    assert tiny.orig_size == (10, 7) and tiny.pixels.shape == (224, 320, 3) and tiny.num_tokens == 70
+    assert tiny.pixels.shape == (224, 320, 3) and tiny.num_tokens == 70  # 10x7 upscaled to min_pixels
 
 
 def test_prepared_image_and_function_are_picklable():
@@ -360,17 +361,121 @@ def _tiff_with_size(data: bytes, width: int, height: int) -> bytes:
 
 
 def test_header_tokens_are_the_tokens_decoding_gives_without_decoding():
-    from service.media.images import header_tokens
     from tests import imagedata as data
 
     params, limits = PreprocessParams(), ImageLimits()
+
+    def tokens(blob: bytes) -> int:
+        return header_tokens(read_header(blob, limits), params, limits)
+
     for name, blob in data.valid_images().items():
-        assert header_tokens(blob, params, limits) == prepare_image(blob, params, limits).num_tokens, name
+        assert tokens(blob) == prepare_image(blob, params, limits).num_tokens, name
     # what decoding would refuse costs one token until the decode says why
     for blob in (b"", b"not an image", data.png_header_only(9000, 9000), data.png_header_only(4020, 20),
-                 data.png_header_only(0, 20), data.webp_declaring(16000, 16000)):
-        assert header_tokens(blob, params, limits) == 1
-    assert header_tokens(data.webp_declaring(4000, 4000), params, limits) == 15625  # read, never allocated
+                 data.png_header_only(0, 20), data.webp_declaring(16000, 16000), data.png_header_only(20000, 10000)):
+        assert tokens(blob) == 1
+    assert tokens(data.webp_declaring(4000, 4000)) == 15625  # read, never allocated
+
+
+# ---- the header, parsed once ---------------------------------------------------------------------------
+
+
+def test_read_header_names_the_format_the_declared_size_and_whether_simplejpeg_may_decode_it(monkeypatch):
+    plain = encode(textured_rgb(64, 48), "JPEG", quality=90)
+    assert read_header(plain, LIMITS) == ImageHeader(len(plain), "JPEG", (64, 48), plain_jpeg=True)
+    rotated = exif_rotated("JPEG", 6)
+    assert read_header(rotated, LIMITS) == ImageHeader(len(rotated), "JPEG", (96, 64), False)  # as stored
+    mpo = encode(quadrants(64, 48), "MPO", save_all=True, append_images=[textured_rgb(64, 48)])
+    for data in (encode(textured_rgb(64, 48).convert("L"), "JPEG"), valid_images()["cmyk.jpg"], mpo):
+        header = read_header(data, LIMITS)
+        assert header.format == "JPEG" and header.size is not None and not header.plain_jpeg
+    assert not read_header(plain, ImageLimits(max_image_bytes=len(plain) - 1)).plain_jpeg  # decode refuses it
+    png = valid_images()["astronaut.png"]
+    assert read_header(png, LIMITS) == ImageHeader(len(png), "PNG", (512, 512), False)
+    assert read_header(png_header_only(9000, 9000), LIMITS).size == (9000, 9000)  # the limits are header_tokens'
+    assert read_header(png_header_only(20000, 10000), LIMITS).size is None  # PIL's own bomb limit refused it
+    assert read_header(b"not an image", LIMITS) == ImageHeader(12, None, None, False)
+    assert read_header(encode(textured_rgb(16, 16), "ICO"), LIMITS).size is None  # not a supported format
+    # a WebP's size comes from its fixed header fields: PIL's WebP parser allocates the canvas at open
+    monkeypatch.setattr(Image, "open", _no_open)
+    header = read_header(webp_declaring(16000, 16000), LIMITS)
+    assert header == ImageHeader(header.nbytes, "WEBP", (16000, 16000), False)
+    assert pickle.loads(pickle.dumps(header)) == header  # it crosses to decode worker processes
+
+
+def _no_open(*args, **kwargs):
+    raise AssertionError("Image.open called")
+
+
+def _photo_jpegs(name: str, subsampling: int, progressive: bool) -> list[bytes]:
+    """A photograph as a JPEG at 448x448 (no resize: the decoded pixels are the step's pixels) and at its
+    own size (resized by PIL)."""
+    photo = Image.open(SKIMAGE_DATA / name).convert("RGB")
+    return [encode(img, "JPEG", quality=90, subsampling=subsampling, progressive=progressive)
+            for img in (photo.resize((448, 448), Image.Resampling.BICUBIC), photo)]
+
+
+PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
+
+
+@functools.cache
+def _corpus() -> dict[str, bytes]:
+    """Every valid image, the photographs as plain JPEGs of each chroma subsampling, baseline and progressive,
+    and the JPEGs that are not plain (grayscale, MPO)."""
+    corpus = dict(valid_images())
+    for name in PHOTOS:
+        for subsampling in (0, 1, 2):
+            for progressive in (False, True):
+                for i, data in enumerate(_photo_jpegs(name, subsampling, progressive)):
+                    corpus[f"{name}.{subsampling}.{progressive}.{i}.jpg"] = data
+    corpus["gray.jpg"] = encode(textured_rgb(320, 224).convert("L"), "JPEG", quality=90)
+    corpus["two.mpo"] = encode(quadrants(448, 448), "MPO", save_all=True, append_images=[textured_rgb(448, 448)])
+    return corpus
+
+
+def _count_opens(monkeypatch) -> list[tuple]:
+    """Every Image.open call from now on (a header parse each), by its arguments."""
+    calls, real = [], Image.open
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", counted)
+    return calls
+
+
+def test_a_plain_jpeg_is_parsed_once_and_any_other_image_at_most_twice(monkeypatch):
+    corpus = _corpus()
+    opens = _count_opens(monkeypatch)
+    plain = set()
+    for name, data in corpus.items():
+        del opens[:]
+        header = read_header(data, LIMITS)  # admission's probe, then the decode given its header
+        header_tokens(header, P, LIMITS)
+        prepare_image(data, P, LIMITS, header=header)
+        if header.plain_jpeg:
+            plain.add(name)
+        # a WebP's probe reads fixed fields, no parser; any other image is opened again by the PIL decode
+        assert len(opens) == (1 if header.plain_jpeg or header.format == "WEBP" else 2), name
+        del opens[:]
+        prepare_image(data, P, LIMITS)  # without a header: no more parses than before there was one
+        assert len(opens) == (2 if header.format == "JPEG" and not header.plain_jpeg else 1), name
+    jpegs = {n for n in corpus if n.endswith(".jpg") or n.endswith(".jpg@400") or n.endswith(".jpg@360")}
+    assert plain == jpegs - {"cmyk.jpg", "exif6.jpg", "gray.jpg"} and len(plain) == 3 + 4 * 3 * 2 * 2
+
+
+def test_prepare_image_given_its_header_prepares_the_same_image():
+    for name, data in _corpus().items():
+        given, alone = prepare_image(data, P, LIMITS, header=read_header(data, LIMITS)), prepare_image(data, P, LIMITS)
+        assert np.array_equal(given.pixels, alone.pixels), name
+        assert (given.grid_thw, given.num_patches, given.num_tokens) == (alone.grid_thw, alone.num_patches,
+                                                                         alone.num_tokens), name
+
+
+def test_a_header_of_other_bytes_is_a_bug():
+    with pytest.raises(AssertionError, match="other bytes"):
+        prepare_image(valid_images()["rocket.jpg"], P, LIMITS, header=read_header(valid_images()["retina.jpg@360"], LIMITS))
 
 
 # ---- the simplejpeg fast path for plain JPEGs ----------------------------------------------------------
@@ -394,20 +499,18 @@ def _both_paths(data: bytes, monkeypatch, limits: ImageLimits = LIMITS):
     return fast, pil, len(calls)
 
 
-@pytest.mark.parametrize("name", ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"])
+@pytest.mark.parametrize("name", PHOTOS)
 @pytest.mark.parametrize("subsampling", [0, 1, 2], ids=["444", "422", "420"])
 @pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
 def test_plain_jpegs_decode_bit_identically_through_simplejpeg(name, subsampling, progressive, monkeypatch):
-    """Real photographs as JPEGs of every chroma subsampling, baseline and progressive, at 448x448 (no
-    resize: the decoded pixels are the step's pixels) and at the photo's own size (resized by PIL)."""
-    photo = Image.open(SKIMAGE_DATA / name).convert("RGB")
-    for img in (photo.resize((448, 448), Image.Resampling.BICUBIC), photo):
-        data = encode(img, "JPEG", quality=90, subsampling=subsampling, progressive=progressive)
+    """Real photographs as JPEGs of every chroma subsampling, baseline and progressive, at 448x448 and at
+    the photo's own size (_photo_jpegs)."""
+    for data in _photo_jpegs(name, subsampling, progressive):
         fast, pil, decodes = _both_paths(data, monkeypatch)
         assert decodes == 1, "a plain JPEG must take the fast path"
-        assert np.array_equal(fast.pixels, pil.pixels), (name, img.size)
+        assert np.array_equal(fast.pixels, pil.pixels), (name, fast.pixels.shape)
         assert fast.pixels.flags.c_contiguous and fast.pixels.flags.writeable and fast.pixels.dtype == np.uint8
-        assert (fast.grid_thw, fast.num_tokens, fast.orig_size) == (pil.grid_thw, pil.num_tokens, pil.orig_size)
+        assert (fast.grid_thw, fast.num_tokens) == (pil.grid_thw, pil.num_tokens)
 
 
 def test_jpegs_that_are_not_plain_go_through_pil(monkeypatch):
@@ -420,21 +523,124 @@ def test_jpegs_that_are_not_plain_go_through_pil(monkeypatch):
     for what, data in cases.items():
         fast, pil, decodes = _both_paths(data, monkeypatch)
         assert decodes == 0, what
-        assert np.array_equal(fast.pixels, pil.pixels) and fast.orig_size == pil.orig_size, what
-    assert _both_paths(cases["exif rotated"], monkeypatch)[0].orig_size == (64, 96)  # rotated for display
+        assert np.array_equal(fast.pixels, pil.pixels) and fast.grid_thw == pil.grid_thw, what
+    assert _both_paths(cases["exif rotated"], monkeypatch)[0].pixels.shape == (320, 224, 3)  # rotated for display
 
 
-def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejpeg(monkeypatch):
+def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejpeg_or_a_header(monkeypatch):
     good = encode(textured_rgb(448, 448, seed=3), "JPEG", quality=90)
+    strip = encode(textured_rgb(4020, 20, seed=3), "JPEG", quality=90)  # 201:1, over the model's limit
     cases = [(truncated(good), LIMITS), (good[:2] + b"\xff\xd8garbage" + good[200:], LIMITS),
-             (good, ImageLimits(max_input_pixels=448 * 400)), (good, ImageLimits(max_image_bytes=len(good) - 1))]
+             (bad_images()["corrupt_jpeg"][0], LIMITS),  # a readable header, a broken Huffman table
+             (good, ImageLimits(max_input_pixels=448 * 400)), (good, ImageLimits(max_image_bytes=len(good) - 1)),
+             (strip, ImageLimits(max_aspect_ratio=1000))]
     for data, limits in cases:
         outcomes = []
-        for sj in ("real", None):
+        for sj, header in (("real", None), ("real", read_header(data, limits)), (None, None)):
             with monkeypatch.context() as m:
                 if sj is None:
                     m.setattr(images, "_simplejpeg", None)
                 with pytest.raises(ImageError) as e:
-                    prepare_image(data, P, limits)
+                    prepare_image(data, P, limits, header=header)
             outcomes.append((type(e.value), e.value.message))
-        assert outcomes[0] == outcomes[1], outcomes
+        assert outcomes[0] == outcomes[1] == outcomes[2], outcomes
+    assert read_header(bad_images()["corrupt_jpeg"][0], LIMITS).plain_jpeg  # so simplejpeg met it first
+
+
+# ---- decoding into the caller's buffer (out) -------------------------------------------------------------
+
+
+class _Cell:
+    """An `out` for prepare_image: a cell in the middle of a larger buffer, whose guard bytes either side
+    nothing may write; it records every call."""
+
+    GUARD = 64
+
+    def __init__(self):
+        self.calls: list[int] = []
+        self.buf = np.empty(0, np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        self.calls.append(nbytes)
+        self.buf = np.full(nbytes + 2 * self.GUARD, 0xA5, np.uint8)
+        return self.buf[self.GUARD : self.GUARD + nbytes]
+
+    def guards_intact(self) -> bool:
+        return bool((self.buf[: self.GUARD] == 0xA5).all() and (self.buf[-self.GUARD :] == 0xA5).all())
+
+
+def test_decoding_into_out_gives_the_same_pixels_in_its_buffer_for_every_image():
+    for name, data in _corpus().items():
+        alone = prepare_image(data, P, LIMITS)
+        for header in (read_header(data, LIMITS), None):
+            cell = _Cell()
+            into = prepare_image(data, P, LIMITS, header=header, out=cell)
+            assert cell.calls == [alone.pixels.nbytes], name  # once, with the final size
+            assert np.shares_memory(into.pixels, cell.buf) and cell.guards_intact(), name
+            assert into.pixels.shape == alone.pixels.shape and into.pixels.flags.c_contiguous, name
+            assert np.array_equal(into.pixels, alone.pixels), name
+            assert (into.grid_thw, into.num_patches, into.num_tokens) == (alone.grid_thw, alone.num_patches,
+                                                                          alone.num_tokens), name
+
+
+def test_a_plain_jpeg_that_needs_no_resize_is_decoded_in_place(monkeypatch):
+    import simplejpeg
+
+    data = _photo_jpegs("chelsea.png", 2, False)[0]  # 448x448: the decoded pixels are the final pixels
+    buffers, real = [], simplejpeg.decode_jpeg
+
+    def spy(*args, **kwargs):
+        buffers.append(kwargs.get("buffer"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(images, "_simplejpeg", type("SJ", (), {"decode_jpeg": staticmethod(spy)}))
+    cell = _Cell()
+    prepare_image(data, P, LIMITS, out=cell)
+    assert len(buffers) == 1 and buffers[0] is not None and np.shares_memory(buffers[0], cell.buf)
+    prepare_image(_photo_jpegs("chelsea.png", 2, False)[1], P, LIMITS, out=_Cell())  # 451x300: resized
+    assert len(buffers) == 2 and buffers[1] is None  # decoded to its own array, then resized into out
+
+
+def test_a_jpeg_simplejpeg_refuses_after_taking_out_is_decoded_by_pil_into_the_same_buffer():
+    # Zeroed bytes in the scan data: libjpeg's warning, an error in simplejpeg's strict mode; PIL decodes it.
+    data = bytearray(encode(textured_rgb(448, 448, seed=3), "JPEG", quality=90))
+    scan = data.index(b"\xff\xda") + 2000
+    data[scan : scan + 4] = bytes(0 if b != 0xFF else 0xFF for b in data[scan : scan + 4])
+    data = bytes(data)
+    assert read_header(data, LIMITS).plain_jpeg
+    alone, cell = prepare_image(data, P, LIMITS), _Cell()
+    into = prepare_image(data, P, LIMITS, out=cell)
+    assert cell.calls == [448 * 448 * 3] and np.shares_memory(into.pixels, cell.buf)
+    assert np.array_equal(into.pixels, alone.pixels) and cell.guards_intact()
+
+
+def test_what_out_raises_comes_out_of_prepare_image_as_it_is():
+    class Full(Exception):
+        pass
+
+    def full(nbytes):
+        raise Full(f"no {nbytes}-byte cell")
+
+    # simplejpeg in place (448x448), PIL without a resize (512x512), simplejpeg then a resize (640x427 -> 640x416)
+    cases = [(_photo_jpegs("chelsea.png", 2, False)[0], 448 * 448), (valid_images()["astronaut.png"], 512 * 512),
+             (valid_images()["rocket.jpg"], 640 * 416)]
+    for data, pixels in cases:
+        with pytest.raises(Full, match=f"^no {pixels * 3}-byte cell$"):
+            prepare_image(data, P, LIMITS, header=read_header(data, LIMITS), out=full)
+
+
+def test_bad_images_raise_the_same_errors_with_out():
+    for name, (data, cls, _) in bad_images().items():
+        with pytest.raises(cls) as plain:
+            prepare_image(data, P, LIMITS)
+        with pytest.raises(cls) as into:
+            prepare_image(data, P, LIMITS, header=read_header(data, LIMITS), out=_Cell())
+        assert into.value.message == plain.value.message, name
+
+
+def test_warmup_image_is_the_smallest_image_the_model_takes():
+    # 256x256 = min_pixels: no resize; the same bytes each call (start-up decodes it in every worker)
+    assert images.warmup_png() == images.warmup_png()
+    prepared = images.warmup_image(P)
+    assert prepared.pixels.shape == (256, 256, 3) and prepared.grid_thw == (1, 16, 16) and prepared.num_tokens == 64
+    np.testing.assert_array_equal(prepared.pixels, np.asarray(Image.open(io.BytesIO(images.warmup_png()))))

@@ -177,7 +177,6 @@ def test_full_size_photo_downscaled_to_max_pixels():
     data = photo("hubble_deep_field.jpg")
     ref_pv, ref_grid = reference_pixel_values([_reference_input(data)], params)
     prepared, pv = _ours(data, params)
-    assert prepared.orig_size == (1000, 872)
     assert prepared.pixels.shape == (352, 416, 3) and prepared.grid_thw == (1, 22, 26)
     assert tuple(ref_grid[0].tolist()) == prepared.grid_thw
     assert torch.equal(pv, ref_pv)
@@ -237,6 +236,15 @@ def test_resize_output_is_writable_contiguous_uint8():
     assert pixels.dtype == np.uint8 and pixels.shape == (224, 320, 3)
     assert pixels.flags.c_contiguous and pixels.flags.writeable and pixels.flags.owndata
 
+
+
+def test_resize_writes_into_out():
+    img = textured_rgb(150, 110)
+    out = np.zeros((224, 320, 3), np.uint8)
+    result = preprocess.resize(img, P, out=out)
+    assert result is out and np.array_equal(out, preprocess.resize(img, P))
+    with pytest.raises(AssertionError, match=r"\[224, 320, 3\] uint8"):
+        preprocess.resize(img, P, out=np.zeros((320, 224, 3), np.uint8))
 
 # ---- RGB conversion --------------------------------------------------------------------------------------
 
