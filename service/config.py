@@ -93,8 +93,12 @@ class Settings(BaseSettings):
         "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
     seed: int = Field(0, description="seed for preset random weights")
-    min_pixels: int | None = Field(None, description="override preprocessor min pixels")
-    max_pixels: int | None = Field(None, description="override preprocessor max pixels")
+    min_pixels: int | None = Field(None, description="resize every image to at least this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 65536); the LM "
+                                   "side must resize alike")
+    max_pixels: int | None = Field(None, description="resize every image to at most this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 16777216); the LM "
+                                   "side must resize alike")
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
