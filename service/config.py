@@ -96,8 +96,12 @@ class Settings(BaseSettings):
         "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
     seed: int = Field(0, description="seed for preset random weights")
-    min_pixels: int | None = Field(None, description="override preprocessor min pixels")
-    max_pixels: int | None = Field(None, description="override preprocessor max pixels")
+    min_pixels: int | None = Field(None, description="resize every image to at least this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 65536); the LM "
+                                   "side must resize alike")
+    max_pixels: int | None = Field(None, description="resize every image to at most this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 16777216); the LM "
+                                   "side must resize alike")
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
@@ -111,16 +115,17 @@ class Settings(BaseSettings):
 
     # HTTP
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
-    port: int = Field(8080, ge=0, le=65535)
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
                                                     description="require `Authorization: Bearer <key>` on /encode "
                                                     "(comma-separated: several keys, e.g. while rotating)")
     api_key_metrics: bool = Field(True, description="with --api-key, require it on /metrics too")
     allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
-    url_timeout_s: float = Field(10.0, gt=0)
+    url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
+                                 "for each read)")
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
                                               "private or link-local addresses (off: such fetches are refused)")
-    max_images_per_request: int = Field(64, gt=0)
+    max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
                                     "headers) may take to arrive, from the connection's start or the request's first "
                                     "byte; then 408 and the connection closed (slowloris clients cannot hold "
@@ -135,16 +140,19 @@ class Settings(BaseSettings):
                                    "refused with 413 before it is read when declared, or as soon as it passes")
 
     # images
-    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
-    max_input_pixels: int = Field(64_000_000, gt=0)
-    decode_workers: int = Field(0, ge=0, description="image decode workers per serving process (processes in a single-"
-                                "process service, threads in each API process); 0 = this process's share of the "
-                                "cores: all of them, or divided among the API processes; 2-8 either way")
+    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
+                                 "before it is decoded")
+    max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
+                                  "larger is a 413, before it is decoded (decompression bombs)")
+    decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
+                                "single-process service, threads in each API process; 0 = this process's share of the "
+                                "cores (all of them, or divided among the API processes), 2-8")
 
     # batching
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
-    max_batch_images: int = Field(64, gt=0)
-    max_wait_ms: float = Field(5.0, ge=0, description="a step closes this long after its first image at most")
+    max_batch_images: int = Field(64, gt=0, description="most images in one step")
+    max_wait_ms: float = Field(5.0, ge=0, description="while the device is busy, the next step waits at most this "
+                               "long after its first image for more (an idle device takes a step at once)")
     max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
     max_queue_tokens: int = Field(65536, gt=0, description="admission limit on the queued images' output tokens "
                                   "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "
