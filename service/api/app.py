@@ -28,13 +28,16 @@ from service.api.parse import parse_inputs
 from service.api.runtime import Runtime
 from service.api.schemas import EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
 from service.config import Settings
+from service.api.server import error_response
 from service.errors import (
+    MethodNotAllowed,
+    NotFound,
     Overloaded,
     RequestTimeout,
+    Relayed,
     RequestTooLarge,
     ServiceError,
     Unauthorized,
-    error_body,
     http_status,
 )
 
@@ -74,9 +77,10 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            body = error_body(RequestTooLarge.code, f"request body is {int(declared)} bytes, over the limit of "
-                              f"{self.limit} (--max-request-bytes); send fewer or smaller images")
-            return await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+            answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
+                                                    f"{self.limit} (--max-request-bytes); send fewer or smaller images"))
+            answer.headers["connection"] = "close"  # the body it did not read is still coming
+            return await answer(scope, receive, send)
         seen, body_done = 0, False
 
         async def counted():
@@ -119,22 +123,16 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
-        # Routing errors (404, 405, ...) in the service's one error shape, not FastAPI's {"detail": ...}.
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        message = {404: f"no such endpoint: {request.method} {request.url.path}; see /docs",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
-        return JSONResponse(error_body(codes.get(err.status_code, "http_error"), message),
-                            status_code=err.status_code, headers=getattr(err, "headers", None))
+        # Routing errors in the service's one error shape, not FastAPI's {"detail": ...}.
+        if err.status_code == 404:
+            return error_response(NotFound(f"no such endpoint: {request.method} {request.url.path}; see /docs"))
+        if err.status_code == 405:
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        return error_response(Relayed(err.status_code, "http_error", str(err.detail)))
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError):
-        # `index`: per-image errors (ImageError, KeyConflict) carry the image's position
-        body = error_body(err.code, err.message, getattr(err, "index", None))
-        retry = getattr(err, "retry_after_s", None)  # overload, a full store: transient, say when to retry
-        headers = {"Retry-After": str(retry)} if retry is not None else None
-        if isinstance(err, Unauthorized):
-            headers = {"WWW-Authenticate": "Bearer"}
-        return JSONResponse(body, status_code=http_status(err), headers=headers)
+        return error_response(err)
 
     keys = [k.encode() for k in settings.api_key]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse
 
-from service.errors import error_body
+from service.api.server import error_response
+from service.errors import NotFound
 
 ASSETS = "/docs-assets"  # the bundle's files (swagger-ui-bundle.js, swagger-ui.css, favicons)
 UI_OPENAPI = "/docs/openapi-3.0.json"  # the document as the bundled Swagger UI can read it
@@ -24,9 +24,9 @@ def mount_docs(app: FastAPI) -> None:
     except ImportError:
         @app.get("/docs", include_in_schema=False)
         async def no_docs():
-            return JSONResponse(error_body("not_found", "the docs UI needs the swagger-ui-bundle package, which is not "
-                                           "installed here (pip install swagger-ui-bundle); the OpenAPI document is "
-                                           "at /openapi.json"), status_code=404)
+            return error_response(NotFound("the docs UI needs the swagger-ui-bundle package, which is not installed "
+                                           "here (pip install swagger-ui-bundle); the OpenAPI document is at "
+                                           "/openapi.json"))
         return
 
     from fastapi.staticfiles import StaticFiles

@@ -13,19 +13,18 @@ applies, and once the head is in, the body timeout (app._BodyLimit).
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
+from http import HTTPStatus
 
-from service.errors import error_body
-
-
-def _json_error(code: str, message: str) -> bytes:
-    return json.dumps(error_body(code, message)).encode()
+from service import errors
+from service.errors import BadRequest, RequestTimeout, ServiceError, Unavailable
 
 
-def _raw_response(status: str, code: str, message: str) -> bytes:
-    body = _json_error(code, message)
-    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+def _raw_response(err: ServiceError) -> bytes:
+    """The whole HTTP/1.1 answer to `err` on a connection it then closes (errors.response builds it)."""
+    status, headers, body = errors.response(err)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}content-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 
 
@@ -55,7 +54,7 @@ class HeaderTimeout:
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answer to a malformed request (text/plain): the service's one error shape instead.
-        self.transport.write(_raw_response("400 Bad Request", "bad_request", msg))
+        self.transport.write(_raw_response(BadRequest(msg)))
         self.transport.close()
 
     def _awaiting_head(self) -> bool:
@@ -77,21 +76,21 @@ class HeaderTimeout:
         if self.transport.is_closing() or not self._awaiting_head():
             return
         if self._head_bytes:
-            self.transport.write(_raw_response(
-                "408 Request Timeout", "request_timeout",
+            self.transport.write(_raw_response(RequestTimeout(
                 f"the request head (request line and headers) did not arrive within {self.header_timeout_s:g} s "
-                "(--header-timeout-s); send it without pauses"))
+                "(--header-timeout-s); send it without pauses")))
         self.transport.close()
 
 
 async def over_limit(scope, receive, send) -> None:
     """The answer to a request beyond --max-connections (uvicorn's `limit_concurrency`): uvicorn's own is
     a text/plain "Service Unavailable"; this is the service's JSON error shape, with Retry-After."""
-    body = _json_error("unavailable", "this server has too many open connections and requests in progress "
-                       "(--max-connections); retry shortly")
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    status, headers, body = errors.response(Unavailable(
+        "this server has too many open connections and requests in progress (--max-connections); retry shortly",
+        retry_after_s=1))
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*raw, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -21,9 +21,9 @@ import httpx
 import msgspec
 
 from service.config import PreprocessParams, Settings
-from service.engine.client import EngineMismatch, EngineRouter, EnginesStatus
+from service.engine.client import EngineRouter, EnginesStatus
 from service.engine.messages import Cell, Geometry
-from service.errors import ServiceError, Unavailable
+from service.errors import EngineMismatch, ServiceError, Unavailable
 from service.metrics import Metrics
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
-"""uvicorn serving this app (a single-process service, or each API process): its options and a server
-that says in one line which signal stops it."""
+"""uvicorn serving this app (a single-process service, or each API process): its options, a server that
+says in one line which signal stops it, and the HTTP answer to a ServiceError (every server of this
+project answers errors through `error_response`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import logging
 import signal
 
 import uvicorn
+from starlette.responses import Response
 
+from service import errors
 from service.api.protocol import header_timeout_protocol
 from service.config import Settings
+from service.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +42,9 @@ class Server(uvicorn.Server):
             log.info("%s: stopping; open requests finish first%s", signal.Signals(sig).name,
                      " (Ctrl-C again to stop at once)" if sig == signal.SIGINT else "")
         super().handle_exit(sig, frame)
+
+
+def error_response(err: ServiceError) -> Response:
+    """The HTTP answer to `err` (errors.response builds its status, headers and body)."""
+    status, headers, body = errors.response(err)
+    return Response(body, status_code=status, headers=headers)

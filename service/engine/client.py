@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from service import errors
+from service.errors import EngineMismatch
 from service.engine.messages import (
     Cancel,
     Cell,
@@ -212,12 +213,6 @@ class EngineClient:
 
     async def close(self) -> None:
         await self.transport.close()
-
-
-class EngineMismatch(errors.Unavailable):
-    """The engines report different models or preprocessing: a key would depend on which engine hashed it."""
-
-    code = "engine_mismatch"
 
 
 @dataclass(frozen=True)

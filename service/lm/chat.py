@@ -33,11 +33,19 @@ from typing import Annotated, Literal
 import httpx
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from service.lm.client import apost
-from service.errors import ModelLoadError, error_body
+from service.api.schemas import ImagePart
+from service.api.server import error_response
+from service.errors import (
+    BadGateway,
+    BadRequest,
+    EmbeddingsMissing,
+    ModelLoadError,
+    Relayed,
+    ServiceError,
+)
 from service.store.format import StoredEmbeddings, StoreFormatError, read_embeddings
 
 log = logging.getLogger(__name__)
@@ -60,16 +68,6 @@ class TextPart(BaseModel):
     text: str
 
 
-class ImageURL(BaseModel):
-    url: str = Field(description="data:image/...;base64,... (or an http(s) URL the encoder allows)")
-
-
-class ImagePart(BaseModel):
-    type: Literal["image_url"]
-    image_url: ImageURL
-    uuid: str | None = Field(None, description="passed to the encoder as the store key")
-
-
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
@@ -81,12 +79,6 @@ class ChatRequest(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float | None = None
     return_token_ids: bool = Field(False, description="also answer the generated token ids (as vLLM does)")
-
-
-class ChatError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers
 
 
 # ---- the language model -------------------------------------------------------------------------
@@ -119,7 +111,7 @@ class LanguageModel:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         pieces = text.split(self.image_pad)
         if len(pieces) - 1 != len(image_tokens):
-            raise ChatError(400, "bad_request", f"the chat template placed {len(pieces) - 1} image placeholders for "
+            raise BadRequest(f"the chat template placed {len(pieces) - 1} image placeholders for "
                                                 f"{len(image_tokens)} images")
         text = pieces[0] + "".join(self.image_pad * n + p for n, p in zip(image_tokens, pieces[1:]))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -156,8 +148,8 @@ class LanguageModel:
         if t * h * w // self.merge**2 != num_tokens:
             problems.append(f"grid_thw {emb.grid_thw} gives {t * h * w // self.merge**2} tokens, answered {num_tokens}")
         if problems:
-            raise ChatError(502, "embeddings_mismatch", f"store entry {key!r} does not fit this language model: "
-                                                        + "; ".join(problems) + ". Do encoder and LM use the same checkpoint?")
+            raise BadGateway(f"store entry {key!r} does not fit this language model: " + "; ".join(problems)
+                             + ". Do encoder and LM use the same checkpoint?", code="embeddings_mismatch")
 
 
 # ---- the request path ---------------------------------------------------------------------------
@@ -172,8 +164,8 @@ class Chat:
         try:
             r, _ = await apost(self.http, "/encode", json=body)  # retried once if the connection was stale
         except httpx.HTTPError as e:
-            raise ChatError(502, "encoder_unavailable", f"the encoder at {self.cfg.encoder_url} could not be reached: "
-                                                        f"{type(e).__name__}: {e}") from None
+            raise BadGateway(f"the encoder at {self.cfg.encoder_url} could not be reached: {type(e).__name__}: {e}",
+                             code="encoder_unavailable") from None
         if r.status_code != 200:
             try:
                 err = r.json()["error"]
@@ -181,8 +173,8 @@ class Chat:
             except (ValueError, KeyError, TypeError):
                 code, message = "encoder_error", f"encoder answered {r.status_code}"
             status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
-            headers = {"Retry-After": r.headers["Retry-After"]} if "Retry-After" in r.headers else None
-            raise ChatError(status, code, message, headers)
+            retry = r.headers.get("Retry-After")
+            raise Relayed(status, code, message, int(retry) if retry and retry.isdigit() else None)
         return r.json()["items"]
 
     async def embeddings(self, parts: list[ImagePart]) -> list[tuple[dict, StoredEmbeddings]]:
@@ -195,9 +187,8 @@ class Chat:
                 (item,) = await self.encode([part])
                 emb = self._read(item["key"])
             if emb is None:
-                raise ChatError(424, "embeddings_missing",
-                                f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not hold it: "
-                                "is --store the encoder's store root, and is the store large enough?")
+                raise EmbeddingsMissing(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
+                                        "hold it: is --store the encoder's store root, and is the store large enough?")
             self.lm.check(item["key"], emb, item["num_tokens"])
             out.append((item, emb))
         return out
@@ -208,14 +199,14 @@ class Chat:
         except KeyError:
             return None
         except StoreFormatError as e:
-            raise ChatError(502, "embeddings_mismatch", str(e)) from None
+            raise BadGateway(str(e), code="embeddings_mismatch") from None
 
     async def complete(self, req: ChatRequest) -> dict:
         if req.temperature not in (None, 0, 0.0):
-            raise ChatError(400, "bad_request", f"temperature {req.temperature}: only greedy decoding is supported; "
+            raise BadRequest(f"temperature {req.temperature}: only greedy decoding is supported; "
                                                 "send temperature 0 or leave it out")
         if req.max_tokens > self.cfg.max_tokens_limit:
-            raise ChatError(400, "bad_request", f"max_tokens {req.max_tokens} is over this server's limit of "
+            raise BadRequest(f"max_tokens {req.max_tokens} is over this server's limit of "
                                                 f"{self.cfg.max_tokens_limit}")
         parts, messages = [], []
         for m in req.messages:
@@ -250,9 +241,6 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
                   description="Answers chat requests from image embeddings the encoder service stored.")
     app.state.chat = chat
 
-    def error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(error_body(code, message), status_code=status, headers=headers)
-
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
         try:
@@ -260,11 +248,11 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            return error(400, "bad_request", f"invalid request body at '{where}': {first['msg']}")
+            return error_response(BadRequest(f"invalid request body at '{where}': {first['msg']}"))
         try:
             return await chat.complete(req)
-        except ChatError as e:
-            return error(e.status, e.code, e.message, e.headers)
+        except ServiceError as e:
+            return error_response(e)
 
     @app.get("/health")
     async def health():

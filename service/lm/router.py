@@ -25,10 +25,11 @@ from typing import Literal
 import httpx
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from service.lm.client import apost
-from service.errors import error_body
+from service.api.server import error_response
+from service.errors import BadGateway, BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +77,14 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
     app.state.encoder = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.timeout_s)
     app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
 
-    def error(status: int, code: str, message: str) -> JSONResponse:
-        return JSONResponse(error_body(code, message), status_code=status)
-
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
         try:
             chat = await request.json()
         except ValueError as e:
-            return error(400, "bad_request", f"the body is not JSON: {e}")
+            return error_response(BadRequest(f"the body is not JSON: {e}"))
         if not isinstance(chat, dict):
-            return error(400, "bad_request", "the body must be a JSON object")
+            return error_response(BadRequest("the body must be a JSON object"))
         parts = image_parts(chat)
         items: list[dict] = []
         if parts:
@@ -94,7 +92,8 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
             try:
                 r, _ = await apost(app.state.encoder, "/encode", json={"images": encode})  # stale connection: once more
             except httpx.HTTPError as e:
-                return error(502, "encoder_unavailable", f"the encoder could not be reached: {type(e).__name__}: {e}")
+                return error_response(BadGateway(f"the encoder could not be reached: {type(e).__name__}: {e}",
+                                                 code="encoder_unavailable"))
             if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
                 return Response(r.content, status_code=r.status_code, media_type="application/json",
                                 headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
@@ -102,7 +101,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         try:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
         except httpx.HTTPError as e:
-            return error(502, "lm_unavailable", f"vLLM could not be reached: {type(e).__name__}: {e}")
+            return error_response(BadGateway(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")

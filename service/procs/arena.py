@@ -19,6 +19,8 @@ import threading
 
 import numpy as np
 
+from service.errors import ArenaFull
+
 SHM_DIR = "/dev/shm"
 
 ALIGN = 64  # bytes; cells start on cache-line boundaries
@@ -26,10 +28,6 @@ ALIGN = 64  # bytes; cells start on cache-line boundaries
 
 def _cell_size(nbytes: int) -> int:
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-
-
-class ArenaFull(Exception):
-    """No free cell large enough right now (the engine still holds the others)."""
 
 
 class Arena:

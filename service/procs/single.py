@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -31,10 +30,11 @@ import time
 from collections.abc import Callable
 
 import uvicorn
+from starlette.responses import JSONResponse
 
-from service.api.server import Server, server_options
+from service.api.server import Server, error_response, server_options
 from service.config import Settings
-from service.errors import StartupError, error_body
+from service.errors import StartupError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +135,15 @@ class Booting:
             self.stop()
 
     async def _starting(self, scope, send) -> None:
-        status, headers = 503, [(b"content-type", b"application/json")]
         if scope["path"] == "/ready":
-            body = {"ready": False, "phase": self.phase, "elapsed_s": round(time.monotonic() - self._t0, 1)}
+            answer = JSONResponse({"ready": False, "phase": self.phase,
+                                   "elapsed_s": round(time.monotonic() - self._t0, 1)}, status_code=503)
         elif scope["path"] == "/health":
-            status, body = 200, {"status": "starting", "phase": self.phase}
+            answer = JSONResponse({"status": "starting", "phase": self.phase})
         else:
-            body = error_body("unavailable", f"the service is starting ({self.phase} the model); retry once /ready "
-                              "answers 200")
-            headers.append((b"retry-after", b"2"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            answer = error_response(Unavailable(f"the service is starting ({self.phase} the model); retry once "
+                                                "/ready answers 200", retry_after_s=2))
+        await answer(scope, None, send)
 
 
 def serve_single(settings: Settings, sock: socket.socket, load: Callable | None = None) -> int:

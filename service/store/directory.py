@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.errors import StoreFull
+from service.errors import StoreFull, StoreOwnershipError
 from service.store.format import (
     _DTYPES,
     _O_CLOEXEC,
@@ -70,10 +70,6 @@ def shard_lock(index: int, count: int) -> str:
     """The lock file of one shard's writer (the supervisor holds ROOT_LOCK meanwhile)."""
     return f"{ROOT_LOCK}.shard-{index}-of-{count}"
 
-
-class StoreOwnershipError(RuntimeError):
-    """The store root is not this service's own (another user's, writable by others, or in use by
-    another service). A start-up error, with a message that says how to fix it."""
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

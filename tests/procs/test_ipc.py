@@ -7,7 +7,8 @@ import pytest
 
 from service import errors
 from service.config import PreprocessParams
-from service.engine.client import EngineMismatch, EngineRouter
+from service.engine.client import EngineRouter
+from service.errors import EngineMismatch
 from service.engine.messages import (
     Cell,
     Claim,
