@@ -6,6 +6,9 @@ Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and 
 variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks what it
 can (service/procs/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
 one line before the model loads, and clients that connect while it loads get /ready 503, not a refusal.
+
+NOTE: each command imports what it runs only once it is chosen: `try` must not pay for the server's
+imports, nor `serve` for the LM side's (torch, transformers).
 """
 
 from __future__ import annotations

@@ -27,25 +27,8 @@ from service.config import Settings
 from service.engine.batcher import BatchLimits, Batcher, Reservation, Ticket
 from service.engine.core import EncodeJob, Engine
 from service.engine.loader import LoadedModel
-from service.engine.messages import (
-    Cancel,
-    Claim,
-    EngineStatus,
-    Failed,
-    FromEngine,
-    Grant,
-    Hit,
-    Joined,
-    MetricsQuery,
-    MetricsText,
-    ModelInfo,
-    Queued,
-    Result,
-    Status,
-    StatusQuery,
-    Submit,
-    ToEngine,
-)
+from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
+    MetricsQuery, MetricsText, ModelInfo, Queued, Result, Status, StatusQuery, Submit, ToEngine)
 from service.errors import BackendError, KeyConflict, ServiceError
 from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens

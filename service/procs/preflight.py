@@ -21,8 +21,9 @@ import errno
 import socket
 from pathlib import Path
 
-from service.errors import StartupError
+from service.errors import StartupError, StoreOwnershipError
 from service.presets import check_model
+from service.store.directory import EmbeddingStore
 
 
 def cuda_device_count() -> int:
@@ -76,8 +77,6 @@ def bind(host: str, port: int) -> socket.socket:
 def check_store(root: Path, group: str | None) -> None:
     """Run the store's own root checks now (creating the root if needed), then release its lock: the
     service's store takes it again once the model is loaded."""
-    from service.store.directory import EmbeddingStore, StoreOwnershipError
-
     # NOTE: EmbeddingStore's constructor would also rebuild the index from every file in the root;
     # only its root checks are wanted here (lock_root).
     try:

@@ -35,9 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from prometheus_client.multiprocess import mark_process_dead
+
 from service.config import Settings
+from service.errors import StoreOwnershipError
 from service.procs.api_process import api_main
 from service.procs.arena import leaked_segments, segment_name, unlink_segment
+from service.store.directory import EmbeddingStore
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +93,6 @@ class Supervisor:
         log.info("supervisor %d: http://%s:%d, %d API processes + %d engine(s) (%s)", self.pid, self.settings.host,
                  self.sock.getsockname()[1], self.n_api, n, ",".join(self.devices))
         if n > 1:
-            from service.store.directory import EmbeddingStore, StoreOwnershipError
-
             # One lock for the whole service, as a one-engine service holds (preflight checked it is free);
             # the engines lock their shards.
             try:
@@ -137,8 +139,6 @@ class Supervisor:
 
     def _forget_gauges(self, pid: int) -> None:
         """A dead API process's gauges (its arena bytes) leave the sum; its counters stay in it."""
-        from prometheus_client.multiprocess import mark_process_dead
-
         mark_process_dead(pid, self.metrics_dir)
 
     def _unlink_segment(self, i: int) -> None:
