@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gpu import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine.graphs import padded_cu_seqlens  # noqa: E402
+from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import Runner  # noqa: E402
 from service.engine.tower import TowerBatch, build_batch  # noqa: E402
@@ -57,9 +57,9 @@ def main() -> int:
         with torch.inference_mode(), torch.cuda.stream(eng.compute_stream):
             t_e = cuda_time(lambda: model.tower(eager))
             graphed = bucket in eng.graphs.buckets  # the padded varlen graph (equal steps: bench_tower.py)
-            t_g = cuda_time(lambda: eng.graphs.run((bucket, 0))) if graphed else float("nan")
+            t_g = cuda_time(lambda: eng.graphs.run(GraphKey.bucket(bucket))) if graphed else float("nan")
             a = model.tower(eager)
-            b = eng.graphs.run((bucket, 0))[: n // 4] if graphed else a
+            b = eng.graphs.run(GraphKey.bucket(bucket))[: n // 4] if graphed else a
             rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
         # host cost of launching the eager tower (what holds the GIL)
         torch.cuda.synchronize()

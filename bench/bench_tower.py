@@ -41,12 +41,12 @@ from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E
 from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.core import EncodeJob, Engine  # noqa: E402
-from service.engine.graphs import padded_cu_seqlens  # noqa: E402
+from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.media.images import prepare_image  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.store.directory import EmbeddingStore  # noqa: E402
-from service.engine.tower import VARLEN, TowerBatch, build_batch  # noqa: E402
+from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
 
 ALL = "ceiling,tower,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
 
@@ -58,7 +58,7 @@ def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, ba
     frames = torch.randn(n, 768, device=device, dtype=dtype, generator=g)
     arr = build_batch(grids, spec)
     tb = TowerBatch(frames, *(torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
-                    seq_lens=tuple(t * h * w for t, h, w in grids), attention=None if batched else VARLEN)
+                    seq_lens=tuple(t * h * w for t, h, w in grids), attention=None if batched else AttentionKind.VARLEN)
     pv = frames.view(n, 3, 1, 256).expand(-1, -1, 2, -1).reshape(n, 1536).contiguous()  # both frames equal
     return tb, pv, torch.tensor(grids, device=device)
 
@@ -227,9 +227,10 @@ def main() -> int:
             key = runner.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
             with torch.inference_mode(), torch.cuda.stream(runner.compute_stream):
                 t_g = cuda_time(lambda: runner.graphs.run(key), reps=50)
-                t_v = cuda_time(lambda: runner.graphs.run((bucket, 0)), reps=50)  # the varlen graph of that size
-            grows.append({"images": k, "patches": n, "bucket": bucket, "graph": list(key), "graph_ms": round(t_g * 1e3, 3),
-                          "img_s": round(k / t_g, 1), "varlen_graph_ms": round(t_v * 1e3, 3)})
+                t_v = cuda_time(lambda: runner.graphs.run(GraphKey.bucket(bucket)), reps=50)  # the varlen graph of that size
+            grows.append({"images": k, "patches": n, "bucket": bucket, "graph": [key.patches, key.images],
+                          "graph_ms": round(t_g * 1e3, 3), "img_s": round(k / t_g, 1),
+                          "varlen_graph_ms": round(t_v * 1e3, 3)})
             print("graph", grows[-1], flush=True)
         res["graphs"] = grows
         save()

@@ -32,8 +32,9 @@ from service.engine.loader import LoadedModel
 from service.engine.pool import BufferSpec, Slot, StagingPool
 from service.media.preprocess import grid_for, normalize_lut, num_patches, patchify
 from service.engine import tower as tower_module
-from service.engine.graphs import StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments, padded_cu_seqlens
-from service.engine.tower import BATCHED, TowerBatch, build_batch, grid_geometry
+from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
+                                   padded_cu_seqlens)
+from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection, see Runner._inject_faults
@@ -47,7 +48,7 @@ class Staged:
     items: list[WorkItem]  # [B] the batch's items, in staging order
     num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
     num_patches: int  # patch rows of the step's images (a graph pads beyond them)
-    graph: tuple[int, int] | None  # the CUDA graph that runs the step (see TowerGraphs), or None
+    graph: GraphKey | None  # the CUDA graph that runs the step (see TowerGraphs), or None
     seq_lens: tuple[int, ...]  # [B] patches per image
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
@@ -186,7 +187,7 @@ class Runner:
         compile in the middle of serving would stall the loop for seconds."""
         side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
         spec = self.model.spec
-        for count, attention in ((1, None), (2, None), (1, BATCHED))[: 3 if batch_of_one else 2]:
+        for count, attention in ((1, None), (2, None), (1, AttentionKind.BATCHED))[: 3 if batch_of_one else 2]:
             grids = [(1, side, side)] * count
             arr = build_batch(grids, spec)
             n = side * side * count
@@ -234,9 +235,9 @@ class Runner:
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
         graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
-        padded = graph[0] if graph and not graph[1] else row  # a varlen graph's bucket; else no padding
+        padded = graph.patches if graph and graph.padded else row  # a varlen graph's bucket; else no padding
         cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
-        if graph and not graph[1]:
+        if graph and graph.padded:
             used = cu.index(padded) + 1  # real segments, padding, the leading 0
             assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
         bufs["cu_seqlens"][:] = cu
