@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import httpx
 import numpy as np
 
-from service.engine.batcher import Reservation, Ticket
+from service.engine.batcher import QueuePlace, Ticket
 from service.config import ImageLimits, Settings
 from service.errors import (
     BackendError,
@@ -563,7 +563,7 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
         for t in tickets.values():
             t.cancel()
 
-    places: dict[str, Reservation] = {}  # key -> its queue place while the image is decoded
+    places: dict[str, QueuePlace] = {}  # key -> its queue place while the image is decoded
     try:
         for i, key in enumerate(keys):
             if key in answers or key in tickets or key in todo or cache_hit(i):
@@ -589,7 +589,7 @@ async def _encode_local(rt: Runtime, inputs: list[Input], client_gone: ClientGon
         for (key, i), prep in zip(todo.items(), prepared):
             if not cache_hit(i):  # it may have landed while we decoded
                 claim(i, rt.batcher.submit(key, EncodeJob(key, prep, shas[i]), tokens=prep.num_tokens,
-                                           reservation=places[key]))
+                                           place=places[key]))
         phases.mark("decode")
     except ServiceError:
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,10 @@ from service.engine.batcher import Batcher, WorkItem
 from service.errors import BackendError, ServiceError
 from service.metrics import Metrics
 from service.engine.runner import Launched
-from service.store.directory import EmbeddingStore
+from service.store.directory import EmbeddingStore, PendingEntry
+
+if TYPE_CHECKING:  # core.py builds the writer: a runtime import would be a cycle
+    from service.engine.core import EncodeJob
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 class Writer:
     """Writes launched steps to the store. `run()` is the thread; `publish` hands it a step."""
 
-    def __init__(self, store: EmbeddingStore, batcher: Batcher, metrics: Metrics, *, threads: int,
+    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int,
                  free_output: Callable[[int], None]):
         """`threads`: --store-writers, this thread included. `free_output(i)`: give output buffer i back
         to the runner's ring, once every read of a step's rows has returned."""
@@ -102,7 +106,8 @@ class Writer:
             out += f.result()
         return out
 
-    def _reserve(self, item: WorkItem, shape: tuple[int, int], dtype: torch.dtype, grid: tuple[int, int, int]):
+    def _reserve(self, item: WorkItem[EncodeJob], shape: tuple[int, int], dtype: torch.dtype,
+                 grid: tuple[int, int, int]) -> PendingEntry | None:
         """Reserve one entry's file, or answer its waiters with the error (then None)."""
         try:
             return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
@@ -110,18 +115,18 @@ class Writer:
             self._store_failed(item, e)
             return None
 
-    def _commit(self, item: WorkItem, reservation, rows: torch.Tensor) -> None:
+    def _commit(self, item: WorkItem[EncodeJob], pending: PendingEntry | None, rows: torch.Tensor) -> None:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
-        if reservation is None:
+        if pending is None:
             return  # answered by _reserve
         try:
-            stored = self.store.commit(reservation, rows)
+            stored = self.store.commit(pending, rows)
         except Exception as e:
             self._store_failed(item, e)
         else:
             self.batcher.finish(item, result=stored)
 
-    def _store_failed(self, item: WorkItem, e: Exception) -> None:
+    def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
         if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
             log.warning("store write for %s refused: %s", item.key, e.message)
             self.batcher.finish(item, error=e)

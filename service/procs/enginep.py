@@ -18,7 +18,7 @@ import time
 from dataclasses import astuple
 
 from service.procs.arena import ArenaReader
-from service.engine.batcher import BatchLimits, Batcher, Reservation, Ticket
+from service.engine.batcher import BatchLimits, Batcher, QueuePlace, Ticket
 from service.config import Settings
 from service.engine.core import EncodeJob, Engine
 from service.errors import KeyConflict, ServiceError
@@ -72,7 +72,7 @@ class _Conn:
     def __init__(self, send):
         self.send = send
         self.tickets: dict[int, Ticket] = {}
-        self.grants: dict[int, Reservation] = {}  # claim id -> the queue place it was granted
+        self.grants: dict[int, QueuePlace] = {}  # claim id -> the queue place it was granted
         self.open = True
 
 
@@ -181,7 +181,7 @@ class EngineHost:
             pixels = self.reader.view(segment, offset, nbytes).reshape(h, w, 3)
             image = PreparedImage(pixels=pixels, grid_thw=(t_, gh, gw), num_patches=t_ * gh * gw, num_tokens=tokens,
                                   orig_size=(w, h))
-            ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens, reservation=place)
+            ticket = self.batcher.submit(key, EncodeJob(key, image, sha), tokens=tokens, place=place)
         except Exception:
             if place is not None:
                 place.release()
