@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from service.engine.batcher import Batch, Batcher, WorkItem
+from service.engine.batcher import Batcher
 from service.config import Settings
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
@@ -36,7 +35,8 @@ class EncodeJob:
 class Engine:
     """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
 
-    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher, settings: Settings, metrics: Metrics):
+    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher[EncodeJob], settings: Settings,
+                 metrics: Metrics):
         self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
         self.runner = Runner(model, settings)
         self._store_writers = settings.store_writers
@@ -69,12 +69,7 @@ class Engine:
     def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """Encode one packed batch through the same stage/run path as the loop, wait, and return one
         CPU tensor per image ([num_tokens, out_width]). Must not run concurrently with the loop."""
-        items = [
-            WorkItem(key=f"__sync{i}__", payload=EncodeJob(f"__sync{i}__", img), tokens=img.num_tokens, future=None,
-                     waiters=0, enqueued_at=time.monotonic())
-            for i, img in enumerate(images)
-        ]
-        with self.runner.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")) as staged:
+        with self.runner.stage(images) as staged:
             launched = self.runner.run(staged)
         try:
             if launched.done is not None:

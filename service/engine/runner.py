@@ -1,7 +1,7 @@
 """The runner: the tower, the pinned staging pool, the device buffers, the CUDA graphs and the output
 ring of one device. No threads, no batcher, no store: the step loop calls it, one step at a time.
 
-    with runner.stage(batch) as staged:   # host: pixels + geometry into pinned slot k (after its fence)
+    with runner.stage(images) as staged:  # host: pixels + geometry into pinned slot k (after its fence)
         launched = runner.run(staged)     # device: H2D, patchify, tower, async D2H; returns at once
 
 `run` never waits on the device for its own sake. Its only host waits are
@@ -20,12 +20,11 @@ import logging
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from service.engine.batcher import Batch, WorkItem
 from service.config import Settings
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
@@ -45,7 +44,6 @@ class Staged:
     """Step inputs written into pinned slot `slot`; sizes are host ints (no device syncs needed)."""
 
     slot: Slot  # held until `run` has enqueued the last device work that reads it
-    items: list[WorkItem]  # [B] the batch's items, in staging order
     num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
     num_patches: int  # patch rows of the step's images (a graph pads beyond them)
     graph: GraphKey | None  # the CUDA graph that runs the step (see TowerGraphs), or None
@@ -56,9 +54,9 @@ class Staged:
 
 @dataclass(kw_only=True)
 class Launched:
-    """A step whose device work is enqueued; `host_out` is valid once `done` has fired."""
+    """A step whose device work is enqueued; `host_out` is valid once `done` has fired. Images in
+    staging order."""
 
-    items: list[WorkItem]  # [B]
     host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA
     done: torch.cuda.Event | None  # None on CPU (already complete)
     out_index: int | None  # which output buffer to give back to the ring (CUDA only)
@@ -204,21 +202,20 @@ class Runner:
 
     # ---- the step ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def stage(self, batch: Batch) -> Iterator[Staged]:
-        """Host: write the batch's pixels and geometry into the next pinned slot (after its fence), for
-        `run` inside the block. `run` releases the slot at its fence point; if anything raises before
-        that, the slot is released on the way out of the block (see StagingPool.acquired)."""
+    def stage(self, images: Sequence[PreparedImage]) -> Iterator[Staged]:
+        """Host: write one step's images (pixels and geometry) into the next pinned slot (after its
+        fence), for `run` inside the block. `run` releases the slot at its fence point; if anything
+        raises before that, the slot is released on the way out of the block (see StagingPool.acquired)."""
         with self.pool.acquired() as slot:  # blocks until the device has finished reading this slot's last step
-            yield self._stage_into(slot, batch)
+            yield self._stage_into(slot, images)
 
-    def _stage_into(self, slot: Slot, batch: Batch) -> Staged:
+    def _stage_into(self, slot: Slot, images: Sequence[PreparedImage]) -> Staged:
         bufs = self._np[slot.index]
         spec = self.model.spec
         merge2 = spec.merge_size**2
         off = row = 0
         seq_lens, grids, token_offsets = [], [], [0]
-        for i, item in enumerate(batch.items):
-            img: PreparedImage = item.payload.image
+        for i, img in enumerate(images):
             t, gh, gw = img.grid_thw
             h, w = img.pixels.shape[:2]
             n_bytes, n_patches = img.pixels.size, gh * gw
@@ -241,7 +238,7 @@ class Runner:
             used = cu.index(padded) + 1  # real segments, padding, the leading 0
             assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
         bufs["cu_seqlens"][:] = cu
-        return Staged(slot=slot, items=batch.items, num_bytes=off, num_patches=row, graph=graph,
+        return Staged(slot=slot, num_bytes=off, num_patches=row, graph=graph,
                       seq_lens=tuple(seq_lens), token_offsets=token_offsets, grids=grids)
 
     def run(self, st: Staged) -> Launched:
@@ -249,7 +246,7 @@ class Runner:
         return self._run_cuda(st) if self.cuda else self._run_cpu(st)
 
     def _run_cpu(self, st: Staged) -> Launched:
-        b, n, nb = st.slot.buffers, st.num_patches, len(st.items)
+        b, n, nb = st.slot.buffers, st.num_patches, len(st.seq_lens)
         rows = []
         for i in range(nb):
             off, h, w, _ = (int(x) for x in b["images"][i])
@@ -264,11 +261,11 @@ class Runner:
             out = self.model.tower(batch)
         # CPU work is synchronous: the slot is free again. (If anything above raised, `stage` released it.)
         st.slot.release()
-        return Launched(items=st.items, host_out=out, done=None, out_index=None, token_offsets=st.token_offsets,
+        return Launched(host_out=out, done=None, out_index=None, token_offsets=st.token_offsets,
                         grids=st.grids)
 
     def _run_cuda(self, st: Staged) -> Launched:
-        slot, n, nb, nbytes = st.slot, st.num_patches, len(st.items), st.num_bytes
+        slot, n, nb, nbytes = st.slot, st.num_patches, len(st.seq_lens), st.num_bytes
         d = self.dev
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             try:
@@ -302,7 +299,7 @@ class Runner:
         self._in_flight.append(done)
         # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
         out.record_stream(self.copy_stream)
-        return Launched(items=st.items, host_out=host, done=done, out_index=k, token_offsets=st.token_offsets,
+        return Launched(host_out=host, done=done, out_index=k, token_offsets=st.token_offsets,
                         grids=st.grids)
 
     def free_output(self, index: int) -> None:

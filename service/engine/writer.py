@@ -38,42 +38,43 @@ class Writer:
         to the runner's ring, once every read of a step's rows has returned."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
         self._free_output = free_output
-        self._queue: queue.Queue[Launched | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched] | None] = queue.Queue()
         self._writers = threads
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
         self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
 
-    def publish(self, launched: Launched) -> None:
-        self._queue.put(launched)
+    def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched) -> None:
+        """Hand over a launched step and its items (in staging order), to be written once its copy is done."""
+        self._queue.put((items, launched))
 
     def close(self) -> None:
         """No more steps (the loop has drained): write what is queued, then `run` returns."""
         self._queue.put(None)
 
     def run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.write(job)
+        while (step := self._queue.get()) is not None:
+            self.write(*step)
         self._put_pool.shutdown()
 
-    def write(self, job: Launched) -> None:
+    def write(self, items: list[WorkItem[EncodeJob]], job: Launched) -> None:
         """Store one step's embeddings and answer every one of its items (result or error)."""
-        n = len(job.items)
+        n = len(items)
         offs = job.token_offsets
         # Reserve every entry's file while the device still computes: allocating tmpfs pages is
         # most of a store write's cost, and here it overlaps the tower instead of following it.
         shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
         dtypes = [job.host_out.dtype] * n
         if n == 1:
-            held = [self._reserve(job.items[0], shapes[0], dtypes[0], job.grids[0])]
+            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
         else:
-            held = self._in_parallel(self._reserve, job.items, shapes, dtypes, job.grids)
+            held = self._in_parallel(self._reserve, items, shapes, dtypes, job.grids)
         try:
             if job.done is not None:
                 job.done.synchronize()  # the writer's one device wait: this step's D2H copy
                 self.batcher.wake()  # the device may be idle now: a waiting batch can close
         except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
             log.error("step of %d images failed on the device: %r", n, e)
-            for item, r in zip(job.items, held):
+            for item, r in zip(items, held):
                 if r is not None:
                     self.store.abort(r)
                     self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
@@ -83,9 +84,9 @@ class Writer:
             # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
             # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
             if n == 1:
-                self._commit(job.items[0], held[0], rows[0])
+                self._commit(items[0], held[0], rows[0])
             else:
-                self._in_parallel(self._commit, job.items, held, rows)
+                self._in_parallel(self._commit, items, held, rows)
         finally:
             if job.out_index is not None:
                 self._free_output(job.out_index)  # every commit above has returned: the buffer is free

@@ -46,7 +46,8 @@ def _setup(tmp_path, threads: int = 3):
 
 
 def _launched(batcher: Batcher, keys: list[str], done=None, seed: int = 0):
-    """Submit `keys` (key i has i + 1 tokens), take them in flight as one batch, and make its launched step."""
+    """Submit `keys` (key i has i + 1 tokens), take them in flight as one batch, and make its launched step:
+    (the batch's items, the step, the tickets)."""
     tickets = [batcher.submit(k, EncodeJob(k, image=None, content_sha256=f"sha-{k}"), tokens=i + 1)
                for i, k in enumerate(keys)]
     batch = batcher.next_batch(timeout=0, busy=lambda: False)
@@ -56,8 +57,8 @@ def _launched(batcher: Batcher, keys: list[str], done=None, seed: int = 0):
         offs.append(offs[-1] + it.tokens)
     rows = torch.randn(offs[-1], W, generator=torch.Generator().manual_seed(seed))
     grids = [(1, 2, 2 * it.tokens) for it in batch.items]  # t * h * w / 4 = tokens
-    job = Launched(items=batch.items, host_out=rows, done=done, out_index=OUT_INDEX, token_offsets=offs, grids=grids)
-    return job, tickets
+    job = Launched(host_out=rows, done=done, out_index=OUT_INDEX, token_offsets=offs, grids=grids)
+    return batch.items, job, tickets
 
 
 def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path):
@@ -67,8 +68,8 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
     store.reserve = lambda *a, **k: log.append("reserve") or real_reserve(*a, **k)
     store.commit = lambda *a, **k: log.append("commit") or real_commit(*a, **k)
     keys = [f"k{i}" for i in range(5)]
-    job, tickets = _launched(batcher, keys, done=FakeEvent(log))
-    writer.write(job)
+    items, job, tickets = _launched(batcher, keys, done=FakeEvent(log))
+    writer.write(items, job)
     # Every entry reserved while the device computes, the one device wait, then the commits.
     assert log == ["reserve"] * 5 + ["sync"] + ["commit"] * 5
     for i, (key, t) in enumerate(zip(keys, tickets)):
@@ -101,8 +102,8 @@ def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
         return real(*a, **k)
 
     setattr(store, where, failing)
-    job, tickets = _launched(batcher, ["ok1", "bad", "full", "ok2"])
-    writer.write(job)
+    items, job, tickets = _launched(batcher, ["ok1", "bad", "full", "ok2"])
+    writer.write(items, job)
     ok1, bad, full, ok2 = (t.future for t in tickets)
     assert ok1.result(timeout=0).key == "ok1" and ok2.result(timeout=0).key == "ok2"
     err = bad.exception(timeout=0)
@@ -115,8 +116,8 @@ def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
 
 def test_a_device_fault_at_the_copy_wait_fails_the_whole_step_and_leaves_nothing_behind(tmp_path):
     store, batcher, writer, freed = _setup(tmp_path)
-    job, tickets = _launched(batcher, ["a", "b", "c"], done=FakeEvent([], fault=RuntimeError("illegal memory access")))
-    writer.write(job)
+    items, job, tickets = _launched(batcher, ["a", "b", "c"], done=FakeEvent([], fault=RuntimeError("illegal memory access")))
+    writer.write(items, job)
     for t in tickets:
         err = t.future.exception(timeout=0)
         assert isinstance(err, BackendError) and str(err) == "encoding failed on the device: illegal memory access"
@@ -130,13 +131,13 @@ def test_run_writes_every_published_step_then_returns_after_close(tmp_path):
     thread.start()
     try:
         steps = [_launched(batcher, [f"s{s}_{i}" for i in range(3)], seed=s) for s in range(3)]
-        for job, _ in steps:
-            writer.publish(job)
+        for items, job, _ in steps:
+            writer.publish(items, job)
         writer.close()
     finally:
         thread.join(30)
     assert not thread.is_alive()
-    assert all(t.future.result(timeout=0).key == job.items[i].key for job, ts in steps for i, t in enumerate(ts))
+    assert all(t.future.result(timeout=0).key == items[i].key for items, _, ts in steps for i, t in enumerate(ts))
     assert freed == [OUT_INDEX] * 3 and len(store) == 9
 
 
