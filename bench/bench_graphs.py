@@ -49,10 +49,10 @@ def main() -> int:
         # stage exactly what the step loop would: real rows, padded cu_seqlens for the bucket
         eng.patches[:n].normal_()
         for name in ("pos_hw", "interp_idx", "interp_w"):
-            d[name][:n].copy_(torch.from_numpy(arr[name]))
+            getattr(d, name)[:n].copy_(torch.from_numpy(arr[name]))
         cu = padded_cu_seqlens([784] * k, bucket, eng.cu_length)
-        d["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
-        eager = TowerBatch(eng.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
+        d.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
+        eager = TowerBatch(eng.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
                            torch.from_numpy(arr["cu_seqlens"]).cuda(), tuple([784] * k))
         with torch.inference_mode(), torch.cuda.stream(eng.compute_stream):
             t_e = cuda_time(lambda: model.tower(eager))

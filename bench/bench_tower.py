@@ -222,8 +222,8 @@ def main() -> int:
             arr = build_batch([(1, 28, 28)] * k, spec)
             runner.patches[:n].normal_()
             for nm in ("pos_hw", "interp_idx", "interp_w"):
-                d[nm][:n].copy_(torch.from_numpy(arr[nm]))
-            d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
+                getattr(d, nm)[:n].copy_(torch.from_numpy(arr[nm]))
+            d.cu_seqlens.copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
             key = runner.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
             with torch.inference_mode(), torch.cuda.stream(runner.compute_stream):
                 t_g = cuda_time(lambda: runner.graphs.run(key), reps=50)

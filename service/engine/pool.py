@@ -7,11 +7,12 @@ vLLM's encoder-only path crashed exactly there (pinned inputs recycled while the
 them). Here every slot carries one event, recorded right after the last device work that reads the
 slot, and `acquire` waits on it before handing the slot back to the host for writing.
 
-Use, once per step, from the one thread that owns the pool (it is not thread-safe):
+A slot's buffers are one `StepBuffers` (a step's typed inputs, each at its maximum size). Use, once
+per step, from the one thread that owns the pool (it is not thread-safe):
 
     with pool.acquired() as slot:                # fence: waits until the GPU is done with this slot
-        n = stage(slot.buffers["pixels"])        # host writes; slice, never reallocate
-        launch_preprocess(slot.buffers["pixels"][:n], ...)   # GPU reads the slot (UVA or H2D)
+        n = stage(slot.buffers.pixels)           # host writes; slice, never reallocate
+        launch_preprocess(slot.buffers.pixels[:n], ...)   # GPU reads the slot (UVA or H2D)
         slot.release(keepalive=(images_table,))  # record the event after that last read
         launch_the_rest(...)                     # device work that no longer reads the slot
 
@@ -29,10 +30,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 class EventLike(Protocol):
@@ -58,12 +62,63 @@ class NullEvent:
         pass
 
 
-@dataclass(frozen=True)
-class BufferSpec:
-    """One host buffer of every slot, at its maximum size (steps slice it)."""
+@dataclass(kw_only=True)
+class StepBuffers(Generic[T]):
+    """A step's inputs, one field per buffer, each allocated once at its maximum size: a staging slot's
+    host tensors (`StepBuffers[torch.Tensor]`, pinned on CUDA), numpy views of them (`numpy()`), or
+    their device mirrors. A step fills the leading rows of each: `StepSize.rows()` says how many.
+    Shapes at capacity, in StepSize's terms:"""
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    pixels: T  # [pixel_bytes] uint8: the step's images back to back, each [H, W, 3] row-major
+    images: T  # [images, 4] int32: per image (byte offset into pixels, H, W, first patch row)
+    pos_hw: T  # [patches, 2] int64: (row, col) of each patch, for the rotary embedding
+    interp_idx: T  # [patches, 4] int64: taps into the learned square position table
+    interp_w: T  # [patches, 4] float32: bilinear weights of those taps
+    cu_seqlens: T  # [cu_seqlens] int32: patch offsets of each image, padded layout (see graphs.py)
+
+    @staticmethod
+    def allocate(capacity: StepSize, device: torch.device | str, *, pin: bool = False,
+                 zeros: bool = False) -> StepBuffers[torch.Tensor]:
+        """Every buffer at `capacity`, on `device` (pinned host memory with `pin`; zero-filled with `zeros`)."""
+        rows = capacity.rows()
+        new = torch.zeros if zeros else torch.empty
+
+        def buf(n: int, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return new((n, *row), dtype=dtype, device=device, pin_memory=pin)
+
+        return StepBuffers(pixels=buf(rows.pixels, (), torch.uint8),
+                           images=buf(rows.images, (4,), torch.int32),
+                           pos_hw=buf(rows.pos_hw, (2,), torch.int64),
+                           interp_idx=buf(rows.interp_idx, (4,), torch.int64),
+                           interp_w=buf(rows.interp_w, (4,), torch.float32),
+                           cu_seqlens=buf(rows.cu_seqlens, (), torch.int32))
+
+    def values(self) -> tuple[T, ...]:
+        """The buffers in field order (to pair a slot's buffers with the device mirrors, or with rows)."""
+        return tuple(getattr(self, name) for name in _BUFFERS)
+
+    def numpy(self: StepBuffers[torch.Tensor]) -> StepBuffers[np.ndarray]:
+        """numpy views of host tensors (the same memory): staging is then plain numpy slice assignment."""
+        return StepBuffers(**{name: getattr(self, name).numpy() for name in _BUFFERS})
+
+
+_BUFFERS = tuple(f.name for f in fields(StepBuffers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSize:
+    """How much of a StepBuffers one step fills, or (as a pool's capacity) how much each buffer holds."""
+
+    pixel_bytes: int  # the images' pixels, back to back
+    images: int
+    patches: int
+    cu_seqlens: int  # entries (a step always writes the whole padded layout)
+
+    def rows(self) -> StepBuffers[int]:
+        """The leading rows of each buffer this size covers: the one map from sizes to buffers, used to
+        allocate them at capacity and to copy what a step filled."""
+        return StepBuffers(pixels=self.pixel_bytes, images=self.images, pos_hw=self.patches,
+                           interp_idx=self.patches, interp_w=self.patches, cu_seqlens=self.cu_seqlens)
 
 
 @dataclass
@@ -80,9 +135,9 @@ class Slot:
 
     _FREE, _HELD, _IN_FLIGHT = "free", "held", "in_flight"
 
-    def __init__(self, index: int, buffers: dict[str, torch.Tensor], event: EventLike):
+    def __init__(self, index: int, buffers: StepBuffers[torch.Tensor], event: EventLike):
         self.index = index
-        self.buffers = buffers  # name -> host tensor at max size, pinned on CUDA; allocated once
+        self.buffers = buffers  # host tensors at max size, pinned on CUDA; allocated once
         self._event = event
         self._keepalive: tuple[Any, ...] = ()
         self._state = Slot._FREE
@@ -119,14 +174,15 @@ class StagingPool:
 
     def __init__(
         self,
-        specs: dict[str, BufferSpec],
+        capacity: StepSize,
         num_slots: int,
         device: torch.device,
         fence: bool = True,
         event_factory: Callable[[], EventLike] | None = None,
     ):
+        """Each of `num_slots` slots holds one StepBuffers of `capacity`, in host memory (pinned when
+        `device` is a GPU, which reads them)."""
         assert num_slots >= 1, f"This is a bug: num_slots must be >= 1, got {num_slots}"
-        assert specs, "This is a bug: a staging pool needs at least one buffer"
         device = torch.device(device)
         on_cuda = device.type == "cuda"
         if event_factory is None:
@@ -134,22 +190,13 @@ class StagingPool:
             # spin wakes sooner than a blocking-sync event, which matters on a ~ms step.
             event_factory = torch.cuda.Event if on_cuda else NullEvent
         self.device = device
-        self.specs = dict(specs)
+        self.capacity = capacity
         self.fence = fence
         self.stats = PoolStats()
         # Pinned memory: H2D copies run asynchronously at full speed, and kernels can read it in
         # place through unified addressing. Allocated here once; steps only slice.
-        self._slots = [
-            Slot(
-                i,
-                {
-                    name: torch.empty(spec.shape, dtype=spec.dtype, pin_memory=on_cuda)
-                    for name, spec in self.specs.items()
-                },
-                event_factory(),
-            )
-            for i in range(num_slots)
-        ]
+        self._slots = [Slot(i, StepBuffers.allocate(capacity, "cpu", pin=on_cuda), event_factory())
+                       for i in range(num_slots)]
         self._next = 0
 
     @property

@@ -28,7 +28,7 @@ import torch
 from service.config import Settings
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
-from service.engine.pool import BufferSpec, Slot, StagingPool
+from service.engine.pool import Slot, StagingPool, StepBuffers, StepSize
 from service.media.preprocess import grid_for, normalize_lut, num_patches, patchify
 from service.engine import tower as tower_module
 from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
@@ -44,8 +44,7 @@ class Staged:
     """Step inputs written into pinned slot `slot`; sizes are host ints (no device syncs needed)."""
 
     slot: Slot  # held until `run` has enqueued the last device work that reads it
-    num_bytes: int  # pixel bytes used in slot.buffers["pixels"]
-    num_patches: int  # patch rows of the step's images (a graph pads beyond them)
+    size: StepSize  # what the step filled of slot.buffers; its patches are the images' rows (a graph pads beyond)
     graph: GraphKey | None  # the CUDA graph that runs the step (see TowerGraphs), or None
     seq_lens: tuple[int, ...]  # [B] patches per image
     token_offsets: list[int]  # [B+1] output-row offsets per image
@@ -91,17 +90,11 @@ class Runner:
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
-        specs = {
-            "pixels": BufferSpec((self.max_patches * pp * 3,), torch.uint8),  # images back to back, [H, W, 3] each
-            "images": BufferSpec((self.max_images, 4), torch.int32),  # (byte offset, H, W, first patch row)
-            "pos_hw": BufferSpec((self.max_patches, 2), torch.int64),
-            "interp_idx": BufferSpec((self.max_patches, 4), torch.int64),
-            "interp_w": BufferSpec((self.max_patches, 4), torch.float32),
-            "cu_seqlens": BufferSpec((self.cu_length,), torch.int32),  # padded layout, see graphs.py
-        }
-        self.pool = StagingPool(specs, settings.pool_slots, self.device)
+        self.capacity = StepSize(pixel_bytes=self.max_patches * pp * 3, images=self.max_images, patches=self.max_patches,
+                                 cu_seqlens=self.cu_length)
+        self.pool = StagingPool(self.capacity, settings.pool_slots, self.device)
         # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
-        self._np = [{k: v.numpy() for k, v in self.pool.slot(i).buffers.items()} for i in range(settings.pool_slots)]
+        self._np = [self.pool.slot(i).buffers.numpy() for i in range(settings.pool_slots)]
         self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
         if self.cuda:
@@ -110,10 +103,11 @@ class Runner:
             self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
             # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
             # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
-            self.dev = {k: torch.zeros(s.shape, dtype=s.dtype, device=self.device) for k, s in specs.items()}
-            # Per slot: (name, device pointer, pinned pointer, bytes per row) of each staged buffer.
-            self._h2d = [[(k, self.dev[k].data_ptr(), b.data_ptr(), b[:1].nbytes)
-                          for k, b in self.pool.slot(i).buffers.items()] for i in range(settings.pool_slots)]
+            self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
+            # Per slot: (device pointer, pinned pointer, bytes per row) of each staged buffer, in field order.
+            self._h2d = [[(d.data_ptr(), b.data_ptr(), b[:1].nbytes)
+                          for b, d in zip(self.pool.slot(i).buffers.values(), self.dev.values())]
+                         for i in range(settings.pool_slots)]
             self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -144,8 +138,8 @@ class Runner:
         if self.buckets:
             t0 = time.perf_counter()
             d = self.dev
-            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d["pos_hw"], d["interp_idx"],
-                                                                d["interp_w"], d["cu_seqlens"]),
+            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d.pos_hw, d.interp_idx, d.interp_w,
+                                                                d.cu_seqlens),
                                       self.buckets, self.compute_stream, smallest, self.equal_steps)
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
             self.startup["graphs"] = len(self.graphs)
@@ -191,11 +185,11 @@ class Runner:
             n = side * side * count
             d = self.dev
             for name in ("pos_hw", "interp_idx", "interp_w"):
-                d[name][:n].copy_(torch.from_numpy(arr[name]))
-            d["cu_seqlens"][: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
+                getattr(d, name)[:n].copy_(torch.from_numpy(arr[name]))
+            d.cu_seqlens[: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
             self.patches[:n].normal_()
-            batch = TowerBatch(self.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                               d["cu_seqlens"][: count + 1], tuple([side * side] * count), attention=attention)
+            batch = TowerBatch(self.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
+                               d.cu_seqlens[: count + 1], tuple([side * side] * count), attention=attention)
             with torch.cuda.stream(self.compute_stream), torch.inference_mode():
                 self.model.tower(batch)
         self.compute_stream.synchronize()
@@ -220,12 +214,12 @@ class Runner:
             h, w = img.pixels.shape[:2]
             n_bytes, n_patches = img.pixels.size, gh * gw
             assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
-            bufs["pixels"][off : off + n_bytes] = img.pixels.reshape(-1)
-            bufs["images"][i] = (off, h, w, row)
+            bufs.pixels[off : off + n_bytes] = img.pixels.reshape(-1)
+            bufs.images[i] = (off, h, w, row)
             geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
-            bufs["pos_hw"][row : row + n_patches] = geo.pos_hw
-            bufs["interp_idx"][row : row + n_patches] = geo.interp_idx
-            bufs["interp_w"][row : row + n_patches] = geo.interp_w
+            bufs.pos_hw[row : row + n_patches] = geo.pos_hw
+            bufs.interp_idx[row : row + n_patches] = geo.interp_idx
+            bufs.interp_w[row : row + n_patches] = geo.interp_w
             off += n_bytes
             row += n_patches
             seq_lens.append(n_patches)
@@ -237,25 +231,26 @@ class Runner:
         if graph and graph.padded:
             used = cu.index(padded) + 1  # real segments, padding, the leading 0
             assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
-        bufs["cu_seqlens"][:] = cu
-        return Staged(slot=slot, num_bytes=off, num_patches=row, graph=graph,
-                      seq_lens=tuple(seq_lens), token_offsets=token_offsets, grids=grids)
+        bufs.cu_seqlens[:] = cu
+        size = StepSize(pixel_bytes=off, images=len(seq_lens), patches=row, cu_seqlens=self.cu_length)
+        return Staged(slot=slot, size=size, graph=graph, seq_lens=tuple(seq_lens), token_offsets=token_offsets,
+                      grids=grids)
 
     def run(self, st: Staged) -> Launched:
         """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
         return self._run_cuda(st) if self.cuda else self._run_cpu(st)
 
     def _run_cpu(self, st: Staged) -> Launched:
-        b, n, nb = st.slot.buffers, st.num_patches, len(st.seq_lens)
+        b, n, nb = st.slot.buffers, st.size.patches, st.size.images
         rows = []
         for i in range(nb):
-            off, h, w, _ = (int(x) for x in b["images"][i])
-            pixels = b["pixels"][off : off + h * w * 3].view(h, w, 3)
+            off, h, w, _ = (int(x) for x in b.images[i])
+            pixels = b.pixels[off : off + h * w * 3].view(h, w, 3)
             rows.append(patchify(pixels, self.lut, self.model.params))
         batch = TowerBatch(
             patches=torch.cat(rows).to(self.model.dtype),
-            pos_hw=b["pos_hw"][:n], interp_idx=b["interp_idx"][:n], interp_w=b["interp_w"][:n],
-            cu_seqlens=b["cu_seqlens"][: nb + 1], seq_lens=st.seq_lens,
+            pos_hw=b.pos_hw[:n], interp_idx=b.interp_idx[:n], interp_w=b.interp_w[:n],
+            cu_seqlens=b.cu_seqlens[: nb + 1], seq_lens=st.seq_lens,
         )
         with torch.inference_mode():
             out = self.model.tower(batch)
@@ -265,21 +260,20 @@ class Runner:
                         grids=st.grids)
 
     def _run_cuda(self, st: Staged) -> Launched:
-        slot, n, nb, nbytes = st.slot, st.num_patches, len(st.seq_lens), st.num_bytes
+        slot, n, nb, nbytes = st.slot, st.size.patches, st.size.images, st.size.pixel_bytes
         d = self.dev
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             try:
                 if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
                     torch.cuda._sleep(self.test_stall_cycles)
-                rows = {"pixels": nbytes, "images": nb, "pos_hw": n, "interp_idx": n, "interp_w": n,
-                        "cu_seqlens": self.cu_length}
-                self._copy_async([(dst, src, row_bytes * rows[name]) for name, dst, src, row_bytes in self._h2d[slot.index]],
-                                 self.compute_stream)
+                # One copy per buffer, of the rows the step filled (StepSize.rows: in the same field order).
+                self._copy_async([(dst, src, row_bytes * rows) for (dst, src, row_bytes), rows
+                                  in zip(self._h2d[slot.index], st.size.rows().values())], self.compute_stream)
             finally:
                 # The H2D copies above are the last device work that reads slot k: fence it here.
                 slot.release(self.compute_stream)
             patches = self.patches[:n]
-            self._patchify_cuda(d["pixels"][:nbytes], d["images"][:nb], self.lut, patches,
+            self._patchify_cuda(d.pixels[:nbytes], d.images[:nb], self.lut, patches,
                                 patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
             tokens = st.token_offsets[-1]
             if st.graph is not None:
@@ -287,8 +281,8 @@ class Runner:
                 # overwrites it: take a device copy (cheap) for the D2H to read.
                 out = self.graphs.run(st.graph)[:tokens].clone()
             else:
-                batch = TowerBatch(patches, d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
-                                   d["cu_seqlens"][: nb + 1], st.seq_lens)
+                batch = TowerBatch(patches, d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
+                                   d.cu_seqlens[: nb + 1], st.seq_lens)
                 out = self.model.tower(batch)
         k = self.out_free.get()  # back-pressure: only blocks when the writer is pool_slots steps behind
         host, done = self.out_bufs[k][:tokens], self.out_events[k]
