@@ -369,7 +369,7 @@ def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
              (writer, "_reserve", wrap(writer, "_reserve", "reserve")), (writer, "_commit", wrap(writer, "_commit", "commit")),
              (runner, "_patchify_cuda", wrap(runner, "_patchify_cuda", "patchify")),
              (runner.graphs, "run", wrap(runner.graphs, "run", "replay")),
-             (runner.out_free, "get", wrap(runner.out_free, "get", "out_get")),
+             (runner.outputs, "acquire", wrap(runner.outputs, "acquire", "out_get")),
              (store_module, "_write_ec_file", wrap(store_module, "_write_ec_file", "write"))]
     rows = []
     try:

@@ -47,8 +47,7 @@ class Engine:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers,
-                             free_output=self.runner.free_output)
+        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers)
         self.loop = StepLoop(self.batcher, self.runner, self.writer, self.metrics)
         self._writer_thread = threading.Thread(target=self.writer.run, name="store-writer", daemon=True)
         self._loop_thread = threading.Thread(target=self.loop.run, name="step-loop", daemon=True)
@@ -77,5 +76,5 @@ class Engine:
             offs = launched.token_offsets
             return [launched.host_out[offs[i] : offs[i + 1]].clone() for i in range(len(images))]
         finally:
-            if launched.out_index is not None:
-                self.runner.free_output(launched.out_index)
+            if launched.output is not None:
+                launched.output.release()

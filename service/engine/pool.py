@@ -23,11 +23,16 @@ already enqueued, and a slot left held would fail every later step that comes ro
 
 On CPU the same code runs with no-op events: CPU ops are synchronous, so by the time `release` is
 called the work that read the slot has finished.
+
+The other direction has a ring of its own, `OutputRing`: pinned buffers that each step's result is
+copied into (D2H), acquired by the step loop and released by the store writer once it has read them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -252,3 +257,71 @@ class StagingPool:
         t0 = time.perf_counter()
         slot._event.synchronize()
         self.stats.wait_seconds += time.perf_counter() - t0
+
+
+@dataclass(eq=False)
+class OutputLease:
+    """Output buffer `index` of an OutputRing, held by one step from `acquire` to `release`."""
+
+    index: int
+    host: torch.Tensor  # [max_tokens, out_width] model dtype, pinned on CUDA: where the step's D2H copy lands
+    done: EventLike  # the buffer's event: the step records it after that copy; readers wait on it
+    ring: OutputRing
+
+    def release(self) -> None:
+        """Give the buffer back: every read of the step's rows has returned (store commits, clones)."""
+        self.ring.release(self)
+
+
+class OutputRing:
+    """Pinned host buffers that steps' results are copied into, one per step in flight or being written.
+
+    Invariant: a buffer belongs to at most one step, from `acquire` (the step loop, before it enqueues
+    the D2H copy) until `release` (the writer, after every read of those rows has returned): the next
+    owner's copy overwrites it. So `acquire` blocks while every buffer is held, and releasing a buffer
+    twice, or through a lease that no longer holds it, is a bug. Depth: the staging pool's slot count.
+    A step holds its buffer from launch until written, so the loop blocks here only when the writer is
+    `depth` steps behind it: back-pressure, not a correctness condition (correctness never depends on
+    the depth). Thread-safe: the loop thread acquires, the writer thread releases.
+    """
+
+    def __init__(self, depth: int, rows: int, width: int, dtype: torch.dtype, device: torch.device,
+                 event_factory: Callable[[], EventLike] | None = None):
+        """`depth` buffers of [rows, width] `dtype` in host memory, pinned when `device` is a GPU."""
+        assert depth >= 1, f"This is a bug: an output ring needs a buffer, got depth {depth}"
+        on_cuda = torch.device(device).type == "cuda"
+        if event_factory is None:
+            event_factory = torch.cuda.Event if on_cuda else NullEvent
+        self._host = [torch.empty(rows, width, dtype=dtype, pin_memory=on_cuda) for _ in range(depth)]
+        self._events = [event_factory() for _ in range(depth)]
+        self._holders: list[OutputLease | None] = [None] * depth  # under _lock
+        self._lock = threading.Lock()
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(depth):
+            self._free.put(i)
+
+    @property
+    def depth(self) -> int:
+        return len(self._host)
+
+    def acquire(self) -> OutputLease:
+        """A free buffer for one step's result; blocks until the writer releases one if none is."""
+        i = self._free.get()
+        lease = OutputLease(index=i, host=self._host[i], done=self._events[i], ring=self)
+        with self._lock:
+            assert self._holders[i] is None, f"This is a bug: output buffer {i} handed out while still held"
+            self._holders[i] = lease
+        return lease
+
+    def release(self, lease: OutputLease) -> None:
+        """Give `lease`'s buffer back (see OutputLease.release)."""
+        with self._lock:
+            assert self._holders[lease.index] is lease, (
+                f"This is a bug: output buffer {lease.index} released twice, or by a step that no longer holds it")
+            self._holders[lease.index] = None
+        self._free.put(lease.index)
+
+    def held(self) -> int:
+        """Buffers acquired and not yet released."""
+        with self._lock:
+            return sum(h is not None for h in self._holders)

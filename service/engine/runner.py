@@ -8,7 +8,8 @@ ring of one device. No threads, no batcher, no store: the step loop calls it, on
   * the slot fence: before overwriting pinned slot k, wait for the CUDA event recorded after the
     last device work that read slot k (the bug this service exists to avoid: recycling a pinned
     input buffer while an earlier step's H2D copy still reads it), and
-  * back-pressure from the writer when all output buffers are still being written to the store.
+  * back-pressure from the writer when all output buffers (pool.OutputRing) are still being written
+    to the store.
 On CPU the same code runs: events are trivial and the "device" work is synchronous.
 """
 
@@ -18,7 +19,6 @@ import collections
 import contextlib
 import logging
 import os
-import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ import torch
 from service.config import Settings
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
-from service.engine.pool import Slot, StagingPool, StepBuffers, StepSize
+from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize
 from service.media.preprocess import grid_for, normalize_lut, num_patches, patchify
 from service.engine import tower as tower_module
 from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
@@ -54,11 +54,11 @@ class Staged:
 @dataclass(kw_only=True)
 class Launched:
     """A step whose device work is enqueued; `host_out` is valid once `done` has fired. Images in
-    staging order."""
+    staging order. Whoever reads `host_out` last releases `output` (the writer; encode_sync)."""
 
-    host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA
+    host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA: rows of output.host
     done: torch.cuda.Event | None  # None on CPU (already complete)
-    out_index: int | None  # which output buffer to give back to the ring (CUDA only)
+    output: OutputLease | None  # the ring buffer host_out lies in, held until released (CUDA only)
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
 
@@ -112,17 +112,10 @@ class Runner:
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
             # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
-            max_tokens = self.max_patches // merge2
-            self.out_bufs = [
-                torch.empty(max_tokens, spec.out_width, dtype=model.dtype, pin_memory=True)
-                for _ in range(settings.pool_slots)
-            ]
-            self.out_events = [torch.cuda.Event() for _ in self.out_bufs]
-            self.out_free: queue.Queue[int] = queue.Queue()
-            for i in range(len(self.out_bufs)):
-                self.out_free.put(i)
+            self.outputs = OutputRing(settings.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
+                                      self.device)
             # Launched steps whose device work may still run (loop thread only; see device_busy).
-            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=len(self.out_bufs))
+            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
         t0 = time.perf_counter()
         if fast:
@@ -256,8 +249,7 @@ class Runner:
             out = self.model.tower(batch)
         # CPU work is synchronous: the slot is free again. (If anything above raised, `stage` released it.)
         st.slot.release()
-        return Launched(host_out=out, done=None, out_index=None, token_offsets=st.token_offsets,
-                        grids=st.grids)
+        return Launched(host_out=out, done=None, output=None, token_offsets=st.token_offsets, grids=st.grids)
 
     def _run_cuda(self, st: Staged) -> Launched:
         slot, n, nb, nbytes = st.slot, st.size.patches, st.size.images, st.size.pixel_bytes
@@ -284,8 +276,8 @@ class Runner:
                 batch = TowerBatch(patches, d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
                                    d.cu_seqlens[: nb + 1], st.seq_lens)
                 out = self.model.tower(batch)
-        k = self.out_free.get()  # back-pressure: only blocks when the writer is pool_slots steps behind
-        host, done = self.out_bufs[k][:tokens], self.out_events[k]
+        output = self.outputs.acquire()  # back-pressure: only blocks when the writer is pool_slots steps behind
+        host, done = output.host[:tokens], output.done
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
             host.copy_(out, non_blocking=True)
@@ -293,12 +285,7 @@ class Runner:
         self._in_flight.append(done)
         # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
         out.record_stream(self.copy_stream)
-        return Launched(host_out=host, done=done, out_index=k, token_offsets=st.token_offsets,
-                        grids=st.grids)
-
-    def free_output(self, index: int) -> None:
-        """Give output buffer `index` back to the ring: every read of its rows has returned (CUDA only)."""
-        self.out_free.put(index)
+        return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids)
 
 
 def _use_compile_cache(path) -> None:

@@ -1,7 +1,7 @@
 """The store writer: the one thread that turns launched steps into store entries and answers.
 
     per step: reserve each image's entry (while the device computes) -> wait the step's copy-done
-              event -> commit each entry -> finish its waiters -> give the output buffer back
+              event -> commit each entry -> finish its waiters -> release the output buffer to its ring
 
 The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
 failed write answers only its own image.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +31,9 @@ log = logging.getLogger(__name__)
 class Writer:
     """Writes launched steps to the store. `run()` is the thread; `publish` hands it a step."""
 
-    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int,
-                 free_output: Callable[[int], None]):
-        """`threads`: --store-writers, this thread included. `free_output(i)`: give output buffer i back
-        to the runner's ring, once every read of a step's rows has returned."""
+    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
+        """`threads`: --store-writers, this thread included."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
-        self._free_output = free_output
         self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched] | None] = queue.Queue()
         self._writers = threads
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
@@ -88,8 +84,8 @@ class Writer:
             else:
                 self._in_parallel(self._commit, items, held, rows)
         finally:
-            if job.out_index is not None:
-                self._free_output(job.out_index)  # every commit above has returned: the buffer is free
+            if job.output is not None:
+                job.output.release()  # every commit above has returned: the buffer is free
         # (The store's gauges are read at scrape time: Metrics.update_gauges.)
 
     def _in_parallel(self, fn, *columns: list) -> list:

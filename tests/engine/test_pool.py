@@ -5,7 +5,7 @@ deep queue, it lags: it runs item i only once LAG newer items have been launched
 blocks waiting on it (a fake event's synchronize), or when the producer has finished. That makes the
 outcome deterministic, with no timing involved: without the fence the host always overwrites a slot
 (it reuses a slot every NUM_SLOTS steps, and LAG >= NUM_SLOTS) before the device has read it; with
-the fence it never can.
+the fence it never can. Also the output ring: one step per buffer, blocking when all are held.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from service.engine.pool import NullEvent, StagingPool, StepSize
+from service.engine.pool import NullEvent, OutputRing, StagingPool, StepSize
 
 NUM_SLOTS = 3
 LAG = 4  # >= NUM_SLOTS: without the fence, every slot is rewritten before its reader runs
@@ -285,6 +285,35 @@ def test_acquired_block_releases_a_slot_its_step_did_not_get_to_release():
         with pool.acquired():
             pass  # a step that never released its slot is a bug, not something to cover up
     assert pool.stats.acquires == 5
+
+
+def test_output_ring_hands_each_buffer_to_one_step_at_a_time_and_blocks_when_all_are_held():
+    made: list[ManualEvent] = []
+    ring = OutputRing(2, rows=6, width=3, dtype=torch.bfloat16, device=torch.device("cpu"),
+                      event_factory=lambda: made.append(ManualEvent()) or made[-1])
+    a, b = ring.acquire(), ring.acquire()
+    assert (a.index, b.index) == (0, 1) and ring.held() == 2
+    assert a.host.shape == (6, 3) and a.host.dtype == torch.bfloat16 and not a.host.is_pinned()
+    assert (a.done, b.done) == (made[0], made[1]) and a.host.data_ptr() != b.host.data_ptr()
+
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire()))
+    waiter.start()
+    waiter.join(0.1)
+    assert waiter.is_alive() and got == [], "every buffer is held: acquire must wait for the writer"
+    b_ptr = b.host.data_ptr()
+    b.release()
+    waiter.join(TIMEOUT_S)
+    assert not waiter.is_alive()
+    (c,) = got
+    assert c.index == 1 and c.host.data_ptr() == b_ptr and c.done is made[1], "the same buffer and event, reused"
+    with pytest.raises(AssertionError, match="released twice, or by a step that no longer holds it"):
+        b.release()  # b's step is done with it; c's step holds it now
+    c.release()
+    with pytest.raises(AssertionError, match="released twice"):
+        c.release()
+    a.release()
+    assert ring.held() == 0 and {ring.acquire().index, ring.acquire().index} == {0, 1}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
