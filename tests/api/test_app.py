@@ -552,7 +552,7 @@ def test_image_urls_only_from_allowed_hosts_with_limits(tmp_path, tiny_model):
 
 
 def test_failed_warmup_is_reported_by_health(tmp_path, tiny_model, monkeypatch):
-    from service.engine.core import core as engine_module
+    from service.engine import core as engine_module
 
     def broken(self, images):
         raise RuntimeError("no device")
