@@ -44,6 +44,7 @@ from service.engine.core import EncodeJob, Engine  # noqa: E402
 from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.media.images import prepare_image  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
+from service.engine.runner import use_compile_cache  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.store.directory import EmbeddingStore  # noqa: E402
 from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
@@ -133,7 +134,7 @@ def main() -> int:
     blobs = photos()
     prepared = [prepare_image(b, model.params, settings.image_limits) for b in blobs]
     eager_engine = Engine(model, store=None, batcher=None, metrics=Metrics(),
-                          settings=settings.model_copy(update={"compile": False, "cuda_graphs": False}))
+                          options=settings.model_copy(update={"compile": False, "cuda_graphs": False}).runner_options())
     if "accuracy" in sections and blobs:
         from PIL import Image
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -158,8 +159,11 @@ def main() -> int:
         save()
 
     # ---- the service's engine: compile + CUDA graphs (what `serve` builds) ------------------------
+    options = settings.runner_options()
+    use_compile_cache(model, options)  # the fresh cache above: compile_s below is a cold compile
     t0 = time.perf_counter()
-    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics(),
+                    store_writers=settings.store_writers)  # the loop sections give it a store
     res["engine_startup"] = {**engine.runner.startup, "wall_s": round(time.perf_counter() - t0, 2),
                              "cudnn_attention": tower.cudnn_attention}
     print("engine startup", res["engine_startup"], flush=True)

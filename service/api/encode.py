@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from service.engine.batcher import QueuePlace, Ticket
-from service.config import ImageLimits, Settings
+from service.config import FaultInjection, ImageLimits, Settings
 from service.errors import (
     BackendError,
     EmptyImage,
@@ -111,14 +111,18 @@ class Runtime:
 
     def __init__(self, settings: Settings, model: LoadedModel):
         from service.engine.core import Engine
+        from service.engine.runner import use_compile_cache
         from service.procs.enginep import build_batcher, build_store, key_salt
 
         self.created_at = time.perf_counter()
         self.settings, self.model = settings, model
         self.metrics = Metrics()
-        self.store = build_store(settings, model)
+        store_options, runner_options = settings.store_options(), settings.runner_options(FaultInjection.from_env(os.environ))
+        self.store = build_store(store_options, model)
         self.batcher = build_batcher(settings)
-        self.engine = Engine(model, self.store, self.batcher, settings, self.metrics)
+        use_compile_cache(model, runner_options)
+        self.engine = Engine(model, self.store, self.batcher, runner_options, self.metrics,
+                             store_writers=store_options.writers)
         # Seconds per start-up phase: load, compile, graph capture (in the Runner), warm-up (in start()).
         self.startup: dict[str, float] = {"load_s": model.load_s, **self.engine.runner.startup}
         self.decode_workers = settings.decode_workers or min(8, os.cpu_count() or 1)

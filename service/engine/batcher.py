@@ -40,6 +40,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
+from service.config import BatchLimits  # the limits' type, derived from Settings there (Settings.batch_limits)
 from service.errors import Overloaded, Unavailable
 
 # NOTE: a fixed hint for clients' Retry-After. The batcher does not see step times, so it cannot
@@ -48,30 +49,6 @@ RETRY_AFTER_S = 1
 
 CloseReason = Literal["tokens", "images", "idle", "wait", "drain"]
 P = TypeVar("P")  # a work item's payload: opaque to the batcher (the engine's EncodeJob)
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    max_batch_tokens: int  # step token budget (output tokens after the 2x2 merge)
-    max_batch_images: int
-    max_wait_s: float  # a batch closes at most this long after its oldest item was enqueued
-    max_queue_images: int  # admission limit on unscheduled items; beyond it submit raises Overloaded
-    # Admission limit on the unscheduled items' output tokens (a token is 4 patches of 16x16 pixels, so
-    # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
-    # An item is always admitted into an empty queue, so no single image is refused for its size here.
-    max_queue_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_batch_tokens <= 0:
-            raise ValueError(f"max_batch_tokens must be > 0, got {self.max_batch_tokens}")
-        if self.max_batch_images <= 0:
-            raise ValueError(f"max_batch_images must be > 0, got {self.max_batch_images}")
-        if self.max_wait_s < 0:
-            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
-        if self.max_queue_images <= 0:
-            raise ValueError(f"max_queue_images must be > 0, got {self.max_queue_images}")
-        if self.max_queue_tokens is not None and self.max_queue_tokens <= 0:
-            raise ValueError(f"max_queue_tokens must be > 0, got {self.max_queue_tokens}")
 
 
 @dataclass(eq=False)  # identity semantics: payloads may be arrays, and two items are never "equal"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.batcher import Batcher
-from service.config import Settings
+from service.config import RunnerOptions
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
 from service.metrics import Metrics
@@ -35,11 +35,14 @@ class EncodeJob:
 class Engine:
     """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
 
-    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher[EncodeJob], settings: Settings,
-                 metrics: Metrics):
+    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher[EncodeJob], options: RunnerOptions,
+                 metrics: Metrics, *, store_writers: int = 1):
+        """`options`: Settings.runner_options() (an entry point calls runner.use_compile_cache first);
+        `store_writers`: StoreOptions.writers, the threads that write a step's entries (unused by an
+        engine without a store, which serves encode_sync only)."""
         self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
-        self.runner = Runner(model, settings)
-        self._store_writers = settings.store_writers
+        self.runner = Runner(model, options)
+        self._store_writers = store_writers
         self.writer: Writer | None = None  # from start()
         self.loop: StepLoop | None = None
         self._loop_thread: threading.Thread | None = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.config import Settings
+from service.config import FAULT_ENV, FaultInjection, RunnerOptions
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
 from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize
@@ -36,7 +36,25 @@ from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_st
 from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry
 
 log = logging.getLogger(__name__)
-FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection, see Runner._inject_faults
+
+
+def fast_tower(model: LoadedModel) -> bool:
+    """Whether the tower can take CUDA graphs and torch.compile: bf16/fp16 on CUDA (varlen attention);
+    elsewhere it runs eagerly (CPU float32 stays exactly transformers' arithmetic)."""
+    return (model.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16)
+            and tower_module.varlen_available())
+
+
+def use_compile_cache(model: LoadedModel, options: RunnerOptions) -> None:
+    """For an entry point, before it builds the Engine of `model` (the Runner writes no environment):
+    point Inductor's and Triton's on-disk caches at options.compile_cache (unless the user set them), so
+    a restart loads compiled kernels instead of compiling again. Nothing where the Runner won't compile."""
+    if not (options.compile and fast_tower(model)):
+        return
+    path = os.path.abspath(os.path.expanduser(str(options.compile_cache)))
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))
 
 
 @dataclass(kw_only=True)
@@ -66,7 +84,10 @@ class Launched:
 class Runner:
     """Owns the tower, the staging pool and the device buffers; runs one step at a time (no threads)."""
 
-    def __init__(self, model: LoadedModel, settings: Settings):
+    def __init__(self, model: LoadedModel, options: RunnerOptions):
+        """Loads nothing and reads no environment: `model` is loaded, `options` derived from Settings
+        (Settings.runner_options). Compiles and captures CUDA graphs now, where the tower is fast (an
+        entry point calls use_compile_cache first)."""
         self.model = model
         spec, params = model.spec, model.params
         self.device = model.device
@@ -74,27 +95,25 @@ class Runner:
         merge2 = spec.merge_size**2
         pp = spec.patch_size**2
         # A step holds up to the token budget, or one image above it (such an image runs alone).
-        self.max_patches = max(settings.max_batch_tokens * merge2, params.max_pixels // pp)
-        self.max_images = settings.max_batch_images
+        self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp)
+        self.max_images = options.max_batch_images
         if self.max_patches > tower_module.max_block_rows(spec):
             raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
                              f"({tower_module.max_block_rows(spec)}); lower --max-batch-tokens or --max-pixels")
-        # CUDA graphs and torch.compile need a bf16/fp16 tower on CUDA (varlen attention); elsewhere the
-        # tower runs eagerly (CPU float32 stays exactly transformers' arithmetic).
-        fast = self.cuda and model.dtype in (torch.bfloat16, torch.float16) and tower_module.varlen_available()
+        fast = fast_tower(model)
         smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
-        exact = tuple(num_patches(grid_for(side, side, params)) for side in settings.graph_exact_sides)
-        self.buckets = graph_buckets(self.max_patches, settings.graph_max_patches, smallest) if (
-            fast and settings.cuda_graphs) else None
+        exact = tuple(num_patches(grid_for(side, side, params)) for side in options.graph_exact_sides)
+        self.buckets = graph_buckets(self.max_patches, options.graph_max_patches, smallest) if (
+            fast and options.cuda_graphs) else None
         self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
         self.capacity = StepSize(pixel_bytes=self.max_patches * pp * 3, images=self.max_images, patches=self.max_patches,
                                  cu_seqlens=self.cu_length)
-        self.pool = StagingPool(self.capacity, settings.pool_slots, self.device)
+        self.pool = StagingPool(self.capacity, options.pool_slots, self.device)
         # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
-        self._np = [self.pool.slot(i).buffers.numpy() for i in range(settings.pool_slots)]
+        self._np = [self.pool.slot(i).buffers.numpy() for i in range(options.pool_slots)]
         self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
         if self.cuda:
@@ -107,12 +126,12 @@ class Runner:
             # Per slot: (device pointer, pinned pointer, bytes per row) of each staged buffer, in field order.
             self._h2d = [[(d.data_ptr(), b.data_ptr(), b[:1].nbytes)
                           for b, d in zip(self.pool.slot(i).buffers.values(), self.dev.values())]
-                         for i in range(settings.pool_slots)]
+                         for i in range(options.pool_slots)]
             self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
             # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
-            self.outputs = OutputRing(settings.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
+            self.outputs = OutputRing(options.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
                                       self.device)
             # Launched steps whose device work may still run (loop thread only; see device_busy).
             self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
@@ -121,8 +140,7 @@ class Runner:
         if fast:
             model.tower.cudnn_attention = tower_module.cudnn_attention_works(self.device, model.dtype, spec.num_heads,
                                                                             spec.head_dim)
-        if fast and settings.compile:
-            _use_compile_cache(settings.compile_cache)
+        if fast and options.compile:
             if not model.tower.compiled:  # several engines may share one loaded model (tests)
                 model.tower.compile()
             self._warm_compiled(smallest, batch_of_one=bool(self.equal_steps))
@@ -137,23 +155,16 @@ class Runner:
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
             self.startup["graphs"] = len(self.graphs)
         self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
-        self._inject_faults(os.environ.get(FAULT_ENV, ""))
+        self._inject_faults(options.faults)
 
-    def _inject_faults(self, spec: str) -> None:
-        """`QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run (bench/soak.py) proves it
-        catches the corruption a missing fence causes on a lagging GPU. Never set it in service."""
-        if not spec:
+    def _inject_faults(self, faults: FaultInjection) -> None:
+        """The test-only faults of the soak's control run (see FaultInjection). Never in service."""
+        if faults == FaultInjection():
             return
-        for part in spec.split(","):
-            name, _, value = part.strip().partition("=")
-            if name == "stall":
-                self.test_stall_cycles = int(value) if self.cuda else 0  # a CPU step has no device to lag
-            elif name == "no-fence":
-                self.pool.fence = False
-            else:
-                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (known: stall=CYCLES, no-fence)")
-        log.warning("FAULT INJECTION ON (%s=%s): stall %d cycles before each step's copies, fence %s; "
-                    "embeddings may be wrong", FAULT_ENV, spec, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
+        self.test_stall_cycles = faults.stall_cycles if self.cuda else 0  # a CPU step has no device to lag
+        self.pool.fence = faults.fence
+        log.warning("FAULT INJECTION ON (%s): stall %d cycles before each step's copies, fence %s; "
+                    "embeddings may be wrong", FAULT_ENV, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
 
     def device_busy(self) -> bool:
         """Whether a launched step may still run on the device (the batcher's continuous-batching test).
@@ -287,11 +298,3 @@ class Runner:
         out.record_stream(self.copy_stream)
         return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids)
 
-
-def _use_compile_cache(path) -> None:
-    """Point Inductor's and Triton's on-disk caches at `path` (unless the user set them), so a restart
-    loads compiled kernels instead of compiling again. Must run before the first compile."""
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))

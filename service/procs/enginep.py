@@ -18,13 +18,14 @@ import time
 from dataclasses import astuple
 
 from service.procs.arena import ArenaReader
-from service.engine.batcher import BatchLimits, Batcher, QueuePlace, Ticket
-from service.config import Settings
+from service.engine.batcher import Batcher, QueuePlace, Ticket
+from service.config import FaultInjection, Settings, StoreOptions
 from service.engine.core import EncodeJob, Engine
 from service.errors import KeyConflict, ServiceError
 from service.media.images import PreparedImage
 from service.procs.ipc import EngineServer, error_to_wire, item_to_wire
 from service.engine.loader import LoadedModel, load_model
+from service.engine.runner import use_compile_cache
 from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
 from service.store.format import validate_key
@@ -32,22 +33,18 @@ from service.store.format import validate_key
 log = logging.getLogger(__name__)
 
 
-def build_store(settings: Settings, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
+def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
     """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
     return EmbeddingStore(
-        settings.store, settings.store_capacity_bytes // shard[1], model_id=model.model_id,
+        options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
-        exclusive=True, group=settings.store_group, shard=shard,
+        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=options.min_residency_s,
+        exclusive=True, group=options.group, shard=shard,
     )
 
 
-def build_batcher(settings: Settings) -> Batcher:
-    return Batcher(BatchLimits(
-        max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
-        max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
-        max_queue_tokens=settings.max_queue_tokens,
-    ))
+def build_batcher(settings: Settings) -> Batcher[EncodeJob]:
+    return Batcher(settings.batch_limits())
 
 
 def key_salt(model: LoadedModel) -> str:
@@ -231,9 +228,11 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     t0 = time.perf_counter()
     model = load_model(settings)
     metrics = Metrics()
-    store = build_store(settings, model, shard)
+    store_options, runner_options = settings.store_options(), settings.runner_options(FaultInjection.from_env(os.environ))
+    store = build_store(store_options, model, shard)
     batcher = build_batcher(settings)
-    engine = Engine(model, store, batcher, settings, metrics)
+    use_compile_cache(model, runner_options)
+    engine = Engine(model, store, batcher, runner_options, metrics, store_writers=store_options.writers)
     host = EngineHost(settings, model, store, batcher, engine, metrics)
     host.startup = {"load_s": model.load_s, **engine.runner.startup}
     host.server = server = EngineServer(socket_path, host)
