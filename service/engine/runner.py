@@ -123,10 +123,7 @@ class Runner:
             # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
             # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
             self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
-            # Per slot: (device pointer, pinned pointer, bytes per row) of each staged buffer, in field order.
-            self._h2d = [[(d.data_ptr(), b.data_ptr(), b[:1].nbytes)
-                          for b, d in zip(self.pool.slot(i).buffers.values(), self.dev.values())]
-                         for i in range(options.pool_slots)]
+            self._h2d = [_copy_table(self.pool.slot(i).buffers, self.dev) for i in range(options.pool_slots)]
             self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -269,9 +266,7 @@ class Runner:
             try:
                 if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
                     torch.cuda._sleep(self.test_stall_cycles)
-                # One copy per buffer, of the rows the step filled (StepSize.rows: in the same field order).
-                self._copy_async([(dst, src, row_bytes * rows) for (dst, src, row_bytes), rows
-                                  in zip(self._h2d[slot.index], st.size.rows().values())], self.compute_stream)
+                self._copy_async(_copies(self._h2d[slot.index], st.size), self.compute_stream)
             finally:
                 # The H2D copies above are the last device work that reads slot k: fence it here.
                 slot.release(self.compute_stream)
@@ -298,3 +293,14 @@ class Runner:
         out.record_stream(self.copy_stream)
         return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids)
 
+
+def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(dst pointer, src pointer, bytes per row) of each buffer, in field order: made once per slot, so
+    a step's copies are plain integer arithmetic (see kernels.preprocess.copy_async for why raw copies)."""
+    return [(d.data_ptr(), s.data_ptr(), s[:1].nbytes) for s, d in zip(src.values(), dst.values())]
+
+
+def _copies(table: list[tuple[int, int, int]], size: StepSize) -> list[tuple[int, int, int]]:
+    """The raw copies (dst, src, bytes) that move what a step of `size` filled: one per buffer, of the
+    rows StepSize.rows gives it (in the same field order as the table)."""
+    return [(dst, src, row_bytes * rows) for (dst, src, row_bytes), rows in zip(table, size.rows().values())]
