@@ -648,7 +648,9 @@ class Reference:
         self.settings = Settings(model=model, seed=seed, device=device, dtype="float32", min_pixels=min_pixels,
                                  max_pixels=max_pixels, compile=False, cuda_graphs=False, pool_slots=2)
         self.model = load_model(self.settings)
-        self.engine = Engine(self.model, store=None, batcher=None, settings=self.settings, metrics=Metrics())
+        # Eager, on its own (no compile, no graphs): no compile cache to set up.
+        self.engine = Engine(self.model, store=None, batcher=None, options=self.settings.runner_options(),
+                             metrics=Metrics())
         self.model_id = self.model.model_id
 
     def encode(self, blob: bytes) -> tuple[tuple[int, int, int], np.ndarray]:

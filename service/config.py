@@ -3,6 +3,10 @@
 Every setting can come from a CLI flag (`python -m service serve --max-batch-tokens 8192`) or from
 the environment with the `QVE_` prefix (`QVE_MAX_BATCH_TOKENS=8192`); a flag wins over the
 environment. Nothing on the hot path reads the environment.
+
+Only the entry points (the single-process runtime, the engine process, benchmarks) read Settings. What
+each part needs is derived from it once, as a frozen options object of its own: `Settings.runner_options()`
+(RunnerOptions), `Settings.batch_limits()` (BatchLimits), `Settings.store_options()` (StoreOptions).
 """
 
 from __future__ import annotations
@@ -53,6 +57,99 @@ class PreprocessParams:
     @property
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The batcher's limits (service/engine/batcher.py): step size and admission."""
+
+    max_batch_tokens: int  # step token budget (output tokens after the 2x2 merge)
+    max_batch_images: int
+    max_wait_s: float  # a batch closes at most this long after its oldest item was enqueued
+    max_queue_images: int  # admission limit on unscheduled items; beyond it submit raises Overloaded
+    # Admission limit on the unscheduled items' output tokens (a token is 4 patches of 16x16 pixels, so
+    # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
+    # An item is always admitted into an empty queue, so no single image is refused for its size here.
+    max_queue_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be > 0, got {self.max_batch_tokens}")
+        if self.max_batch_images <= 0:
+            raise ValueError(f"max_batch_images must be > 0, got {self.max_batch_images}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.max_queue_images <= 0:
+            raise ValueError(f"max_queue_images must be > 0, got {self.max_queue_images}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens <= 0:
+            raise ValueError(f"max_queue_tokens must be > 0, got {self.max_queue_tokens}")
+
+
+FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection (FaultInjection), read by the entry points
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only faults, `QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run
+    (bench/soak.py) proves it catches the corruption a missing fence causes on a lagging GPU. Never set
+    it in service."""
+
+    stall_cycles: int = 0  # a device sleep queued before each step's H2D copies (a GPU that lags)
+    fence: bool = True  # False: the staging pool overwrites slots without waiting for the device
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> FaultInjection:
+        """The faults `QVE_FAULT_INJECT` asks for (none when unset). Raises ValueError for an unknown one."""
+        spec = environ.get(FAULT_ENV, "")
+        if not spec:
+            return cls()
+        stall, fence = 0, True
+        for part in spec.split(","):
+            name, _, value = part.strip().partition("=")
+            if name == "stall":
+                stall = int(value)
+            elif name == "no-fence":
+                fence = False
+            else:
+                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (known: stall=CYCLES, no-fence)")
+        return cls(stall_cycles=stall, fence=fence)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions:
+    """What the engine's Runner needs (Settings.runner_options): staging capacity, pool depth, CUDA
+    graphs and torch.compile."""
+
+    max_batch_tokens: int  # with the model's max_pixels, the patches a step's buffers hold
+    max_batch_images: int  # images a step's buffers hold
+    pool_slots: int  # pinned staging slots, and as many output buffers
+    cuda_graphs: bool  # replay the tower from CUDA graphs (where the tower is fast: CUDA, bf16/fp16)
+    graph_max_patches: int  # the largest step replayed from a graph
+    graph_exact_sides: tuple[int, ...]  # square sides whose equal steps get unpadded graphs
+    compile: bool  # torch.compile the tower (where it is fast)
+    compile_cache: Path  # on-disk compile caches (runner.use_compile_cache; the entry points set it up)
+    faults: FaultInjection = FaultInjection()  # none, unless a test asks (FaultInjection.from_env)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """What an engine's embedding store and its writer need (Settings.store_options)."""
+
+    root: Path
+    capacity_bytes: int  # of the whole store: with n engines, each one's shard gets capacity_bytes // n
+    group: str | None  # a group that may read the store, or None (the service's user alone)
+    min_residency_s: float  # an answered entry is not evicted for this long
+    writers: int  # threads writing one step's entries, the writer thread included
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """Everything one engine is built from (Settings.engine_options; engine/host.py's build_host)."""
+
+    runner: RunnerOptions
+    store: StoreOptions
+    limits: BatchLimits
+    warmup: bool  # run one step through the whole path before saying ready
 
 
 @dataclass(frozen=True)
@@ -282,6 +379,27 @@ class Settings(BaseSettings):
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
 
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
+                           max_wait_s=self.max_wait_ms / 1000, max_queue_images=self.max_queue_images,
+                           max_queue_tokens=self.max_queue_tokens)
+
+    def runner_options(self, faults: FaultInjection = FaultInjection()) -> RunnerOptions:
+        """`faults`: FaultInjection.from_env(os.environ) at an entry point; tests pass theirs."""
+        return RunnerOptions(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
+                             pool_slots=self.pool_slots, cuda_graphs=self.cuda_graphs,
+                             graph_max_patches=self.graph_max_patches, graph_exact_sides=tuple(self.graph_exact_sides),
+                             compile=self.compile, compile_cache=self.compile_cache, faults=faults)
+
+    def engine_options(self, faults: FaultInjection = FaultInjection()) -> EngineOptions:
+        """The options of one engine (`faults`: FaultInjection.from_env(os.environ) at an entry point)."""
+        return EngineOptions(runner=self.runner_options(faults), store=self.store_options(),
+                             limits=self.batch_limits(), warmup=self.warmup)
+
+    def store_options(self) -> StoreOptions:
+        return StoreOptions(root=self.store, capacity_bytes=self.store_capacity_bytes, group=self.store_group,
+                            min_residency_s=self.store_min_residency_s, writers=self.store_writers)
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -302,7 +420,7 @@ ENV_PREFIX = "QVE_"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # QVE_ variables that are not settings, so not worth a warning at start.
 OTHER_ENV = frozenset({
-    "QVE_FAULT_INJECT",  # test-only fault injection, read by service/engine/runner.py (FAULT_ENV)
+    FAULT_ENV,  # test-only fault injection (FaultInjection)
     "QVE_COMPOSE_TEST", "QVE_COMPOSE_LOG", "QVE_TEST_SUPERVISOR_REQUESTS",  # read by the tests
 })
 

@@ -84,7 +84,7 @@ def test_a_secret_is_never_echoed_in_an_error(monkeypatch, capsys):
 def test_unknown_variables_are_warned_with_the_closest_name_and_known_ones_are_not(monkeypatch, capsys):
     monkeypatch.setenv("QVE_MODLE", "tiny")
     monkeypatch.setenv("QVE_MAX_BATCH_TOKEN", "10")
-    monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by service/engine/runner.py: not a typo
+    monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by the entry points (config.FaultInjection): not a typo
     monkeypatch.setenv("QVE_PORT", "not-a-port")
     assert main(["serve"]) == 2
     lines = capsys.readouterr().err.splitlines()

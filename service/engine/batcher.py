@@ -16,7 +16,7 @@ Life of an item::
 - Admission: at most `max_queue_images` items (and `max_queue_tokens` tokens) wait unscheduled;
   beyond that `submit` raises `Overloaded` (429). In-flight items are bounded by the step loop, not
   here. Admission can come before decode: `reserve` holds a queue place (and the image's tokens, from
-  its header) while the image is decoded, and `submit(..., reservation=)` uses it up, so a full queue
+  its header) while the image is decoded, and `submit(..., place=)` uses it up, so a full queue
   refuses an image before its pixels exist and an admitted one is never refused after decoding.
 - A batch closes on the token budget, the image limit, at once when the step loop says the device
   is idle (continuous batching: nothing would be gained by waiting), `max_wait_s` after its oldest
@@ -24,6 +24,10 @@ Life of an item::
 
 Threading: all state lives behind one `threading.Condition`. Future callbacks (which may run user
 code such as asyncio's `call_soon_threadsafe`) are always fired *outside* that lock.
+
+Payloads: the batcher never looks inside one. Its classes are generic over the payload type `P` (the
+engine queues `Batcher[EncodeJob]`), so the step loop and the writer read payloads typed, while the
+tests queue plain strings or None.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
+from service.config import BatchLimits  # the limits' type, derived from Settings there (Settings.batch_limits)
 from service.errors import Overloaded, Unavailable
 
 # NOTE: a fixed hint for clients' Retry-After. The batcher does not see step times, so it cannot
@@ -43,36 +48,13 @@ from service.errors import Overloaded, Unavailable
 RETRY_AFTER_S = 1
 
 CloseReason = Literal["tokens", "images", "idle", "wait", "drain"]
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    max_batch_tokens: int  # step token budget (output tokens after the 2x2 merge)
-    max_batch_images: int
-    max_wait_s: float  # a batch closes at most this long after its oldest item was enqueued
-    max_queue_images: int  # admission limit on unscheduled items; beyond it submit raises Overloaded
-    # Admission limit on the unscheduled items' output tokens (a token is 4 patches of 16x16 pixels, so
-    # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
-    # An item is always admitted into an empty queue, so no single image is refused for its size here.
-    max_queue_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_batch_tokens <= 0:
-            raise ValueError(f"max_batch_tokens must be > 0, got {self.max_batch_tokens}")
-        if self.max_batch_images <= 0:
-            raise ValueError(f"max_batch_images must be > 0, got {self.max_batch_images}")
-        if self.max_wait_s < 0:
-            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
-        if self.max_queue_images <= 0:
-            raise ValueError(f"max_queue_images must be > 0, got {self.max_queue_images}")
-        if self.max_queue_tokens is not None and self.max_queue_tokens <= 0:
-            raise ValueError(f"max_queue_tokens must be > 0, got {self.max_queue_tokens}")
+P = TypeVar("P")  # a work item's payload: opaque to the batcher (the engine's EncodeJob)
 
 
 @dataclass(eq=False)  # identity semantics: payloads may be arrays, and two items are never "equal"
-class WorkItem:
+class WorkItem(Generic[P]):
     key: str  # store key; unique among queued + in-flight items
-    payload: object  # opaque to the batcher (decoded pixels + geometry)
+    payload: P  # opaque to the batcher (the engine's: decoded pixels + geometry)
     tokens: int  # output tokens this image adds to a step
     future: Future  # the item's own result; tickets mirror it. Set only by `finish` or a drop.
     waiters: int  # tickets still interested; 0 while queued means drop it
@@ -80,8 +62,8 @@ class WorkItem:
 
 
 @dataclass
-class Batch:
-    items: list[WorkItem]  # FIFO order, all now in flight
+class Batch(Generic[P]):
+    items: list[WorkItem[P]]  # FIFO order, all now in flight
     tokens: int  # sum of items' tokens; > max_batch_tokens only for a single oversize item
     closed_by: CloseReason
 
@@ -95,7 +77,7 @@ class BatcherStats:
     batches: int = 0  # batches handed to the step loop
 
 
-class Ticket:
+class Ticket(Generic[P]):
     """One waiter's handle on a (possibly shared) work item.
 
     `future` is this waiter's own future, not the item's: it mirrors the item's result or error.
@@ -105,14 +87,14 @@ class Ticket:
     future only releases this waiter, the same as `cancel()`.
     """
 
-    def __init__(self, batcher: Batcher, item: WorkItem, coalesced: bool):
+    def __init__(self, batcher: Batcher[P], item: WorkItem[P], coalesced: bool):
         self.future: Future = Future()
         self.coalesced = coalesced  # True if this submit joined an item already queued or in flight
         self._batcher = batcher
         self._item = item
 
     @property
-    def payload(self) -> object:
+    def payload(self) -> P:
         """The payload of the item this ticket waits on (for a joined item: the first submitter's)."""
         return self._item.payload
 
@@ -152,9 +134,9 @@ class Ticket:
             pass  # lost a race with this waiter's cancel(): it no longer wants the result
 
 
-class Reservation:
+class QueuePlace:
     """A queue place held for one image while it is decoded (admission before decode): counted like a
-    queued image of `tokens` tokens until `Batcher.submit(..., reservation=)` uses it or `release()`."""
+    queued image of `tokens` tokens until `Batcher.submit(..., place=)` uses it or `release()`."""
 
     def __init__(self, batcher: Batcher, tokens: int):
         self.tokens = tokens  # the image's output tokens, as its header declares them
@@ -168,7 +150,7 @@ class Reservation:
             self._batcher._unreserve_locked(self)
 
 
-class Batcher:
+class Batcher(Generic[P]):
     """Bounded FIFO of work items; see the module docstring for the life of an item."""
 
     def __init__(self, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
@@ -185,26 +167,26 @@ class Batcher:
         # - every item in either map has a future that is not done (it is removed before its
         #   future is set or cancelled), so coalescing never joins a finished item;
         # - _queued is in enqueue order; OrderedDict gives FIFO plus O(1) removal on cancel.
-        self._queued: OrderedDict[str, WorkItem] = OrderedDict()
-        self._in_flight: dict[str, WorkItem] = {}
+        self._queued: OrderedDict[str, WorkItem[P]] = OrderedDict()
+        self._in_flight: dict[str, WorkItem[P]] = {}
         self._queued_tokens = 0  # sum of the queued items' tokens
-        self._reserved = 0  # held Reservations: images being decoded, admitted already
+        self._reserved = 0  # held QueuePlaces: images being decoded, admitted already
         self._reserved_tokens = 0  # their tokens
         self._closed = False
         self._stats = BatcherStats()
 
     # ---- producer side (HTTP handlers) -----------------------------------------------------------
-    def submit(self, key: str, payload: object, tokens: int, reservation: Reservation | None = None) -> Ticket:
+    def submit(self, key: str, payload: P, tokens: int, place: QueuePlace | None = None) -> Ticket[P]:
         """Queue one image, or join the queued / in-flight item with the same key. Never blocks.
 
-        With `reservation` (from `reserve`, before the image was decoded) the image was admitted then:
-        the reservation is used up and the image is queued whatever the queue holds now. Without one,
-        raises `Overloaded` when the queue is full. Raises `Unavailable` after `close()`.
+        With `place` (from `reserve`, before the image was decoded) the image was admitted then: the
+        place is used up and the image is queued whatever the queue holds now. Without one, raises
+        `Overloaded` when the queue is full. Raises `Unavailable` after `close()`.
         """
         assert tokens > 0, f"an image has at least one output token, got {tokens}: this is a bug"
         with self._cond:
-            if reservation is not None:
-                self._unreserve_locked(reservation)
+            if place is not None:
+                self._unreserve_locked(place)
             if self._closed:
                 raise Unavailable("the encoder is shutting down and takes no new work; retry on another instance")
             item = self._queued.get(key) or self._in_flight.get(key)
@@ -214,7 +196,7 @@ class Batcher:
                 self._stats.coalesced += 1
                 ticket = Ticket(self, item, coalesced=True)
             else:
-                if reservation is None:
+                if place is None:
                     self._admit_locked(tokens)
                 item = WorkItem(key, payload, tokens, Future(), waiters=1, enqueued_at=self._clock())
                 self._queued[key] = item
@@ -227,11 +209,11 @@ class Batcher:
         ticket._attach()
         return ticket
 
-    def reserve(self, tokens: int) -> Reservation:
+    def reserve(self, tokens: int) -> QueuePlace:
         """Admission before decode: hold a queue place for one image of `tokens` output tokens (from its
         header) while it is decoded. Raises `Overloaded` when the queue (queued images plus the places
-        already held) is full, `Unavailable` after `close()`. Use it up with `submit(..., reservation=)`
-        or give it back with `release()`."""
+        already held) is full, `Unavailable` after `close()`. Use it up with `submit(..., place=)` or
+        give it back with `release()`."""
         tokens = max(1, tokens)
         with self._cond:
             if self._closed:
@@ -239,7 +221,7 @@ class Batcher:
             self._admit_locked(tokens)
             self._reserved += 1
             self._reserved_tokens += tokens
-            return Reservation(self, tokens)
+            return QueuePlace(self, tokens)
 
     def _admit_locked(self, tokens: int) -> None:
         """Raise Overloaded if one more image of `tokens` tokens does not fit. Caller holds _cond."""
@@ -261,13 +243,13 @@ class Batcher:
                 retry_after_s=RETRY_AFTER_S,
             )
 
-    def _unreserve_locked(self, r: Reservation) -> None:
-        if r.held:
-            r.held = False
+    def _unreserve_locked(self, place: QueuePlace) -> None:
+        if place.held:
+            place.held = False
             self._reserved -= 1
-            self._reserved_tokens -= r.tokens
+            self._reserved_tokens -= place.tokens
 
-    def join(self, key: str) -> Ticket | None:
+    def join(self, key: str) -> Ticket[P] | None:
         """Join the queued or in-flight item for `key`, if there is one (no payload needed).
 
         Lets the front end skip decoding an image whose identical twin is already being encoded.
@@ -284,7 +266,7 @@ class Batcher:
         ticket._attach()
         return ticket
 
-    def _release(self, item: WorkItem) -> None:
+    def _release(self, item: WorkItem[P]) -> None:
         """One waiter of `item` has gone; drop the item if it was the last and it has not run."""
         with self._cond:
             item.waiters -= 1
@@ -300,7 +282,7 @@ class Batcher:
             item.future.cancel()  # outside the lock: its callbacks take the lock (see Ticket)
 
     # ---- consumer side (step loop) ---------------------------------------------------------------
-    def next_batch(self, timeout: float | None = None, busy: Callable[[], bool] | None = None) -> Batch | None:
+    def next_batch(self, timeout: float | None = None, busy: Callable[[], bool] | None = None) -> Batch[P] | None:
         """Block until a batch closes and return it, its items now in flight.
 
         `busy` (from the step loop; called under the batcher's lock, so it must be cheap and must not
@@ -340,10 +322,10 @@ class Batcher:
                 # Spurious or early wake-ups are harmless: the loop re-plans from the current state.
                 self._cond.wait(wait_s)
 
-    def _plan(self) -> tuple[list[WorkItem], int, CloseReason | None]:
+    def _plan(self) -> tuple[list[WorkItem[P]], int, CloseReason | None]:
         """The batch the queue's head would form now, and why it is already full (None: not yet)."""
         lim = self.limits
-        items: list[WorkItem] = []
+        items: list[WorkItem[P]] = []
         tokens = 0
         for item in self._queued.values():
             # The first item is always taken, so an image bigger than the budget runs alone.
@@ -357,7 +339,7 @@ class Batcher:
                 return items, tokens, "tokens"  # no further item (tokens >= 1) could fit
         return items, tokens, None
 
-    def _schedule(self, items: list[WorkItem], tokens: int, closed_by: CloseReason) -> Batch:
+    def _schedule(self, items: list[WorkItem[P]], tokens: int, closed_by: CloseReason) -> Batch[P]:
         for item in items:
             # NOTE: side effects stay outside the asserts, which `python -O` strips.
             popped = self._queued.pop(item.key)
@@ -372,7 +354,7 @@ class Batcher:
             self._cond.notify_all()  # another step-loop thread may take the rest
         return Batch(items=items, tokens=tokens, closed_by=closed_by)
 
-    def finish(self, item: WorkItem, result: object = None, error: BaseException | None = None) -> None:
+    def finish(self, item: WorkItem[P], result: object = None, error: BaseException | None = None) -> None:
         """Report an in-flight item: resolve every waiter with `result`, or with `error` if given.
 
         Call after the embeddings are in the store: the key leaves the in-flight map first, so a
@@ -407,12 +389,12 @@ class Batcher:
         return self._closed
 
     def queue_depth(self) -> int:
-        """Images queued and not yet scheduled (admission counts these plus the held reservations)."""
+        """Images queued and not yet scheduled (admission counts these plus the held queue places)."""
         with self._cond:
             return len(self._queued)
 
     def reserved(self) -> int:
-        """Queue places held by images being decoded (Reservations not yet used or released)."""
+        """Queue places held by images being decoded (QueuePlaces not yet used or released)."""
         with self._cond:
             return self._reserved
 

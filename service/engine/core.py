@@ -8,13 +8,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from service.engine.batcher import Batch, Batcher, WorkItem
-from service.config import Settings
+from service.engine.batcher import Batcher
+from service.config import RunnerOptions
 from service.media.images import PreparedImage
 from service.engine.loader import LoadedModel
 from service.metrics import Metrics
@@ -36,10 +35,14 @@ class EncodeJob:
 class Engine:
     """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
 
-    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher, settings: Settings, metrics: Metrics):
+    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher[EncodeJob], options: RunnerOptions,
+                 metrics: Metrics, *, store_writers: int = 1):
+        """`options`: Settings.runner_options() (an entry point calls runner.use_compile_cache first);
+        `store_writers`: StoreOptions.writers, the threads that write a step's entries (unused by an
+        engine without a store, which serves encode_sync only)."""
         self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
-        self.runner = Runner(model, settings)
-        self._store_writers = settings.store_writers
+        self.runner = Runner(model, options)
+        self._store_writers = store_writers
         self.writer: Writer | None = None  # from start()
         self.loop: StepLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -47,8 +50,7 @@ class Engine:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers,
-                             free_output=self.runner.free_output)
+        self.writer = Writer(self.store, self.batcher, self.metrics, threads=self._store_writers)
         self.loop = StepLoop(self.batcher, self.runner, self.writer, self.metrics)
         self._writer_thread = threading.Thread(target=self.writer.run, name="store-writer", daemon=True)
         self._loop_thread = threading.Thread(target=self.loop.run, name="step-loop", daemon=True)
@@ -69,12 +71,7 @@ class Engine:
     def encode_sync(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """Encode one packed batch through the same stage/run path as the loop, wait, and return one
         CPU tensor per image ([num_tokens, out_width]). Must not run concurrently with the loop."""
-        items = [
-            WorkItem(key=f"__sync{i}__", payload=EncodeJob(f"__sync{i}__", img), tokens=img.num_tokens, future=None,
-                     waiters=0, enqueued_at=time.monotonic())
-            for i, img in enumerate(images)
-        ]
-        with self.runner.stage(Batch(items=items, tokens=sum(i.tokens for i in items), closed_by="sync")) as staged:
+        with self.runner.stage(images) as staged:
             launched = self.runner.run(staged)
         try:
             if launched.done is not None:
@@ -82,5 +79,5 @@ class Engine:
             offs = launched.token_offsets
             return [launched.host_out[offs[i] : offs[i + 1]].clone() for i in range(len(images))]
         finally:
-            if launched.out_index is not None:
-                self.runner.free_output(launched.out_index)
+            if launched.output is not None:
+                launched.output.release()

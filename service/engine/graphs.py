@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from service.engine.tower import BATCHED, VARLEN, TowerBatch, VisionTower
+from service.engine.tower import AttentionKind, TowerBatch, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -87,36 +88,58 @@ class StaticInputs:
     cu_seqlens: torch.Tensor  # [cu_length] int32 — padded layout
 
 
+class GraphKey(NamedTuple):
+    """Which captured graph runs a step: a padded bucket or an equal step."""
+
+    patches: int  # rows the graph computes: the bucket (a step pads up to it), or the equal step's own
+    attention: AttentionKind  # VARLEN: a padded bucket, any images; BATCHED: an equal step, unpadded
+    images: int  # BATCHED: the equal step's images, patches / images each; VARLEN: 0 (a bucket takes any count)
+
+    @classmethod
+    def bucket(cls, patches: int) -> GraphKey:
+        return cls(patches, AttentionKind.VARLEN, 0)
+
+    @classmethod
+    def equal(cls, images: int, per_image: int) -> GraphKey:
+        return cls(images * per_image, AttentionKind.BATCHED, images)
+
+    @property
+    def padded(self) -> bool:
+        """A bucket's graph: the step's rows are padded up to `patches` (and cu_seqlens with them)."""
+        return self.attention == AttentionKind.VARLEN
+
+
 class TowerGraphs:
     """Captured replays of `tower`: one per bucket (varlen attention, padded) and one per equal step
     (batched attention). `graph_for(seq_lens)` picks one, `run(key)` replays it and returns a view of
     the one static output buffer ([patches/4, out_width]); the next replay overwrites it, so copy what
-    you need first. A key is (patches, images): images = 0 for a padded varlen graph."""
+    you need first."""
 
     def __init__(self, tower: VisionTower, inputs: StaticInputs, buckets: list[int], stream: torch.cuda.Stream,
                  smallest: int, equal: list[tuple[int, int]] = ()):
         """`smallest`: the fewest patches an image can have; it bounds how many segments a bucket holds.
         `equal`: (images, patches per image) steps to capture with batched attention (see equal_steps)."""
         self.tower, self.inputs, self.buckets, self.stream = tower, inputs, buckets, stream
-        self.equal = {(k * p, k): p for k, p in equal}  # key -> patches per image
+        self.equal = {GraphKey.equal(k, p): p for k, p in equal}  # key -> patches per image
         self.cu_length = inputs.cu_seqlens.shape[0]
         # Each graph reads only the cu_seqlens entries its bucket can need (images that fit, one padding
         # segment, the leading 0): varlen attention launches work per segment, empty ones included,
         # and 65 mostly-empty segments cost a one-image step ~0.3 ms on an H200.
         # +2: one padding segment (bucket gaps are below PAD_SEGMENT) and the leading 0.
         self._cu_len = {b: min(self.cu_length, b // max(1, smallest) + 2) for b in buckets}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         # NOTE: every graph writes its result into this one buffer (a copy inside the graph), so the
         # pool keeps one output, not one per bucket: with ~70 buckets that is gigabytes saved.
-        keys = [(b, 0) for b in buckets] + list(self.equal)
-        top = max(n for n, _ in keys)
+        keys = [GraphKey.bucket(b) for b in buckets] + list(self.equal)
+        top = max(k.patches for k in keys)
         self.out = torch.empty(top // 4, tower.spec.out_width, dtype=inputs.patches.dtype, device=inputs.patches.device)
         pool = torch.cuda.graph_pool_handle()
-        # Largest first: later (smaller) captures reuse the pool's blocks instead of growing it.
+        # Largest first: later (smaller) captures reuse the pool's blocks instead of growing it. (Sorted on
+        # the ints: an Enum has no order; an equal step goes before the bucket of its size, as it always did.)
         with torch.inference_mode():
             inputs.interp_idx.zero_()  # padding rows must index the position table validly
-            for key in sorted(keys, reverse=True):
-                n = key[0]
+            for key in sorted(keys, key=lambda k: (k.patches, k.images), reverse=True):
+                n = key.patches
                 cu = [0] + [n] * (self.cu_length - 1)  # any valid layout: capture records shapes
                 inputs.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
                 batch = self._batch(key)
@@ -141,24 +164,24 @@ class TowerGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _batch(self, key: tuple[int, int]) -> TowerBatch:
-        i, (n, images) = self.inputs, key
-        if images:  # an equal step: batched attention, cu_seqlens unused
+    def _batch(self, key: GraphKey) -> TowerBatch:
+        i, n = self.inputs, key.patches
+        if not key.padded:  # an equal step: batched attention, cu_seqlens unused
             per = self.equal[key]
-            return TowerBatch(i.patches[:n], i.pos_hw[:n], i.interp_idx[:n], i.interp_w[:n], i.cu_seqlens[: images + 1],
-                              seq_lens=(per,) * images, attention=BATCHED)
+            return TowerBatch(i.patches[:n], i.pos_hw[:n], i.interp_idx[:n], i.interp_w[:n],
+                              i.cu_seqlens[: key.images + 1], seq_lens=(per,) * key.images,
+                              attention=AttentionKind.BATCHED)
         return TowerBatch(i.patches[:n], i.pos_hw[:n], i.interp_idx[:n], i.interp_w[:n],
-                          i.cu_seqlens[: self._cu_len[n]], seq_lens=(n,), max_seqlen=n, attention=VARLEN)
+                          i.cu_seqlens[: self._cu_len[n]], seq_lens=(n,), max_seqlen=n, attention=AttentionKind.VARLEN)
 
-    def graph_for(self, seq_lens: tuple[int, ...]) -> tuple[int, int] | None:
+    def graph_for(self, seq_lens: tuple[int, ...]) -> GraphKey | None:
         """The graph for a step of images of these patch counts: its equal-step graph if it has one,
         else the smallest bucket holding them, else None (run the tower without a graph)."""
-        n = sum(seq_lens)
-        key = (n, len(seq_lens))
-        if key in self.equal and self.equal[key] == seq_lens[0] and all(x == seq_lens[0] for x in seq_lens):
+        key = GraphKey.equal(len(seq_lens), seq_lens[0])
+        if key in self.equal and all(x == seq_lens[0] for x in seq_lens):
             return key
-        b = self.bucket_for(n)
-        return None if b is None else (b, 0)
+        b = self.bucket_for(sum(seq_lens))
+        return None if b is None else GraphKey.bucket(b)
 
     def bucket_for(self, num_patches: int) -> int | None:
         """The smallest padded bucket holding `num_patches`, or None."""
@@ -171,6 +194,6 @@ class TowerGraphs:
         """cu_seqlens entries the graph of `bucket` reads (a prefix of the staged padded layout)."""
         return self._cu_len[bucket]
 
-    def run(self, key: tuple[int, int]) -> torch.Tensor:
+    def run(self, key: GraphKey) -> torch.Tensor:
         self._graphs[key].replay()  # on the stream it was captured on
-        return self.out[: key[0] // 4]
+        return self.out[: key.patches // 4]

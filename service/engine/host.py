@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.config import Settings
-from service.engine.batcher import BatchLimits, Batcher, Reservation, Ticket
+from service.config import EngineOptions, StoreOptions
+from service.engine.batcher import Batcher, QueuePlace, Ticket
 from service.engine.core import EncodeJob, Engine
 from service.engine.loader import LoadedModel
+from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
     MetricsQuery, MetricsText, ModelInfo, Queued, Result, Status, StatusQuery, Submit, ToEngine)
 from service.errors import BackendError, KeyConflict, ServiceError
@@ -39,22 +40,14 @@ from service.store.format import StoredItem, validate_key
 log = logging.getLogger(__name__)
 
 
-def build_store(settings: Settings, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
+def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
     """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
     return EmbeddingStore(
-        settings.store, settings.store_capacity_bytes // shard[1], model_id=model.model_id,
+        options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=settings.store_min_residency_s,
-        exclusive=True, group=settings.store_group, shard=shard,
+        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=options.min_residency_s,
+        exclusive=True, group=options.group, shard=shard,
     )
-
-
-def build_batcher(settings: Settings) -> Batcher:
-    return Batcher(BatchLimits(
-        max_batch_tokens=settings.max_batch_tokens, max_batch_images=settings.max_batch_images,
-        max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
-        max_queue_tokens=settings.max_queue_tokens,
-    ))
 
 
 def key_salt(model: LoadedModel) -> str:
@@ -62,12 +55,14 @@ def key_salt(model: LoadedModel) -> str:
     return f"{model.model_id}|{model.params}|{model.dtype}"
 
 
-def build_host(settings: Settings, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EngineHost:
+def build_host(model: LoadedModel, options: EngineOptions, shard: tuple[int, int] = (0, 1)) -> EngineHost:
     """An engine for `model` on its device (compiled, graphs captured: seconds on a GPU) and its host.
     Call `warm_up()` (blocking) to start serving."""
     metrics = Metrics()
-    engine = Engine(model, build_store(settings, model, shard), build_batcher(settings), settings, metrics)
-    return EngineHost(engine, model, metrics, warmup=settings.warmup)
+    use_compile_cache(model, options.runner)  # before the first compile
+    engine = Engine(model, build_store(options.store, model, shard), Batcher(options.limits), options.runner, metrics,
+                    store_writers=options.store.writers)
+    return EngineHost(engine, model, metrics, warmup=options.warmup)
 
 
 class Connection:
@@ -77,7 +72,7 @@ class Connection:
         self.send = send  # on the host's thread only
         self.post = post  # run a function on the host's thread (from any thread)
         self.waits: dict[int, Ticket] = {}  # request id -> its wait for an entry
-        self.grants: dict[int, Reservation] = {}  # claim id -> the queue place it was granted
+        self.grants: dict[int, QueuePlace] = {}  # claim id -> the queue place it was granted
         self.open = True
 
 
@@ -87,7 +82,7 @@ class EngineHost:
     def __init__(self, engine: Engine, model: LoadedModel, metrics: Metrics, *, warmup: bool = True):
         self.engine, self.model, self.metrics = engine, model, metrics
         self.store: EmbeddingStore = engine.store
-        self.batcher: Batcher = engine.batcher
+        self.batcher: Batcher[EncodeJob] = engine.batcher
         self._warmup = warmup
         self.ready = threading.Event()
         self.warmup_error: str | None = None
@@ -200,7 +195,7 @@ class EngineHost:
                 return
             image = self._image(msg, pixels)
             ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256), tokens=image.num_tokens,
-                                         reservation=place)
+                                         place=place)
         except Exception:
             if place is not None:
                 place.release()

@@ -2,6 +2,9 @@
 
     step():  schedule (batcher) -> stage (host, into pinned slot k) -> run (device) -> publish (writer)
 
+The runner sees only the step's images (the items' payloads); the writer gets the items back with
+the launched step, to store each image under its key and answer its waiters.
+
 Continuous batching: the batcher closes a step at once when the device has nothing in flight, and
 holds it for company (at most max_wait) only while earlier steps still run (`runner.device_busy`).
 The loop never waits on the device for its own sake (runner.py lists its only host waits); the
@@ -21,6 +24,7 @@ from service.errors import BackendError
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
+    from service.engine.core import EncodeJob
     from service.engine.runner import Launched, Runner
     from service.engine.writer import Writer
 
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 class StepLoop:
     """Feeds the runner from the batcher and hands each launched step to the writer. `run()` is the thread."""
 
-    def __init__(self, batcher: Batcher, runner: Runner, writer: Writer, metrics: Metrics):
+    def __init__(self, batcher: Batcher[EncodeJob], runner: Runner, writer: Writer, metrics: Metrics):
         self.batcher, self.runner, self.writer, self.metrics = batcher, runner, writer, metrics
         self.failed_steps = 0
         self._step_no = 0
@@ -48,16 +52,16 @@ class StepLoop:
         self._step_no += 1
         t0 = time.perf_counter()
         try:
-            with self.runner.stage(batch) as staged:
+            with self.runner.stage([item.payload.image for item in batch.items]) as staged:
                 launched = self.runner.run(staged)
         except Exception as e:  # a failed step fails only its own requests; the loop lives on
             self._fail(batch, e)
             return True
-        self.writer.publish(launched)
+        self.writer.publish(batch.items, launched)
         self._observe(batch, launched, t0)
         return True
 
-    def _fail(self, batch: Batch, e: Exception) -> None:
+    def _fail(self, batch: Batch[EncodeJob], e: Exception) -> None:
         self.failed_steps += 1
         self.metrics.steps.labels(result="failed").inc()
         log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
@@ -66,7 +70,7 @@ class StepLoop:
         for item in batch.items:
             self.batcher.finish(item, error=err)
 
-    def _observe(self, batch: Batch, launched: Launched, t0: float) -> None:
+    def _observe(self, batch: Batch[EncodeJob], launched: Launched, t0: float) -> None:
         self.metrics.steps.labels(result="ok").inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.step_tokens.observe(launched.token_offsets[-1])

@@ -21,6 +21,7 @@ step loop:
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -128,6 +129,14 @@ def grid_geometry(grid_h: int, grid_w: int, merge: int, num_position_embeddings:
     return GridGeometry(pos_hw.numpy(), idx.numpy(), wts.to(torch.float32).numpy())
 
 
+class AttentionKind(enum.Enum):
+    """How a step's attention runs, decided on the host per step (see attention_kind)."""
+
+    VARLEN = "varlen"  # varlen_attn over the packed batch, one segment per image (CUDA, bf16/fp16)
+    BATCHED = "batched"  # one [B, heads, L, dim] SDPA call: every image of the step has the same length
+    LOOP = "loop"  # one SDPA call per image (where varlen is not: the CPU, float32 on CUDA; never compiled)
+
+
 @dataclass
 class TowerBatch:
     """One packed step of images, on the tower's device. Images are back to back in every tensor."""
@@ -139,14 +148,10 @@ class TowerBatch:
     cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image (graphs: padded, see graphs.py)
     seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
     max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
-    attention: str | None = None  # VARLEN or BATCHED to force one on a fast device (graphs), None: see attention_kind
+    attention: AttentionKind | None = None  # VARLEN or BATCHED forced on a fast device (graphs); None: attention_kind
 
 
-# Attention kinds, decided on the host per step (see attention_kind).
-VARLEN, BATCHED, LOOP = "varlen", "batched", "loop"
-
-
-def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> str:
+def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> AttentionKind:
     """Pick the attention call for a step from host integers only (never a device sync).
 
     `b.attention` forces VARLEN or BATCHED on a fast device (CUDA graphs choose per graph; a forced
@@ -158,11 +163,11 @@ def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> s
     fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
     equal = all(n == lens[0] for n in lens)
     if fast and b.attention is not None:
-        assert b.attention == VARLEN or equal, "batched attention needs equal lengths: this is a bug"
+        assert b.attention == AttentionKind.VARLEN or equal, "batched attention needs equal lengths: this is a bug"
         return b.attention
     if equal and len(lens) >= 2:
-        return BATCHED
-    return VARLEN if fast else LOOP
+        return AttentionKind.BATCHED
+    return AttentionKind.VARLEN if fast else AttentionKind.LOOP
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,7 +183,7 @@ class _PatchEmbed(nn.Module):
 class _Attn(NamedTuple):
     """How this step's attention runs: host values, fixed for the whole step."""
 
-    kind: str  # VARLEN | BATCHED | LOOP
+    kind: AttentionKind
     cu_seqlens: torch.Tensor  # [B+1] int32 (VARLEN)
     max_seqlen: int  # VARLEN: upper bound on a segment's length; else 0
     batch: int  # BATCHED: number of (equal-length) images; else 0
@@ -218,7 +223,7 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
     scale = head_dim**-0.5
     fused_rotary = rotary_kernel.supports(num_heads, head_dim)
 
-    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: str, cudnn: bool,
+    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: AttentionKind, cudnn: bool,
               seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
         n, hidden = x.shape
         # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
@@ -345,10 +350,10 @@ class VisionTower(nn.Module):
         kind = attention_kind(b, b.patches.device, b.patches.dtype)
         # Arguments a kind does not use are fixed at 0 / None: torch.compile specialises on them, and a
         # varying unused value (or a 1) would compile another graph.
-        max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == VARLEN else 0
-        batch = len(b.seq_lens) if kind == BATCHED else 0
-        seq_lens = b.seq_lens if kind == LOOP else None
-        block_fn = self._compiled if (self._compiled is not None and kind != LOOP) else self._block_fn
+        max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == AttentionKind.VARLEN else 0
+        batch = len(b.seq_lens) if kind == AttentionKind.BATCHED else 0
+        seq_lens = b.seq_lens if kind == AttentionKind.LOOP else None
+        block_fn = self._compiled if (self._compiled is not None and kind != AttentionKind.LOOP) else self._block_fn
 
         x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
         pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
@@ -403,9 +408,9 @@ def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
     """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
-    if attn.kind == VARLEN:
+    if attn.kind == AttentionKind.VARLEN:
         return _varlen_attn(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, scale=scale)
-    if attn.kind == BATCHED:
+    if attn.kind == AttentionKind.BATCHED:
         # Equal lengths: one batched SDPA call, no Python loop. On CUDA it picks the flash / cuDNN kernels.
         n, h, d = q.shape
         bsz = attn.batch

@@ -1,7 +1,7 @@
 """The store writer: the one thread that turns launched steps into store entries and answers.
 
     per step: reserve each image's entry (while the device computes) -> wait the step's copy-done
-              event -> commit each entry -> finish its waiters -> give the output buffer back
+              event -> commit each entry -> finish its waiters -> release the output buffer to its ring
 
 The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
 failed write answers only its own image.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +20,10 @@ from service.engine.batcher import Batcher, WorkItem
 from service.errors import BackendError, ServiceError
 from service.metrics import Metrics
 from service.engine.runner import Launched
-from service.store.directory import EmbeddingStore
+from service.store.directory import EmbeddingStore, PendingEntry
+
+if TYPE_CHECKING:  # core.py builds the writer: a runtime import would be a cycle
+    from service.engine.core import EncodeJob
 
 log = logging.getLogger(__name__)
 
@@ -28,48 +31,46 @@ log = logging.getLogger(__name__)
 class Writer:
     """Writes launched steps to the store. `run()` is the thread; `publish` hands it a step."""
 
-    def __init__(self, store: EmbeddingStore, batcher: Batcher, metrics: Metrics, *, threads: int,
-                 free_output: Callable[[int], None]):
-        """`threads`: --store-writers, this thread included. `free_output(i)`: give output buffer i back
-        to the runner's ring, once every read of a step's rows has returned."""
+    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
+        """`threads`: --store-writers, this thread included."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
-        self._free_output = free_output
-        self._queue: queue.Queue[Launched | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched] | None] = queue.Queue()
         self._writers = threads
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
         self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
 
-    def publish(self, launched: Launched) -> None:
-        self._queue.put(launched)
+    def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched) -> None:
+        """Hand over a launched step and its items (in staging order), to be written once its copy is done."""
+        self._queue.put((items, launched))
 
     def close(self) -> None:
         """No more steps (the loop has drained): write what is queued, then `run` returns."""
         self._queue.put(None)
 
     def run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.write(job)
+        while (step := self._queue.get()) is not None:
+            self.write(*step)
         self._put_pool.shutdown()
 
-    def write(self, job: Launched) -> None:
+    def write(self, items: list[WorkItem[EncodeJob]], job: Launched) -> None:
         """Store one step's embeddings and answer every one of its items (result or error)."""
-        n = len(job.items)
+        n = len(items)
         offs = job.token_offsets
         # Reserve every entry's file while the device still computes: allocating tmpfs pages is
         # most of a store write's cost, and here it overlaps the tower instead of following it.
         shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
         dtypes = [job.host_out.dtype] * n
         if n == 1:
-            held = [self._reserve(job.items[0], shapes[0], dtypes[0], job.grids[0])]
+            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
         else:
-            held = self._in_parallel(self._reserve, job.items, shapes, dtypes, job.grids)
+            held = self._in_parallel(self._reserve, items, shapes, dtypes, job.grids)
         try:
             if job.done is not None:
                 job.done.synchronize()  # the writer's one device wait: this step's D2H copy
                 self.batcher.wake()  # the device may be idle now: a waiting batch can close
         except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
             log.error("step of %d images failed on the device: %r", n, e)
-            for item, r in zip(job.items, held):
+            for item, r in zip(items, held):
                 if r is not None:
                     self.store.abort(r)
                     self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
@@ -79,12 +80,12 @@ class Writer:
             # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
             # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
             if n == 1:
-                self._commit(job.items[0], held[0], rows[0])
+                self._commit(items[0], held[0], rows[0])
             else:
-                self._in_parallel(self._commit, job.items, held, rows)
+                self._in_parallel(self._commit, items, held, rows)
         finally:
-            if job.out_index is not None:
-                self._free_output(job.out_index)  # every commit above has returned: the buffer is free
+            if job.output is not None:
+                job.output.release()  # every commit above has returned: the buffer is free
         # (The store's gauges are read at scrape time: Metrics.update_gauges.)
 
     def _in_parallel(self, fn, *columns: list) -> list:
@@ -102,7 +103,8 @@ class Writer:
             out += f.result()
         return out
 
-    def _reserve(self, item: WorkItem, shape: tuple[int, int], dtype: torch.dtype, grid: tuple[int, int, int]):
+    def _reserve(self, item: WorkItem[EncodeJob], shape: tuple[int, int], dtype: torch.dtype,
+                 grid: tuple[int, int, int]) -> PendingEntry | None:
         """Reserve one entry's file, or answer its waiters with the error (then None)."""
         try:
             return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
@@ -110,18 +112,18 @@ class Writer:
             self._store_failed(item, e)
             return None
 
-    def _commit(self, item: WorkItem, reservation, rows: torch.Tensor) -> None:
+    def _commit(self, item: WorkItem[EncodeJob], pending: PendingEntry | None, rows: torch.Tensor) -> None:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
-        if reservation is None:
+        if pending is None:
             return  # answered by _reserve
         try:
-            stored = self.store.commit(reservation, rows)
+            stored = self.store.commit(pending, rows)
         except Exception as e:
             self._store_failed(item, e)
         else:
             self.batcher.finish(item, result=stored)
 
-    def _store_failed(self, item: WorkItem, e: Exception) -> None:
+    def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
         if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
             log.warning("store write for %s refused: %s", item.key, e.message)
             self.batcher.finish(item, error=e)

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from service.config import Settings
+from service.config import FaultInjection, Settings
 from service.engine.host import build_host
 from service.engine.loader import load_model
 from service.procs.child import child_setup
@@ -31,7 +31,8 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
     # share the GIL; a 1 ms switch interval keeps each hand-off short.
     sys.setswitchinterval(0.001)
-    host = build_host(settings, load_model(settings), shard)
+    faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
+    host = build_host(load_model(settings), settings.engine_options(faults), shard)
     server = EngineServer(socket_path, host)
     server.start()  # the API processes connect now; /ready says 503 until the warm-up below is done
     stop = threading.Event()

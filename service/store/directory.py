@@ -136,7 +136,7 @@ class _Entry:
 
 
 @dataclass
-class Reservation:
+class PendingEntry:
     """A put in progress (see EmbeddingStore.reserve): an open, pre-allocated temp file for one key."""
 
     key: str
@@ -182,7 +182,7 @@ class EmbeddingStore:
     device): it indexes, writes and evicts only the keys with `shard_of(key, n) == i`, leaves the others'
     files alone and uncounted, and locks `shard_lock(i, n)` instead of ROOT_LOCK (which the supervisor
     holds, so a second service on the root is still refused). The caller passes each shard its part of
-    the capacity (enginep.build_store: capacity / n); the filesystem's free space is split the same way.
+    the capacity (engine/host.py build_store: capacity / n); the filesystem's free space is split the same way.
     """
 
     def __init__(
@@ -360,11 +360,11 @@ class EmbeddingStore:
         return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256), ec_cache)
 
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
-                content_sha256: str | None = None) -> "Reservation":
+                content_sha256: str | None = None) -> PendingEntry:
         """The first half of `put`, for before the embeddings exist: check room, create the temp file
         and allocate its pages. Why: on tmpfs most of a write's cost is allocating and zeroing fresh
         pages (~1.5 ms for one 448px image's 4 MB); the step loop reserves while the GPU computes, and
-        `commit` is then a plain copy. Every reservation must be committed or aborted."""
+        `commit` is then a plain copy. Every pending entry must be committed or aborted."""
         key_dir = self._key_dir(key)
         assert shard_of(key, self.shard[1]) == self.shard[0], f"{key} is another shard's: a routing bug"
         grid = tuple(int(g) for g in grid_thw)
@@ -395,7 +395,7 @@ class EmbeddingStore:
         with self._lock:
             key_dir.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, self.file_mode)
-        r = Reservation(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256)
+        r = PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256)
         try:
             try:
                 _allocate(fd, len(header) + data_bytes)
@@ -426,8 +426,8 @@ class EmbeddingStore:
             self._evict_locked(keep=keep, limit=max(0, before - nbytes))
             return self._bytes_used < before
 
-    def abort(self, r: "Reservation") -> None:
-        """Give up a reservation: close and remove its temp file (the key's entry, if any, is untouched)."""
+    def abort(self, r: PendingEntry) -> None:
+        """Give up a pending entry: close and remove its temp file (the key's entry, if any, is untouched)."""
         if r.fd >= 0:
             os.close(r.fd)
             r.fd = -1
@@ -436,9 +436,9 @@ class EmbeddingStore:
             if r.key not in self._index:
                 _rmdir_quietly(r.key_dir)
 
-    def commit(self, r: "Reservation", ec_cache: torch.Tensor) -> StoredItem:
+    def commit(self, r: PendingEntry, ec_cache: torch.Tensor) -> StoredItem:
         """The second half of `put`: write `ec_cache` (the reserved shape and dtype) into the reserved
-        file, publish it atomically and evict to fit. On failure the reservation is aborted."""
+        file, publish it atomically and evict to fit. On failure the entry is aborted."""
         key, key_dir, grid, content_sha256 = r.key, r.key_dir, r.grid, r.content_sha256
         tmp, final, (n, width) = r.tmp, key_dir / FILE_NAME, r.shape
         try:

@@ -301,7 +301,7 @@ def test_admission_bounds_the_queued_tokens_so_the_queued_pixels():
         BatchLimits(1, 1, 0.0, 1, 0)
 
 
-def test_reservations_admit_before_decode_and_count_until_used_or_released():
+def test_queue_places_admit_before_decode_and_count_until_used_or_released():
     b = make(max_batch_tokens=100, max_queue_images=3, max_queue_tokens=250)
     b.submit("q", None, 50)
     r1 = b.reserve(100)  # being decoded: counted as if queued
@@ -315,16 +315,16 @@ def test_reservations_admit_before_decode_and_count_until_used_or_released():
     # The queue filled meanwhile, but a reserved image was admitted already: its submit never fails.
     assert keys(b.next_batch(timeout=0, busy=lambda: False)) == ["q"]  # scheduled: room for one more
     b.submit("y", None, 60)
-    t1 = b.submit("a", None, 120, reservation=r1)  # more tokens than its header said: still queued
+    t1 = b.submit("a", None, 120, place=r1)  # more tokens than its header said: still queued
     assert not t1.coalesced and b.reserved() == 1 and b.queue_depth() == 2
     r2.release()
     r2.release()  # idempotent
     assert b.reserved() == 0
-    b.submit("a", None, 120, reservation=r2)  # a used-up place admits nothing new; joining needs none
+    b.submit("a", None, 120, place=r2)  # a used-up place admits nothing new; joining needs none
     assert b.stats.coalesced == 1 and b.reserved() == 0
     # A place whose image turns out to be queued already (coalesced) is given back by the submit.
     r3 = b.reserve(10)
-    assert b.submit("y", None, 60, reservation=r3).coalesced and b.reserved() == 0
+    assert b.submit("y", None, 60, place=r3).coalesced and b.reserved() == 0
     # An empty queue admits any one image, as submit does; close() refuses new places.
     b2 = make(max_queue_tokens=10)
     b2.reserve(10_000).release()

@@ -10,7 +10,7 @@ from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
 
 from service.__main__ import build_parser
-from service.config import Settings
+from service.config import FaultInjection, Settings
 from service.engine.core import Engine
 from service.media.images import prepare_image
 from service.engine.loader import load_model
@@ -62,7 +62,7 @@ def test_packed_batch_equals_transformers(tiny_checkpoint, model):
     prepared = [prepare_image(b, model.params, settings.image_limits) for b in blobs]
     assert len({p.grid_thw for p in prepared}) >= 8  # really different sizes in one batch
 
-    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    engine = Engine(model, store=None, batcher=None, options=settings.runner_options(), metrics=Metrics())
     outs = engine.encode_sync(prepared)  # ONE packed step
 
     grids, pooler, deepstack = _reference(tiny_checkpoint, blobs)
@@ -89,7 +89,7 @@ def test_one_image_alone_equals_its_slice_of_a_batch(model, tiny_checkpoint):
     settings = _settings_from_cli(tiny_checkpoint)
     imgs = [prepare_image(data.valid_images()[n], model.params, settings.image_limits)
             for n in ("coffee.png", "rgba.png", "wide_4000x40.png")]
-    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    engine = Engine(model, store=None, batcher=None, options=settings.runner_options(), metrics=Metrics())
     together = engine.encode_sync(imgs)
     for img, t in zip(imgs, together):
         alone = engine.encode_sync([img])[0]
@@ -102,7 +102,8 @@ def test_a_step_that_fails_while_staging_gives_its_slot_back(model, monkeypatch)
     # of all steps failed from then on.
     import service.engine.runner as runner_mod
 
-    engine = Engine(model, store=None, batcher=None, settings=Settings(device="cpu", dtype="float32", pool_slots=2), metrics=Metrics())
+    options = Settings(device="cpu", dtype="float32", pool_slots=2).runner_options()
+    engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics())
     img = prepare_image(data.photo("astronaut.png", 64), model.params, Settings().image_limits)
     real = runner_mod.grid_geometry
     monkeypatch.setattr(runner_mod, "grid_geometry", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -116,7 +117,8 @@ def test_a_step_that_fails_while_staging_gives_its_slot_back(model, monkeypatch)
 def test_a_step_that_fails_between_staging_and_its_fence_gives_its_slot_back(model, monkeypatch):
     # Before the slot's acquire and release were one block, only run() released it: a step that raised
     # after staging and before run's own try (a wrapped or patched run does) kept its slot for good.
-    engine = Engine(model, store=None, batcher=None, settings=Settings(device="cpu", dtype="float32", pool_slots=2), metrics=Metrics())
+    options = Settings(device="cpu", dtype="float32", pool_slots=2).runner_options()
+    engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics())
     img = prepare_image(data.photo("astronaut.png", 64), model.params, Settings().image_limits)
     monkeypatch.setattr(engine.runner, "run", lambda staged: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
@@ -130,13 +132,14 @@ def test_a_step_that_fails_between_staging_and_its_fence_gives_its_slot_back(mod
 def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, monkeypatch):
     # The soak's control run turns the fence off through QVE_FAULT_INJECT; a service must never run so by accident.
     s = Settings(device="cpu", dtype="float32", pool_slots=2)
-    monkeypatch.delenv("QVE_FAULT_INJECT", raising=False)
-    assert Runner(model, s).pool.fence is True
-    monkeypatch.setenv("QVE_FAULT_INJECT", "no-fence")
-    assert Runner(model, s).pool.fence is False
-    monkeypatch.setenv("QVE_FAULT_INJECT", "stall=1000,no-fence")  # a CPU engine has nothing to stall: accepted
-    r = Runner(model, s)
+    assert FaultInjection.from_env({}) == FaultInjection() == s.runner_options().faults
+    assert Runner(model, s.runner_options()).pool.fence is True
+    monkeypatch.setenv("QVE_FAULT_INJECT", "no-fence")  # the entry points read it; the Runner reads no environment
+    assert Runner(model, s.runner_options()).pool.fence is True
+    assert Runner(model, s.runner_options(FaultInjection.from_env({"QVE_FAULT_INJECT": "no-fence"}))).pool.fence is False
+    both = FaultInjection.from_env({"QVE_FAULT_INJECT": "stall=1000,no-fence"})
+    assert both == FaultInjection(stall_cycles=1000, fence=False)
+    r = Runner(model, s.runner_options(both))  # a CPU engine has nothing to stall: accepted
     assert r.test_stall_cycles == 0 and r.pool.fence is False
-    monkeypatch.setenv("QVE_FAULT_INJECT", "no-fense")
     with pytest.raises(ValueError, match="unknown fault 'no-fense'"):
-        Runner(model, s)
+        FaultInjection.from_env({"QVE_FAULT_INJECT": "no-fense"})

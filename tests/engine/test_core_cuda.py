@@ -14,6 +14,7 @@ from service.config import Settings
 from service.engine.core import Engine
 from service.media.images import prepare_image
 from service.engine.loader import load_model
+from service.engine.runner import use_compile_cache
 from service.metrics import Metrics
 from service.media.preprocess import to_rgb
 from service.store.format import read_embeddings
@@ -41,10 +42,17 @@ def _reference(ckpt, blobs, device="cpu", dtype=torch.float32):
     return list(full.split(sizes))
 
 
+def _new_engine(m, s: Settings, store=None, batcher=None) -> Engine:
+    """An Engine as the entry points build one: its compile cache set up first (the Runner writes no environment)."""
+    options = s.runner_options()
+    use_compile_cache(m, options)
+    return Engine(m, store, batcher, options, Metrics(), store_writers=s.store_writers)
+
+
 def _engine(ckpt, dtype):
     s = Settings(model=str(ckpt), device="cuda", dtype=dtype, max_batch_tokens=4096)
     m = load_model(s)
-    return s, m, Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
+    return s, m, _new_engine(m, s)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +108,8 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_checkpoint, blobs):
     """Graph replay (padded to a bucket) vs the eager tower on the same steps, several step sizes."""
     s = Settings(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", max_batch_tokens=4096)
     m = load_model(s)
-    graphed = Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
-    eager = Engine(m, store=None, batcher=None, settings=s.model_copy(update={"cuda_graphs": False}), metrics=Metrics())
+    graphed = _new_engine(m, s)
+    eager = _new_engine(m, s.model_copy(update={"cuda_graphs": False}))
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     imgs = [prepare_image(b, m.params, s.image_limits) for b in blobs]
     ref32 = _reference(tiny_checkpoint, blobs)
@@ -124,12 +132,13 @@ STALL_CYCLES = 20_000_000  # ~10 ms at the H200's ~2 GHz: far longer than the ho
 
 
 def _stalled_run(settings, model, imgs, root, fence: bool):
-    from service.engine.host import build_batcher, build_store
+    from service.engine.batcher import Batcher
     from service.engine.core import EncodeJob
+    from service.engine.host import build_store
 
     s = settings.model_copy(update={"store": root})
-    store, batcher = build_store(s, model), build_batcher(s)
-    engine = Engine(model, store=store, batcher=batcher, settings=s, metrics=Metrics())
+    store, batcher = build_store(s.store_options(), model), Batcher(s.batch_limits())
+    engine = _new_engine(model, s, store, batcher)
     engine.runner.pool.fence = fence
     engine.runner.test_stall_cycles = STALL_CYCLES
     engine.start()
@@ -157,7 +166,7 @@ def test_fence_keeps_a_lagging_gpu_exact_and_without_it_embeddings_go_wrong(tmp_
     imgs = [prepare_image(data.encode(data.textured_rgb(96, 96, seed=i), "PNG"), m.params, s.image_limits)
             for i in range(96)]
     # The reference: each image alone through the same step path, no stall, fence on.
-    ref_engine = Engine(m, store=None, batcher=None, settings=s, metrics=Metrics())
+    ref_engine = _new_engine(m, s)
     assert (ref_engine.runner.graphs is not None) == graphs
     refs = [ref_engine.encode_sync([img])[0] for img in imgs]
     assert len({r.float().sum().item() for r in refs}) == len(refs)  # distinct images, distinct outputs

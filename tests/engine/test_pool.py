@@ -5,7 +5,7 @@ deep queue, it lags: it runs item i only once LAG newer items have been launched
 blocks waiting on it (a fake event's synchronize), or when the producer has finished. That makes the
 outcome deterministic, with no timing involved: without the fence the host always overwrites a slot
 (it reuses a slot every NUM_SLOTS steps, and LAG >= NUM_SLOTS) before the device has read it; with
-the fence it never can.
+the fence it never can. Also the output ring: one step per buffer, blocking when all are held.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from service.engine.pool import BufferSpec, NullEvent, StagingPool
+from service.engine.pool import NullEvent, OutputRing, StagingPool, StepSize
 
 NUM_SLOTS = 3
 LAG = 4  # >= NUM_SLOTS: without the fence, every slot is rewritten before its reader runs
 STEPS = 200
 TIMEOUT_S = 30.0  # only guards against a hang if the code under test is broken
+TINY = StepSize(pixel_bytes=4, images=1, patches=1, cu_seqlens=2)  # for tests of the slots, not their buffers
 
 
 class FakeDevice:
@@ -118,7 +119,7 @@ def run_steps(fence: bool) -> tuple[int, StagingPool]:
     """STEPS steps of: acquire, fill the slot with the step id, launch a reader, release."""
     device = FakeDevice(LAG)
     pool = StagingPool(
-        {"x": BufferSpec((256,), torch.int64)},
+        StepSize(pixel_bytes=1, images=1, patches=128, cu_seqlens=2),  # pos_hw: [128, 2] int64, what it reads
         num_slots=NUM_SLOTS,
         device=torch.device("cpu"),
         fence=fence,
@@ -136,7 +137,7 @@ def run_steps(fence: bool) -> tuple[int, StagingPool]:
 
     for step in range(STEPS):
         slot = pool.acquire()
-        x = slot.buffers["x"]
+        x = slot.buffers.pos_hw
         x.fill_(step)
         device.launch(reader(x, step))
         slot.release(device)
@@ -187,7 +188,7 @@ def test_keepalive_dropped_only_after_event_fired():
         events.append(ManualEvent())
         return events[-1]
 
-    pool = StagingPool({"x": BufferSpec((4,), torch.float32)}, num_slots=2, device=torch.device("cpu"), event_factory=factory)
+    pool = StagingPool(TINY, num_slots=2, device=torch.device("cpu"), event_factory=factory)
     slot0 = pool.acquire()
     kept = torch.ones(8)
     ref = weakref.ref(kept)
@@ -214,33 +215,39 @@ def test_keepalive_dropped_only_after_event_fired():
 
 
 def test_cpu_pool_round_robin_same_buffers_not_pinned():
-    pool = StagingPool(
-        {"pixels": BufferSpec((1024,), torch.uint8), "table": BufferSpec((8, 4), torch.int32)},
-        num_slots=3,
-        device=torch.device("cpu"),
-    )
-    ptrs: dict[int, tuple[int, int]] = {}
+    capacity = StepSize(pixel_bytes=1024, images=8, patches=16, cu_seqlens=11)
+    pool = StagingPool(capacity, num_slots=3, device=torch.device("cpu"))
+    expected = {"pixels": ((1024,), torch.uint8), "images": ((8, 4), torch.int32), "pos_hw": ((16, 2), torch.int64),
+                "interp_idx": ((16, 4), torch.int64), "interp_w": ((16, 4), torch.float32),
+                "cu_seqlens": ((11,), torch.int32)}
+    ptrs: dict[int, tuple[int, ...]] = {}
     order = []
     for step in range(9):
         slot = pool.acquire()
         order.append(slot.index)
-        px, table = slot.buffers["pixels"], slot.buffers["table"]
-        assert px.shape == (1024,) and px.dtype == torch.uint8 and px.device.type == "cpu"
-        assert table.shape == (8, 4) and table.dtype == torch.int32
-        assert not px.is_pinned()
-        px[: step + 1].fill_(step)  # steps slice the max-size buffer
-        ptr = (px.data_ptr(), table.data_ptr())
+        bufs = {name: getattr(slot.buffers, name) for name in expected}
+        assert {k: (tuple(b.shape), b.dtype) for k, b in bufs.items()} == expected
+        assert all(b.device.type == "cpu" and not b.is_pinned() for b in bufs.values())
+        slot.buffers.pixels[: step + 1].fill_(step)  # steps slice the max-size buffer
+        ptr = tuple(b.data_ptr() for b in slot.buffers.values())
         assert ptrs.setdefault(slot.index, ptr) == ptr, "buffers must be allocated once, not per step"
         slot.release()
     assert order == [0, 1, 2] * 3
+    assert len({p for ptr in ptrs.values() for p in ptr}) == 3 * 6, "every slot has buffers of its own"
     assert pool.stats.acquires == 9 and pool.stats.waits_blocked == 0
     assert isinstance(pool.slot(0)._event, NullEvent)
-    assert pool.slot(1).buffers["pixels"].data_ptr() == ptrs[1][0]
+    assert pool.slot(1).buffers.pixels.data_ptr() == ptrs[1][0]
+    # The rows a step of some size fills, per buffer, in the buffers' field order (what the H2D copies use).
+    used = StepSize(pixel_bytes=300, images=2, patches=12, cu_seqlens=11).rows()
+    assert used.values() == (300, 2, 12, 12, 12, 11) and capacity.rows().pos_hw == 16
+    views = pool.slot(0).buffers.numpy()
+    views.images[1] = (5, 6, 7, 8)
+    assert pool.slot(0).buffers.images[1].tolist() == [5, 6, 7, 8], "numpy views share the slot's memory"
     pool.drain()
 
 
 def test_acquire_before_release_is_a_bug():
-    pool = StagingPool({"x": BufferSpec((1,), torch.int32)}, num_slots=1, device=torch.device("cpu"))
+    pool = StagingPool(TINY, num_slots=1, device=torch.device("cpu"))
     slot = pool.acquire()
     with pytest.raises(AssertionError, match="before release"):
         pool.acquire()
@@ -261,7 +268,7 @@ def test_acquired_block_releases_a_slot_its_step_did_not_get_to_release():
             records.append((self.index, stream))
 
     made = iter(range(2))
-    pool = StagingPool({"x": BufferSpec((1,), torch.int32)}, num_slots=2, device=torch.device("cpu"),
+    pool = StagingPool(TINY, num_slots=2, device=torch.device("cpu"),
                        event_factory=lambda: RecordingEvent(next(made)))
     with pytest.raises(RuntimeError, match="staging failed"):
         with pool.acquired():
@@ -280,15 +287,45 @@ def test_acquired_block_releases_a_slot_its_step_did_not_get_to_release():
     assert pool.stats.acquires == 5
 
 
+def test_output_ring_hands_each_buffer_to_one_step_at_a_time_and_blocks_when_all_are_held():
+    made: list[ManualEvent] = []
+    ring = OutputRing(2, rows=6, width=3, dtype=torch.bfloat16, device=torch.device("cpu"),
+                      event_factory=lambda: made.append(ManualEvent()) or made[-1])
+    a, b = ring.acquire(), ring.acquire()
+    assert (a.index, b.index) == (0, 1) and ring.held() == 2
+    assert a.host.shape == (6, 3) and a.host.dtype == torch.bfloat16 and not a.host.is_pinned()
+    assert (a.done, b.done) == (made[0], made[1]) and a.host.data_ptr() != b.host.data_ptr()
+
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire()))
+    waiter.start()
+    waiter.join(0.1)
+    assert waiter.is_alive() and got == [], "every buffer is held: acquire must wait for the writer"
+    b_ptr = b.host.data_ptr()
+    b.release()
+    waiter.join(TIMEOUT_S)
+    assert not waiter.is_alive()
+    (c,) = got
+    assert c.index == 1 and c.host.data_ptr() == b_ptr and c.done is made[1], "the same buffer and event, reused"
+    with pytest.raises(AssertionError, match="released twice, or by a step that no longer holds it"):
+        b.release()  # b's step is done with it; c's step holds it now
+    c.release()
+    with pytest.raises(AssertionError, match="released twice"):
+        c.release()
+    a.release()
+    assert ring.held() == 0 and {ring.acquire().index, ring.acquire().index} == {0, 1}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pool_pinned_and_fenced():
     steps, n = 8, 1 << 20
-    pool = StagingPool({"x": BufferSpec((n,), torch.float32)}, num_slots=2, device=torch.device("cuda"))
+    pool = StagingPool(StepSize(pixel_bytes=1, images=1, patches=n // 4, cu_seqlens=2), num_slots=2,
+                       device=torch.device("cuda"))
     out = torch.empty(steps, n, device="cuda")
     for step in range(steps):
         slot = pool.acquire()
-        x = slot.buffers["x"]
-        assert x.is_pinned()
+        assert all(b.is_pinned() for b in slot.buffers.values())
+        x = slot.buffers.interp_w.view(-1)  # [n] float32
         x.fill_(step)
         # Keep the GPU far behind (~25 ms of sleep per step against ~1 ms of host work), so reusing
         # this slot has to wait (5M cycles was not always enough on an H200).

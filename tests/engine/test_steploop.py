@@ -33,12 +33,12 @@ class FakeRunner:
             raise RuntimeError(f"injected {call} fault")
 
     @contextlib.contextmanager
-    def stage(self, batch):
-        keys = tuple(it.key for it in batch.items)
+    def stage(self, images):
+        keys = tuple(img.key for img in images)  # the items' payload images, in the batch's order
         self.log.append(("stage", keys))
         self._raise_if("stage", keys)
         try:
-            yield SimpleNamespace(keys=keys, tokens=batch.tokens)
+            yield SimpleNamespace(keys=keys, tokens=sum(img.num_tokens for img in images))
         except BaseException as e:  # where the real runner releases a slot that `run` did not get to
             self.log.append(("stage left by", type(e).__name__, keys))
             raise
@@ -53,7 +53,8 @@ class FakeWriter:
     def __init__(self, log: list):
         self.log = log
 
-    def publish(self, launched) -> None:
+    def publish(self, items, launched) -> None:
+        assert tuple(it.key for it in items) == launched.keys, "the items go with the step made of their images"
         self.log.append(("publish", launched.keys))
 
     def close(self) -> None:
@@ -69,7 +70,9 @@ def _loop(images_per_step: int, fail=None, max_wait_s: float = 0.0, fence_waits:
 
 
 def _submit(batcher: Batcher, keys: list[str]) -> dict:
-    return {k: batcher.submit(k, payload=None, tokens=10 + i) for i, k in enumerate(keys)}
+    """Key i has 10 + i tokens; its payload's image (what the runner stages) names its key."""
+    return {k: batcher.submit(k, payload=SimpleNamespace(image=SimpleNamespace(key=k, num_tokens=10 + i)), tokens=10 + i)
+            for i, k in enumerate(keys)}
 
 
 def _count(loop: StepLoop, name: str, labels: dict | None = None) -> float:

@@ -8,12 +8,21 @@ import torch
 from kernels.preprocess import cupy_available
 from service.config import Settings
 from service.engine.core import Engine
+from service.engine.graphs import GraphKey
 from service.media.images import prepare_image
 from service.engine.loader import load_model
+from service.engine.runner import use_compile_cache
 from service.metrics import Metrics
 from tests import imagedata as data
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()), reason="needs a CUDA GPU and CuPy")
+
+
+def _engine(model, s: Settings) -> Engine:
+    """An Engine without a store, built as the entry points build one: compile cache first."""
+    options = s.runner_options()
+    use_compile_cache(model, options)
+    return Engine(model, store=None, batcher=None, options=options, metrics=Metrics())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,13 +51,12 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
     ref_model = load_model(s.model_copy(update={"dtype": "float32"}))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    ref_engine = Engine(ref_model, store=None, batcher=None, metrics=Metrics(), settings=ref_model_settings(s))
-    eager = Engine(model, store=None, batcher=None, metrics=Metrics(),
-                   settings=s.model_copy(update={"compile": False, "cuda_graphs": False}))
+    ref_engine = _engine(ref_model, ref_model_settings(s))
+    eager = _engine(model, s.model_copy(update={"compile": False, "cuda_graphs": False}))
     expected = {name: (torch.cat(ref_engine.encode_sync(imgs)), torch.cat(eager.encode_sync(imgs)))
                 for name, imgs in steps.items()}
 
-    fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
+    fast = _engine(model, s)
     runner = fast.runner
     assert model.tower.compiled and runner.graphs is not None
     assert runner.startup["compile_s"] > 0 and runner.startup["graphs"] == len(runner.buckets) + len(runner.equal_steps)
@@ -62,9 +70,9 @@ def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps
         replayed = graph is not None
         assert replayed == (name != "20 x 448px"), name
         if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: an unpadded batched-attention graph
-            assert graph == (patches, len(imgs)), name
+            assert graph == GraphKey.equal(len(imgs), patches // len(imgs)) and not graph.padded, name
         elif replayed:
-            assert graph[1] == 0, name  # images of different sizes: a padded varlen graph
+            assert graph.padded, name  # images of different sizes: a padded varlen graph
         out = torch.cat(fast.encode_sync(imgs))
         ref32, ref_eager = expected[name]
         assert out.shape == ref32.shape and out.dtype == torch.bfloat16
@@ -89,12 +97,11 @@ def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(t
     imgs = [prepare_image(data.encode(data.textured_rgb(w, h, seed=i), "PNG"), model.params, limits)
             for i, (w, h) in enumerate(((512, 512), (544, 256)))]
     assert [i.num_patches for i in imgs] == [1024, 544]
-    eager = Engine(model, store=None, batcher=None, metrics=Metrics(),
-                   settings=s.model_copy(update={"compile": False, "cuda_graphs": False}))
+    eager = _engine(model, s.model_copy(update={"compile": False, "cuda_graphs": False}))
     expected = torch.cat(eager.encode_sync(imgs))
-    fast = Engine(model, store=None, batcher=None, metrics=Metrics(), settings=s)
+    fast = _engine(model, s)
     varlen = fast.runner.graphs.graph_for((1024, 544))
-    assert varlen[1] == 0 and varlen[0] >= 1568 and fast.runner.graphs.graph_for((784, 784)) == (1568, 2)
+    assert varlen.padded and varlen.patches >= 1568 and fast.runner.graphs.graph_for((784, 784)) == GraphKey.equal(2, 784)
     out = torch.cat(fast.encode_sync(imgs))
     assert _rel(out, expected) < 2e-2
     # and the equal step of the same size right after it still replays its own graph correctly
@@ -111,7 +118,7 @@ def test_graph_replays_of_one_step_are_identical_and_independent_of_stale_paddin
     earlier, larger step left in the padding rows."""
     s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
                  graph_exact_sides=[])  # no exact buckets: one image pads to its bucket
-    fast = Engine(load_model(s), store=None, batcher=None, metrics=Metrics(), settings=s)
+    fast = _engine(load_model(s), s)
     one = steps["1 x 448px"]
     assert fast.runner.graphs.bucket_for(784) > 784
     first = torch.cat(fast.encode_sync(one))

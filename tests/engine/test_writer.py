@@ -12,6 +12,7 @@ import torch
 
 from service.engine.batcher import Batcher, BatchLimits
 from service.engine.core import EncodeJob
+from service.engine.pool import OutputRing
 from service.errors import BackendError, StoreFull
 from service.metrics import Metrics
 from service.engine.runner import Launched
@@ -22,7 +23,6 @@ from tests.live import metric
 
 D, L = 8, 1  # out_hidden_size, deepstack levels
 W = D * (1 + L)
-OUT_INDEX = 3  # the output buffer each hand-made step pretends to use
 
 
 class FakeEvent:
@@ -40,13 +40,14 @@ class FakeEvent:
 def _setup(tmp_path, threads: int = 3):
     store = EmbeddingStore(tmp_path / "store", 1 << 30, model_id="m", out_hidden_size=D, deepstack_levels=L)
     batcher = Batcher(BatchLimits(max_batch_tokens=10_000, max_batch_images=64, max_wait_s=0, max_queue_images=100))
-    freed: list[int] = []
-    writer = Writer(store, batcher, Metrics(), threads=threads, free_output=freed.append)
-    return store, batcher, writer, freed
+    ring = OutputRing(4, rows=64, width=W, dtype=torch.float32, device=torch.device("cpu"))  # the steps' outputs
+    writer = Writer(store, batcher, Metrics(), threads=threads)
+    return store, batcher, writer, ring
 
 
-def _launched(batcher: Batcher, keys: list[str], done=None, seed: int = 0):
-    """Submit `keys` (key i has i + 1 tokens), take them in flight as one batch, and make its launched step."""
+def _launched(batcher: Batcher, ring: OutputRing, keys: list[str], done=None, seed: int = 0):
+    """Submit `keys` (key i has i + 1 tokens), take them in flight as one batch, and make its launched step
+    with its rows in a buffer of `ring`: (the batch's items, the step, the tickets)."""
     tickets = [batcher.submit(k, EncodeJob(k, image=None, content_sha256=f"sha-{k}"), tokens=i + 1)
                for i, k in enumerate(keys)]
     batch = batcher.next_batch(timeout=0, busy=lambda: False)
@@ -54,21 +55,24 @@ def _launched(batcher: Batcher, keys: list[str], done=None, seed: int = 0):
     offs = [0]
     for it in batch.items:
         offs.append(offs[-1] + it.tokens)
-    rows = torch.randn(offs[-1], W, generator=torch.Generator().manual_seed(seed))
+    output = ring.acquire()
+    rows = output.host[: offs[-1]]
+    rows.copy_(torch.randn(offs[-1], W, generator=torch.Generator().manual_seed(seed)))
     grids = [(1, 2, 2 * it.tokens) for it in batch.items]  # t * h * w / 4 = tokens
-    job = Launched(items=batch.items, host_out=rows, done=done, out_index=OUT_INDEX, token_offsets=offs, grids=grids)
-    return job, tickets
+    job = Launched(host_out=rows, done=done, output=output, token_offsets=offs, grids=grids)
+    return batch.items, job, tickets
 
 
 def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path):
-    store, batcher, writer, freed = _setup(tmp_path)
+    store, batcher, writer, ring = _setup(tmp_path)
     log: list[str] = []
     real_reserve, real_commit = store.reserve, store.commit
     store.reserve = lambda *a, **k: log.append("reserve") or real_reserve(*a, **k)
     store.commit = lambda *a, **k: log.append("commit") or real_commit(*a, **k)
     keys = [f"k{i}" for i in range(5)]
-    job, tickets = _launched(batcher, keys, done=FakeEvent(log))
-    writer.write(job)
+    items, job, tickets = _launched(batcher, ring, keys, done=FakeEvent(log))
+    assert ring.held() == 1
+    writer.write(items, job)
     # Every entry reserved while the device computes, the one device wait, then the commits.
     assert log == ["reserve"] * 5 + ["sync"] + ["commit"] * 5
     for i, (key, t) in enumerate(zip(keys, tickets)):
@@ -77,7 +81,9 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
         stored = read_embeddings(tmp_path / "store", key)
         rows = job.host_out[job.token_offsets[i] : job.token_offsets[i + 1]]
         assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
-    assert freed == [OUT_INDEX] and batcher.in_flight() == 0
+    assert ring.held() == 0 and batcher.in_flight() == 0
+    with pytest.raises(AssertionError, match="released twice"):
+        job.output.release()  # the writer gave it back, exactly once
     writer.metrics.update_gauges(batcher, store)  # what a scrape does first (app.py, enginep.py)
     m = writer.metrics.exposition().decode()
     assert metric(m, "qve_store_items") == 5 and metric(m, "qve_store_bytes") == store.bytes_used > 0
@@ -85,7 +91,7 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
 
 @pytest.mark.parametrize("where", ["reserve", "commit"])
 def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
-    store, batcher, writer, freed = _setup(tmp_path)
+    store, batcher, writer, ring = _setup(tmp_path)
     real = getattr(store, where)
 
     def failing(*a, **k):
@@ -101,43 +107,43 @@ def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
         return real(*a, **k)
 
     setattr(store, where, failing)
-    job, tickets = _launched(batcher, ["ok1", "bad", "full", "ok2"])
-    writer.write(job)
+    items, job, tickets = _launched(batcher, ring, ["ok1", "bad", "full", "ok2"])
+    writer.write(items, job)
     ok1, bad, full, ok2 = (t.future for t in tickets)
     assert ok1.result(timeout=0).key == "ok1" and ok2.result(timeout=0).key == "ok2"
     err = bad.exception(timeout=0)
     assert isinstance(err, BackendError)
     assert str(err) == "could not write embeddings to the store: [Errno 28] No space left on device"
     assert isinstance(full.exception(timeout=0), StoreFull)  # a ServiceError is the client's answer as it is
-    assert freed == [OUT_INDEX] and batcher.in_flight() == 0
+    assert ring.held() == 0 and batcher.in_flight() == 0
     assert store.lookup("bad") is None and store.lookup("full") is None and len(store) == 2
 
 
 def test_a_device_fault_at_the_copy_wait_fails_the_whole_step_and_leaves_nothing_behind(tmp_path):
-    store, batcher, writer, freed = _setup(tmp_path)
-    job, tickets = _launched(batcher, ["a", "b", "c"], done=FakeEvent([], fault=RuntimeError("illegal memory access")))
-    writer.write(job)
+    store, batcher, writer, ring = _setup(tmp_path)
+    items, job, tickets = _launched(batcher, ring, ["a", "b", "c"], done=FakeEvent([], fault=RuntimeError("illegal memory access")))
+    writer.write(items, job)
     for t in tickets:
         err = t.future.exception(timeout=0)
         assert isinstance(err, BackendError) and str(err) == "encoding failed on the device: illegal memory access"
-    assert freed == [OUT_INDEX] and batcher.in_flight() == 0 and len(store) == 0
+    assert ring.held() == 0 and batcher.in_flight() == 0 and len(store) == 0
     assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []  # every reservation aborted
 
 
 def test_run_writes_every_published_step_then_returns_after_close(tmp_path):
-    store, batcher, writer, freed = _setup(tmp_path, threads=2)
+    store, batcher, writer, ring = _setup(tmp_path, threads=2)
     thread = threading.Thread(target=writer.run)
     thread.start()
     try:
-        steps = [_launched(batcher, [f"s{s}_{i}" for i in range(3)], seed=s) for s in range(3)]
-        for job, _ in steps:
-            writer.publish(job)
+        steps = [_launched(batcher, ring, [f"s{s}_{i}" for i in range(3)], seed=s) for s in range(3)]
+        for items, job, _ in steps:
+            writer.publish(items, job)
         writer.close()
     finally:
         thread.join(30)
     assert not thread.is_alive()
-    assert all(t.future.result(timeout=0).key == job.items[i].key for job, ts in steps for i, t in enumerate(ts))
-    assert freed == [OUT_INDEX] * 3 and len(store) == 9
+    assert all(t.future.result(timeout=0).key == items[i].key for items, _, ts in steps for i, t in enumerate(ts))
+    assert ring.held() == 0 and len(store) == 9
 
 
 @pytest.mark.parametrize("writers", [1, 3, 4])
