@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine.core import EncodeJob, Engine  # noqa: E402
+from service.engine.core import Engine
+from service.engine.job import EncodeJob  # noqa: E402
 from service.media.images import prepare_image  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import use_compile_cache  # noqa: E402

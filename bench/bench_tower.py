@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E402
 from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine.core import EncodeJob, Engine  # noqa: E402
+from service.engine.core import Engine
+from service.engine.job import EncodeJob  # noqa: E402
 from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.media.images import prepare_image  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402

@@ -8,28 +8,19 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from service.engine.batcher import Batcher
 from service.config import RunnerOptions
-from service.media.images import PreparedImage
+from service.engine.batcher import Batcher
+from service.engine.job import EncodeJob
 from service.engine.loader import LoadedModel
-from service.metrics import Metrics
 from service.engine.runner import Runner
 from service.engine.steploop import StepLoop
-from service.store.directory import EmbeddingStore
 from service.engine.writer import Writer
-
-
-@dataclass
-class EncodeJob:
-    """The batcher's payload for one distinct image (a key). Plain host data, no tensors."""
-
-    key: str
-    image: PreparedImage
-    content_sha256: str | None = None  # of the image's encoded bytes; recorded in the store entry
+from service.media.images import PreparedImage
+from service.metrics import Metrics
+from service.store.directory import EmbeddingStore
 
 
 class Engine:

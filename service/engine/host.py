@@ -25,7 +25,8 @@ import numpy as np
 
 from service.config import EngineOptions, StoreOptions
 from service.engine.batcher import Batcher, QueuePlace, Ticket
-from service.engine.core import EncodeJob, Engine
+from service.engine.core import Engine
+from service.engine.job import EncodeJob
 from service.engine.loader import LoadedModel
 from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,

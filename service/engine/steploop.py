@@ -24,7 +24,7 @@ from service.errors import BackendError
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
-    from service.engine.core import EncodeJob
+    from service.engine.job import EncodeJob
     from service.engine.runner import Launched, Runner
     from service.engine.writer import Writer
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-from typing import TYPE_CHECKING
 
 import torch
 
 from service.engine.batcher import Batcher, WorkItem
+from service.engine.job import EncodeJob
+from service.engine.runner import Launched
 from service.errors import BackendError, ServiceError
 from service.metrics import Metrics
-from service.engine.runner import Launched
 from service.store.directory import EmbeddingStore, PendingEntry
-
-if TYPE_CHECKING:  # core.py builds the writer: a runtime import would be a cycle
-    from service.engine.core import EncodeJob
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ STALL_CYCLES = 20_000_000  # ~10 ms at the H200's ~2 GHz: far longer than the ho
 
 def _stalled_run(settings, model, imgs, root, fence: bool):
     from service.engine.batcher import Batcher
-    from service.engine.core import EncodeJob
+    from service.engine.job import EncodeJob
     from service.engine.host import build_store
 
     s = settings.model_copy(update={"store": root})

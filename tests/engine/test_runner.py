@@ -40,7 +40,7 @@ def _image(h: int, w: int, seed: int) -> PreparedImage:
     pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
     grid = (1, h // 16, w // 16)
     return PreparedImage(pixels=pixels, grid_thw=grid, num_patches=grid[1] * grid[2],
-                         num_tokens=grid[1] * grid[2] // 4, orig_size=(w, h))
+                         num_tokens=grid[1] * grid[2] // 4)
 
 
 def _images(seed: int = 0) -> list[PreparedImage]:

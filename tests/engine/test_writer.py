@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from service.engine.batcher import Batcher, BatchLimits
-from service.engine.core import EncodeJob
+from service.engine.job import EncodeJob
 from service.engine.pool import OutputRing
 from service.errors import BackendError, StoreFull
 from service.metrics import Metrics
