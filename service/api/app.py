@@ -125,10 +125,13 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
     async def _http_error(request: Request, err: StarletteHTTPException):
         # Routing errors in the service's one error shape, not FastAPI's {"detail": ...}.
         if err.status_code == 404:
-            return error_response(NotFound(f"no such endpoint: {request.method} {request.url.path}; see /docs"))
-        if err.status_code == 405:
-            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
-        return error_response(Relayed(err.status_code, "http_error", str(err.detail)))
+            answer = error_response(NotFound(f"no such endpoint: {request.method} {request.url.path}; see /docs"))
+        elif err.status_code == 405:
+            answer = error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        else:
+            answer = error_response(Relayed(err.status_code, "http_error", str(err.detail)))
+        answer.headers.update(err.headers or {})  # e.g. a 405's Allow
+        return answer
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError):
