@@ -167,7 +167,7 @@ def serve(args, mode: str, port: int, store: Path, log: Path) -> subprocess.Pope
            "--compile-cache", str(args.compile_cache)]
     if engines > 1:
         cmd += ["--devices", ",".join(f"{args.device}:{i}" for i in range(engines))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=args.tree, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     import http.client
 
@@ -230,12 +230,17 @@ def main() -> int:
     ap.add_argument("--conc8", type=int, default=8, help="connections per client, 8 images per request")
     ap.add_argument("--store-bytes", type=int, default=12 * 1024**3)
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
+                    "(another commit's tree, for an A/B in one run: bench/ab_frontend.py); the client is this one")
+    ap.add_argument("--compile-cache", type=Path, default=None, help="torch.compile cache shared by the servers "
+                    "(default: a fresh one, so the first server compiles)")
     ap.add_argument("--profile-s", type=int, default=0, help="py-spy (if on PATH) every server process for this "
                     "many seconds during each load phase, --gil: who holds each process's GIL (DIR/pyspy_*)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.compile_cache = Path(tempfile.mkdtemp(prefix="qve-frontend-cc-"))
+    args.compile_cache = args.compile_cache or Path(tempfile.mkdtemp(prefix="qve-frontend-cc-"))
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+                 "tree": str(args.tree),
                  "cpus": os.cpu_count(), "python": platform.python_version(), "preset": args.preset, "modes": {}}
     try:
         import torch

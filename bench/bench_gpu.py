@@ -33,14 +33,16 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.batcher import BatchLimits, Batcher  # noqa: E402
+from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine import EncodeJob, Engine  # noqa: E402
-from service.images import prepare_image  # noqa: E402
-from service.loader import load_model  # noqa: E402
+from service.engine.core import Engine
+from service.engine.job import EncodeJob  # noqa: E402
+from service.media.images import prepare_image  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
+from service.engine.runner import use_compile_cache  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.store import EmbeddingStore  # noqa: E402
-from service.tower import TowerBatch, build_batch  # noqa: E402
+from service.store.directory import EmbeddingStore  # noqa: E402
+from service.engine.tower import TowerBatch, build_batch  # noqa: E402
 
 
 def cuda_time(fn, reps=20, warmup=3) -> float:
@@ -140,8 +142,11 @@ def main() -> int:
     assert not missing.missing_keys and not missing.unexpected_keys, missing
     proc = Qwen2VLImageProcessorPil(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16,
                                     temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    options = settings.runner_options()
+    use_compile_cache(model, options)
     t0 = time.perf_counter()
-    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics(),
+                    store_writers=settings.store_writers)  # the loop below gets a store
     res["graph_capture_s"] = round(time.perf_counter() - t0, 1)
     res["graph_buckets"] = engine.runner.buckets
     limits = settings.image_limits

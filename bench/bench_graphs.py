@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gpu import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.graphs import padded_cu_seqlens  # noqa: E402
-from service.loader import load_model  # noqa: E402
-from service.runner import Runner  # noqa: E402
-from service.tower import TowerBatch, build_batch  # noqa: E402
+from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
+from service.engine.runner import Runner, use_compile_cache  # noqa: E402
+from service.engine.tower import TowerBatch, build_batch  # noqa: E402
 
 
 def main() -> int:
@@ -34,8 +34,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     s = Settings(model=args.preset, device="cuda", dtype="bfloat16", max_batch_images=args.max_images)
     model = load_model(s)
+    options = s.runner_options()
+    use_compile_cache(model, options)
     t0 = time.perf_counter()
-    eng = Runner(model, s)
+    eng = Runner(model, options)
     capture_s = time.perf_counter() - t0
     spec, d = model.spec, eng.dev
     rows = []
@@ -49,17 +51,17 @@ def main() -> int:
         # stage exactly what the step loop would: real rows, padded cu_seqlens for the bucket
         eng.patches[:n].normal_()
         for name in ("pos_hw", "interp_idx", "interp_w"):
-            d[name][:n].copy_(torch.from_numpy(arr[name]))
+            getattr(d, name)[:n].copy_(torch.from_numpy(arr[name]))
         cu = padded_cu_seqlens([784] * k, bucket, eng.cu_length)
-        d["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
-        eager = TowerBatch(eng.patches[:n], d["pos_hw"][:n], d["interp_idx"][:n], d["interp_w"][:n],
+        d.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
+        eager = TowerBatch(eng.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
                            torch.from_numpy(arr["cu_seqlens"]).cuda(), tuple([784] * k))
         with torch.inference_mode(), torch.cuda.stream(eng.compute_stream):
             t_e = cuda_time(lambda: model.tower(eager))
             graphed = bucket in eng.graphs.buckets  # the padded varlen graph (equal steps: bench_tower.py)
-            t_g = cuda_time(lambda: eng.graphs.run((bucket, 0))) if graphed else float("nan")
+            t_g = cuda_time(lambda: eng.graphs.run(GraphKey.bucket(bucket))) if graphed else float("nan")
             a = model.tower(eager)
-            b = eng.graphs.run((bucket, 0))[: n // 4] if graphed else a
+            b = eng.graphs.run(GraphKey.bucket(bucket))[: n // 4] if graphed else a
             rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
         # host cost of launching the eager tower (what holds the GIL)
         torch.cuda.synchronize()

@@ -38,15 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E402
-from service.batcher import BatchLimits, Batcher  # noqa: E402
+from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine import EncodeJob, Engine  # noqa: E402
-from service.graphs import padded_cu_seqlens  # noqa: E402
-from service.images import prepare_image  # noqa: E402
-from service.loader import load_model  # noqa: E402
+from service.engine.core import Engine
+from service.engine.job import EncodeJob  # noqa: E402
+from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
+from service.media.images import prepare_image  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
+from service.engine.runner import use_compile_cache  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.store import EmbeddingStore  # noqa: E402
-from service.tower import VARLEN, TowerBatch, build_batch  # noqa: E402
+from service.store.directory import EmbeddingStore  # noqa: E402
+from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
 
 ALL = "ceiling,tower,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
 
@@ -58,7 +60,7 @@ def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, ba
     frames = torch.randn(n, 768, device=device, dtype=dtype, generator=g)
     arr = build_batch(grids, spec)
     tb = TowerBatch(frames, *(torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens")),
-                    seq_lens=tuple(t * h * w for t, h, w in grids), attention=None if batched else VARLEN)
+                    seq_lens=tuple(t * h * w for t, h, w in grids), attention=None if batched else AttentionKind.VARLEN)
     pv = frames.view(n, 3, 1, 256).expand(-1, -1, 2, -1).reshape(n, 1536).contiguous()  # both frames equal
     return tb, pv, torch.tensor(grids, device=device)
 
@@ -133,7 +135,7 @@ def main() -> int:
     blobs = photos()
     prepared = [prepare_image(b, model.params, settings.image_limits) for b in blobs]
     eager_engine = Engine(model, store=None, batcher=None, metrics=Metrics(),
-                          settings=settings.model_copy(update={"compile": False, "cuda_graphs": False}))
+                          options=settings.model_copy(update={"compile": False, "cuda_graphs": False}).runner_options())
     if "accuracy" in sections and blobs:
         from PIL import Image
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -158,8 +160,11 @@ def main() -> int:
         save()
 
     # ---- the service's engine: compile + CUDA graphs (what `serve` builds) ------------------------
+    options = settings.runner_options()
+    use_compile_cache(model, options)  # the fresh cache above: compile_s below is a cold compile
     t0 = time.perf_counter()
-    engine = Engine(model, store=None, batcher=None, settings=settings, metrics=Metrics())
+    engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics(),
+                    store_writers=settings.store_writers)  # the loop sections give it a store
     res["engine_startup"] = {**engine.runner.startup, "wall_s": round(time.perf_counter() - t0, 2),
                              "cudnn_attention": tower.cudnn_attention}
     print("engine startup", res["engine_startup"], flush=True)
@@ -222,14 +227,15 @@ def main() -> int:
             arr = build_batch([(1, 28, 28)] * k, spec)
             runner.patches[:n].normal_()
             for nm in ("pos_hw", "interp_idx", "interp_w"):
-                d[nm][:n].copy_(torch.from_numpy(arr[nm]))
-            d["cu_seqlens"].copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
+                getattr(d, nm)[:n].copy_(torch.from_numpy(arr[nm]))
+            d.cu_seqlens.copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
             key = runner.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
             with torch.inference_mode(), torch.cuda.stream(runner.compute_stream):
                 t_g = cuda_time(lambda: runner.graphs.run(key), reps=50)
-                t_v = cuda_time(lambda: runner.graphs.run((bucket, 0)), reps=50)  # the varlen graph of that size
-            grows.append({"images": k, "patches": n, "bucket": bucket, "graph": list(key), "graph_ms": round(t_g * 1e3, 3),
-                          "img_s": round(k / t_g, 1), "varlen_graph_ms": round(t_v * 1e3, 3)})
+                t_v = cuda_time(lambda: runner.graphs.run(GraphKey.bucket(bucket)), reps=50)  # the varlen graph of that size
+            grows.append({"images": k, "patches": n, "bucket": bucket, "graph": [key.patches, key.images],
+                          "graph_ms": round(t_g * 1e3, 3), "img_s": round(k / t_g, 1),
+                          "varlen_graph_ms": round(t_v * 1e3, 3)})
             print("graph", grows[-1], flush=True)
         res["graphs"] = grows
         save()
@@ -344,7 +350,7 @@ def main() -> int:
 def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
     """Where a lone image's step spends its time: each phase's start and end (ms after submit, medians),
     from wrappers around the loop's own calls. The writer's device wait ends where `commit` starts."""
-    import service.store as store_module
+    import service.store.directory as store_module
 
     marks: dict[str, list] = {}
 
@@ -368,7 +374,7 @@ def one_image_phases(engine, batcher, imgs, n: int = 60) -> dict:
              (writer, "_reserve", wrap(writer, "_reserve", "reserve")), (writer, "_commit", wrap(writer, "_commit", "commit")),
              (runner, "_patchify_cuda", wrap(runner, "_patchify_cuda", "patchify")),
              (runner.graphs, "run", wrap(runner.graphs, "run", "replay")),
-             (runner.out_free, "get", wrap(runner.out_free, "get", "out_get")),
+             (runner.outputs, "acquire", wrap(runner.outputs, "acquire", "out_get")),
              (store_module, "_write_ec_file", wrap(store_module, "_write_ec_file", "write"))]
     rows = []
     try:

@@ -238,7 +238,7 @@ def store_commit(out: dict, root: str) -> None:
     """The real EmbeddingStore's reserve + commit of one 448px image, from a pinned buffer the GPU has
     just written, with the system calls inside commit timed (is it writev, or something around it?),
     interleaved with a raw writev of the same bytes into a fallocated file."""
-    import service.store as st
+    import service.store.directory as st
 
     dev = torch.randn(196, 10240, device="cuda" if torch.cuda.is_available() else "cpu").to(torch.bfloat16)
     host = torch.empty(196 * 4, 10240, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())  # like the output ring

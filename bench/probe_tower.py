@@ -4,7 +4,7 @@
 
 * residual adds inside the GEMMs (addmm with residual + bias as C) against a separate add per residual
   (tried in session 6 and not kept: results/2026-11-30-h200-session6/probe7_*; the variant lived in
-  service/tower.py's _make_block_fn as `residual_in_gemm` in commit b06fe8f: check that out to rerun it);
+  service/engine/tower.py's _make_block_fn as `residual_in_gemm` in commit b06fe8f: check that out to rerun it);
 * the compiled forward launched from Python against the same forward replayed from a CUDA graph
   (is the gap between the kernels' sum and the wall time host-side?);
 * the GPU kernel time of one forward (torch.profiler) against its wall time.
@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu import cuda_time, tower_flops  # noqa: E402
 from bench.bench_tower import synthetic_batch  # noqa: E402
-from service import tower as tower_module  # noqa: E402
+from service.engine import tower as tower_module  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.loader import load_model  # noqa: E402
+from service.engine.loader import load_model  # noqa: E402
 
 
 def main() -> int:

@@ -212,7 +212,7 @@ def metric(text: str, name: str) -> float | None:
 def readers_main(root: str, threads: int, pause_s: float, stop, out) -> None:
     """Read random store entries on `threads` threads until `stop`; put the tally on `out`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's parent handles Ctrl-C
-    from service.storeformat import StoreFormatError, read_embeddings
+    from service.store.format import StoreFormatError, read_embeddings
 
     tally = {"reads": 0, "ok": 0, "vanished": 0, "inconsistent": 0, "problems": []}
     digests: dict[str, bytes] = {}  # key -> digest of its bytes at the first read: a key is written once

@@ -239,7 +239,7 @@ def patchify_cuda(
     from) when given. A device table without a host copy is trusted.
 
     The kernel reads `src` (and a host `images`) asynchronously: the caller must keep them unchanged
-    and alive until the work on this stream has run (service.pool does that with an event per slot).
+    and alive until the work on this stream has run (service.engine.pool does that with an event per slot).
     """
     if out.device.type != "cuda":
         raise ValueError(f"out must be a CUDA tensor, got {out.device}")

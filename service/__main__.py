@@ -4,8 +4,11 @@
 
 Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
 variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks what it
-can (service/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
+can (service/procs/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
 one line before the model loads, and clients that connect while it loads get /ready 503, not a refusal.
+
+NOTE: each command imports what it runs only once it is chosen: `try` must not pay for the server's
+imports, nor `serve` for the LM side's (torch, transformers).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import Settings, describe_errors, env_name, unknown_env
-from .errors import StartupError
+from service.config import Settings, describe_errors, env_name, unknown_env
+from service.errors import StartupError
 
 log = logging.getLogger("service")
 
@@ -76,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         type_, choices = _flag_type(field.annotation)
         serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
 
-    from .quickstart import EXAMPLE_IMAGE
+    from service.quickstart import EXAMPLE_IMAGE
 
     try_ = sub.add_parser("try", help="post an image to a running server; print the answer and where the "
                           "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, help="the image to post (JPEG, PNG, WebP, ...)")
     try_.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a server still starting")
 
-    from .config import default_store_dir
+    from service.config import default_store_dir
 
     consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -123,18 +126,18 @@ def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     if command == "try":
-        from .quickstart import try_it
+        from service.quickstart import try_it
 
         return try_it(**args)
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if command == "route":
-            from .router import RouterConfig, serve as serve_router
+            from service.lm.router import RouterConfig, serve as serve_router
 
             return serve_router(RouterConfig(args["encoder_url"], args["vllm_url"], args["image_parts"]),
                                 args["host"], args["port"], log_level)
-        from .chat import ChatConfig, serve
+        from service.lm.chat import ChatConfig, serve
 
         host, port = args.pop("host"), args.pop("port")
         return serve(ChatConfig(**args), host, port, log_level)
@@ -154,7 +157,7 @@ def _serve(flags: dict) -> int:
     for warning in unknown_env(os.environ):
         log.warning("%s", warning)
 
-    from .preflight import preflight
+    from service.procs.preflight import preflight
 
     try:
         sock = preflight(settings)
@@ -162,10 +165,10 @@ def _serve(flags: dict) -> int:
         print(f"cannot start: {e}", file=sys.stderr)
         return 2
     if settings.supervised:
-        from .supervisor import serve_supervised
+        from service.procs.supervisor import serve_supervised
 
         return serve_supervised(settings, sock)
-    from .boot import serve_single
+    from service.procs.single import serve_single
 
     return serve_single(settings, sock)
 

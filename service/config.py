@@ -3,6 +3,10 @@
 Every setting can come from a CLI flag (`python -m service serve --max-batch-tokens 8192`) or from
 the environment with the `QVE_` prefix (`QVE_MAX_BATCH_TOKENS=8192`); a flag wins over the
 environment. Nothing on the hot path reads the environment.
+
+Only the entry points (the single-process runtime, the engine process, benchmarks) read Settings. What
+each part needs is derived from it once, as a frozen options object of its own: `Settings.runner_options()`
+(RunnerOptions), `Settings.batch_limits()` (BatchLimits), `Settings.store_options()` (StoreOptions).
 """
 
 from __future__ import annotations
@@ -56,6 +60,99 @@ class PreprocessParams:
 
 
 @dataclass(frozen=True)
+class BatchLimits:
+    """The batcher's limits (service/engine/batcher.py): step size and admission."""
+
+    max_batch_tokens: int  # step token budget (output tokens after the 2x2 merge)
+    max_batch_images: int
+    max_wait_s: float  # a batch closes at most this long after its oldest item was enqueued
+    max_queue_images: int  # admission limit on unscheduled items; beyond it submit raises Overloaded
+    # Admission limit on the unscheduled items' output tokens (a token is 4 patches of 16x16 pixels, so
+    # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
+    # An item is always admitted into an empty queue, so no single image is refused for its size here.
+    max_queue_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be > 0, got {self.max_batch_tokens}")
+        if self.max_batch_images <= 0:
+            raise ValueError(f"max_batch_images must be > 0, got {self.max_batch_images}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.max_queue_images <= 0:
+            raise ValueError(f"max_queue_images must be > 0, got {self.max_queue_images}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens <= 0:
+            raise ValueError(f"max_queue_tokens must be > 0, got {self.max_queue_tokens}")
+
+
+FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection (FaultInjection), read by the entry points
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only faults, `QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run
+    (bench/soak.py) proves it catches the corruption a missing fence causes on a lagging GPU. Never set
+    it in service."""
+
+    stall_cycles: int = 0  # a device sleep queued before each step's H2D copies (a GPU that lags)
+    fence: bool = True  # False: the staging pool overwrites slots without waiting for the device
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> FaultInjection:
+        """The faults `QVE_FAULT_INJECT` asks for (none when unset). Raises ValueError for an unknown one."""
+        spec = environ.get(FAULT_ENV, "")
+        if not spec:
+            return cls()
+        stall, fence = 0, True
+        for part in spec.split(","):
+            name, _, value = part.strip().partition("=")
+            if name == "stall":
+                stall = int(value)
+            elif name == "no-fence":
+                fence = False
+            else:
+                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (known: stall=CYCLES, no-fence)")
+        return cls(stall_cycles=stall, fence=fence)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions:
+    """What the engine's Runner needs (Settings.runner_options): staging capacity, pool depth, CUDA
+    graphs and torch.compile."""
+
+    max_batch_tokens: int  # with the model's max_pixels, the patches a step's buffers hold
+    max_batch_images: int  # images a step's buffers hold
+    pool_slots: int  # pinned staging slots, and as many output buffers
+    cuda_graphs: bool  # replay the tower from CUDA graphs (where the tower is fast: CUDA, bf16/fp16)
+    graph_max_patches: int  # the largest step replayed from a graph
+    graph_exact_sides: tuple[int, ...]  # square sides whose equal steps get unpadded graphs
+    compile: bool  # torch.compile the tower (where it is fast)
+    compile_cache: Path  # on-disk compile caches (runner.use_compile_cache; the entry points set it up)
+    faults: FaultInjection = FaultInjection()  # none, unless a test asks (FaultInjection.from_env)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """What an engine's embedding store and its writer need (Settings.store_options)."""
+
+    root: Path
+    capacity_bytes: int  # of the whole store: with n engines, each one's shard gets capacity_bytes // n
+    group: str | None  # a group that may read the store, or None (the service's user alone)
+    min_residency_s: float  # an answered entry is not evicted for this long
+    writers: int  # threads writing one step's entries, the writer thread included
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """Everything one engine is built from (Settings.engine_options; engine/host.py's build_host)."""
+
+    runner: RunnerOptions
+    store: StoreOptions
+    limits: BatchLimits
+    warmup: bool  # run one step through the whole path before saying ready
+
+
+@dataclass(frozen=True)
 class ImageLimits:
     """Checked before an image is fully decoded, so hostile input costs little."""
 
@@ -69,12 +166,15 @@ def _named_device(d: str) -> bool:
     return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_api_processes() -> int:
     """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
     served more than 8 (bench/RESULTS.md, session 3: 554 vs 507 img/s), the rest of the cores going to
     their decode threads, the engine and the store writers."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cpus // 4))
+    return max(1, min(8, _usable_cores() // 4))
 
 
 class Settings(BaseSettings):
@@ -93,8 +193,12 @@ class Settings(BaseSettings):
         "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
     seed: int = Field(0, description="seed for preset random weights")
-    min_pixels: int | None = Field(None, description="override preprocessor min pixels")
-    max_pixels: int | None = Field(None, description="override preprocessor max pixels")
+    min_pixels: int | None = Field(None, description="resize every image to at least this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 65536); the LM "
+                                   "side must resize alike")
+    max_pixels: int | None = Field(None, description="resize every image to at most this many pixels instead of "
+                                   "what the checkpoint's preprocessor_config.json says (presets: 16777216); the LM "
+                                   "side must resize alike")
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
@@ -108,16 +212,17 @@ class Settings(BaseSettings):
 
     # HTTP
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
-    port: int = Field(8080, ge=0, le=65535)
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
                                                     description="require `Authorization: Bearer <key>` on /encode "
                                                     "(comma-separated: several keys, e.g. while rotating)")
     api_key_metrics: bool = Field(True, description="with --api-key, require it on /metrics too")
     allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
-    url_timeout_s: float = Field(10.0, gt=0)
+    url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
+                                 "for each read)")
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
                                               "private or link-local addresses (off: such fetches are refused)")
-    max_images_per_request: int = Field(64, gt=0)
+    max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
                                     "headers) may take to arrive, from the connection's start or the request's first "
                                     "byte; then 408 and the connection closed (slowloris clients cannot hold "
@@ -132,14 +237,19 @@ class Settings(BaseSettings):
                                    "refused with 413 before it is read when declared, or as soon as it passes")
 
     # images
-    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
-    max_input_pixels: int = Field(64_000_000, gt=0)
-    decode_workers: int = Field(0, ge=0, description="image decode processes; 0 = one per core (max 8)")
+    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
+                                 "before it is decoded")
+    max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
+                                  "larger is a 413, before it is decoded (decompression bombs)")
+    decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
+                                "single-process service, threads in each API process; 0 = this process's share of the "
+                                "cores (all of them, or divided among the API processes), 2-8")
 
     # batching
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
-    max_batch_images: int = Field(64, gt=0)
-    max_wait_ms: float = Field(5.0, ge=0, description="a step closes this long after its first image at most")
+    max_batch_images: int = Field(64, gt=0, description="most images in one step")
+    max_wait_ms: float = Field(5.0, ge=0, description="while the device is busy, the next step waits at most this "
+                               "long after its first image for more (an idle device takes a step at once)")
     max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
     max_queue_tokens: int = Field(65536, gt=0, description="admission limit on the queued images' output tokens "
                                   "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "
@@ -258,9 +368,37 @@ class Settings(BaseSettings):
         """A supervisor with API processes and engine processes, rather than one process doing everything."""
         return self.api_process_count() > 0
 
+    def decode_worker_count(self) -> int:
+        """--decode-workers, or the default: the cores this process may use, divided among the API processes
+        when there are any (each decodes in its own threads), at least 2 and at most 8."""
+        if self.decode_workers:
+            return self.decode_workers
+        return min(8, max(2, _usable_cores() // max(1, self.api_process_count())))
+
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
+
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
+                           max_wait_s=self.max_wait_ms / 1000, max_queue_images=self.max_queue_images,
+                           max_queue_tokens=self.max_queue_tokens)
+
+    def runner_options(self, faults: FaultInjection = FaultInjection()) -> RunnerOptions:
+        """`faults`: FaultInjection.from_env(os.environ) at an entry point; tests pass theirs."""
+        return RunnerOptions(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
+                             pool_slots=self.pool_slots, cuda_graphs=self.cuda_graphs,
+                             graph_max_patches=self.graph_max_patches, graph_exact_sides=tuple(self.graph_exact_sides),
+                             compile=self.compile, compile_cache=self.compile_cache, faults=faults)
+
+    def engine_options(self, faults: FaultInjection = FaultInjection()) -> EngineOptions:
+        """The options of one engine (`faults`: FaultInjection.from_env(os.environ) at an entry point)."""
+        return EngineOptions(runner=self.runner_options(faults), store=self.store_options(),
+                             limits=self.batch_limits(), warmup=self.warmup)
+
+    def store_options(self) -> StoreOptions:
+        return StoreOptions(root=self.store, capacity_bytes=self.store_capacity_bytes, group=self.store_group,
+                            min_residency_s=self.store_min_residency_s, writers=self.store_writers)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -277,9 +415,12 @@ class Settings(BaseSettings):
 
 # ---- where a setting comes from: the QVE_ environment ---------------------------------------------
 ENV_PREFIX = "QVE_"
+# prometheus_client's multiprocess directory (metrics.py; set in each API process by procs/api_process.py).
+# Here, not in metrics.py: that imports prometheus_client, which must not be imported before it is set.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # QVE_ variables that are not settings, so not worth a warning at start.
 OTHER_ENV = frozenset({
-    "QVE_FAULT_INJECT",  # test-only fault injection, read by service/runner.py (FAULT_ENV)
+    FAULT_ENV,  # test-only fault injection (FaultInjection)
     "QVE_COMPOSE_TEST", "QVE_COMPOSE_LOG", "QVE_TEST_SUPERVISOR_REQUESTS",  # read by the tests
 })
 

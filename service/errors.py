@@ -1,21 +1,47 @@
-"""The service's errors, and the one table that maps them to HTTP status.
+"""The service's errors: one tree, the one table that maps them to HTTP status, and the one place their
+answers are built.
 
-Bad input and overload are `ServiceError`s with a machine-readable `code` and a message that says
-how to fix the request. Anything else that escapes is a bug and becomes a 500 in `app.py`.
-Invariants are asserts; user input never reaches an assert.
+    QveError
+     ├─ ServiceError          what a request is answered with (status: HTTP_STATUS; body: response())
+     │   ├─ Unauthorized, BadRequest, NotFound, MethodNotAllowed, InvalidKey, KeyConflict,
+     │   │  RequestTooLarge, RequestTimeout
+     │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
+     │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
+     │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, EngineMismatch
+     │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424): the LM side's
+     │   └─ Relayed: another service's answer passed on with its own status
+     └─ StartupError          a start-up check failed: one line, exit status 2 (never an HTTP answer)
+         ├─ ModelLoadError
+         └─ StoreOwnershipError
+
+Bad input and overload are ServiceErrors with a machine-readable `code` and a message that says how to
+fix the request. Anything else that escapes a handler is a bug and becomes a 500. Invariants are
+asserts; user input never reaches an assert.
 """
 
 from __future__ import annotations
 
+import json
 
-class ServiceError(Exception):
-    """Base class. `code` is stable (clients switch on it); the message is for humans."""
+
+class QveError(Exception):
+    """The root of every error this service raises on purpose."""
+
+
+class ServiceError(QveError):
+    """An answer to a request. `code` is stable (clients switch on it); the message is for humans.
+    `retry_after_s`: a transient refusal says when to retry (Retry-After). `index`: the image's position
+    in the request, for per-image errors (set by `at_index`)."""
 
     code = "internal_error"
+    retry_after_s: int | None = None
+    index: int | None = None
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.message = message
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class Unauthorized(ServiceError):
@@ -24,9 +50,17 @@ class Unauthorized(ServiceError):
     code = "unauthorized"
 
 
-# ---- the request itself is malformed (400) --------------------------------------------------------
+# ---- the request itself is malformed (400 and the like) -------------------------------------------
 class BadRequest(ServiceError):
     code = "bad_request"
+
+
+class NotFound(ServiceError):
+    code = "not_found"
+
+
+class MethodNotAllowed(ServiceError):
+    code = "method_not_allowed"
 
 
 class InvalidKey(ServiceError):
@@ -39,15 +73,25 @@ class KeyConflict(ServiceError):
     """A client `uuid` already bound to other image bytes (in the store, in flight, or in the request)."""
 
     code = "key_conflict"
-    index: int | None = None
+
+
+class RequestTooLarge(ServiceError):
+    """The whole request body is over --max-request-bytes (refused before or while it is read)."""
+
+    code = "request_too_large"
+
+
+class RequestTimeout(ServiceError):
+    """The client sent the request head or body too slowly (--header-timeout-s, --body-timeout-s)."""
+
+    code = "request_timeout"
 
 
 # ---- an image could not be used (422 / 413 / 415) -------------------------------------------------
 class ImageError(ServiceError):
-    """Base for every per-image problem. `index` is set by the front end to the image's position."""
+    """Base for every per-image problem."""
 
     code = "invalid_image"
-    index: int | None = None
 
 
 class EmptyImage(ImageError):
@@ -76,18 +120,6 @@ class ImageTooLarge(ImageError):
     code = "image_too_large"
 
 
-class RequestTooLarge(ServiceError):
-    """The whole request body is over --max-request-bytes (refused before or while it is read)."""
-
-    code = "request_too_large"
-
-
-class RequestTimeout(ServiceError):
-    """The client sent the request body too slowly (--body-timeout-s between two parts of it)."""
-
-    code = "request_timeout"
-
-
 class BadAspectRatio(ImageError):
     code = "aspect_ratio_too_extreme"
 
@@ -98,21 +130,19 @@ class ImageFetchError(ImageError):
     code = "image_fetch_failed"
 
 
-# ---- the service cannot take the work (429 / 503) -------------------------------------------------
+# ---- the service cannot take the work now (429 / 503) ---------------------------------------------
 class Overloaded(ServiceError):
     code = "overloaded"
+    retry_after_s = 1
 
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+
+class ArenaFull(Overloaded):
+    """No free cell large enough in an API process's pixel arena right now (the engine still holds the
+    others): the images being decoded or queued from this process fill it."""
 
 
 class Unavailable(ServiceError):
     code = "unavailable"
-
-    def __init__(self, message: str, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 class StoreFull(Unavailable):
@@ -122,18 +152,59 @@ class StoreFull(Unavailable):
     code = "store_full"
 
 
-# ---- a step failed on the backend (500) -----------------------------------------------------------
+class EngineMismatch(Unavailable):
+    """The engines report different models or preprocessing: a key would depend on which engine hashed
+    it. The service never becomes ready."""
+
+    code = "engine_mismatch"
+
+
+# ---- something behind the request failed (5xx, 424) ------------------------------------------------
 class BackendError(ServiceError):
+    """An encoding step or a store write failed."""
+
     code = "backend_error"
 
 
-class StartupError(Exception):
-    """A start-up check failed (port in use, store root not the service's own, no CUDA, ...). Not an HTTP
-    error: the CLI prints the message as one line and exits with status 2."""
+class BadGateway(ServiceError):
+    """The LM side: a service it needs (the encoder, vLLM) could not be reached or answered nonsense.
+    `code` names which (encoder_unavailable, lm_unavailable, embeddings_mismatch, ...)."""
+
+    code = "bad_gateway"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class EmbeddingsMissing(ServiceError):
+    """The LM side: the encoder answered a key its store does not hold (424: the encoder's answer failed)."""
+
+    code = "embeddings_missing"
+
+
+class Relayed(ServiceError):
+    """Another service's error answer, passed on as it came (its status, code and retry hint)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None):
+        super().__init__(message, retry_after_s)
+        self.status, self.code = status, code
+
+
+# ---- start-up (not HTTP) ---------------------------------------------------------------------------
+class StartupError(QveError):
+    """A start-up check failed (port in use, store root not the service's own, no CUDA, ...). The CLI
+    prints the message as one line and exits with status 2."""
 
 
 class ModelLoadError(StartupError):
-    """Start-up failure: the --model argument cannot be turned into a vision tower. Not an HTTP error."""
+    """The --model argument cannot be turned into a vision tower (or, on the LM side, a language model)."""
+
+
+class StoreOwnershipError(StartupError):
+    """The store root cannot be this service's: another user's, writable by others, or locked by another
+    service."""
 
 
 # NOTE: the one place where errors become HTTP status codes. Order matters: first match wins, so
@@ -147,15 +218,28 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (InvalidKey, 422),
     (KeyConflict, 409),
     (Unauthorized, 401),
+    (NotFound, 404),
+    (MethodNotAllowed, 405),
     (BadRequest, 400),
     (Overloaded, 429),
     (Unavailable, 503),
+    (EmbeddingsMissing, 424),
+    (BadGateway, 502),
     (BackendError, 500),
     (ServiceError, 500),
 ]
 
 
-def at_index(err, index: int):
+def http_status(err: ServiceError) -> int:
+    if isinstance(err, Relayed):
+        return err.status
+    for cls, status in HTTP_STATUS:
+        if isinstance(err, cls):
+            return status
+    raise AssertionError(f"unmapped error type {type(err).__name__}: this is a bug")
+
+
+def at_index(err: ServiceError, index: int) -> ServiceError:
     """Tag a per-image error (ImageError, KeyConflict) with the image's position in the request."""
     err.index = index
     return err
@@ -170,8 +254,28 @@ def error_body(code: str, message: str, index: int | None = None) -> dict:
     return {"error": err}
 
 
-def http_status(err: ServiceError) -> int:
-    for cls, status in HTTP_STATUS:
-        if isinstance(err, cls):
-            return status
-    raise AssertionError(f"unmapped error type {type(err).__name__}: this is a bug")
+def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, JSON body) of the answer to `err`: what every server of this project sends for
+    an error, through starlette (`json_response`) or as raw bytes (api/protocol.py's early answers)."""
+    headers = {"content-type": "application/json"}
+    if err.retry_after_s is not None:  # overload, a full store, starting: transient, say when to retry
+        headers["retry-after"] = str(err.retry_after_s)
+    if isinstance(err, Unauthorized):
+        headers["www-authenticate"] = "Bearer"
+    return http_status(err), headers, json.dumps(error_body(err.code, err.message, err.index)).encode()
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def from_code(code: str, message: str, retry_after_s: int | None = None) -> ServiceError:
+    """The ServiceError whose class has `code`, made again from its parts (an engine's answer, raised in
+    the API process, answers the engine's status). An unknown code is a BackendError."""
+    for cls in [ServiceError, *_subclasses(ServiceError)]:
+        if "code" in cls.__dict__ and cls.code == code and cls not in (BadGateway, Relayed):
+            err = cls.__new__(cls)
+            ServiceError.__init__(err, message)
+            err.retry_after_s = retry_after_s
+            return err
+    return BackendError(message)

@@ -7,14 +7,14 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.config import MULTIPROC_ENV
+
 # In a supervised service (--api-processes) the API processes own these families and the engine
 # process the others, so /metrics joins two texts that never repeat a series. The API processes run
-# prometheus_client's multiprocess mode (its variable MULTIPROC_ENV, set by supervisor.api_main first):
+# prometheus_client's multiprocess mode (its variable MULTIPROC_ENV, set by procs/api_process.py first):
 # each process's values live in files of one directory, and any API process answers the sum of all.
 API_FAMILIES = frozenset({"qve_requests", "qve_images", "qve_rejected", "qve_encode_latency_seconds",
                           "qve_arena_bytes_in_use"})
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -7,7 +7,10 @@ Values are the `vision_config` of each released checkpoint; the class defaults o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from service.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import Qwen3VLVisionConfig
@@ -51,3 +54,11 @@ def preset_vision_config(name: str) -> Qwen3VLVisionConfig:
         deepstack_visual_indexes=list(taps),
         **_COMMON,
     )
+
+
+def check_model(name: str) -> None:
+    """`--model` names a preset or an existing directory (what is inside is checked by the loader)."""
+    if name not in PRESETS and not Path(name).is_dir():
+        raise ModelLoadError(
+            f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing checkpoint directory"
+        )

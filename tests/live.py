@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.app import create_app
-from service.boot import server_options
+from service.api.server import server_options
+from service.procs.local import local_app
 
 
 class Gate:
@@ -75,6 +75,11 @@ def file_server(bodies: dict[str, bytes], redirects: dict[str, str] | None = Non
             srv.shutdown()
 
 
+def local_host(rt):
+    """The engine host of a single-process service's Runtime (engine/host.py): its store, batcher, engine."""
+    return rt.engines.clients[0].transport.host
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +89,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def live_server(settings, model, ready_timeout: float = 60.0):
     """Yields (base_url, app); the app's runtime is `app.state.rt`."""
-    app = create_app(settings, model)
+    app = local_app(settings, model)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                                            **server_options(settings)))

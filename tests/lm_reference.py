@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-from service.preprocess import to_rgb
+from service.media.preprocess import to_rgb
 from tests.checkpoints import SPECIAL_TOKENS, PilProcessor
 from tests.live import data_url
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.storeformat import FILE_NAME, read_embeddings
+from service.store.format import FILE_NAME, read_embeddings
 from tests import imagedata as data
 from tests.live import ServiceProcess, free_port, json_body, metric
-from tests.test_supervisor import alive, descendants, ready_info, wait_for
+from tests.procs.test_supervisor import alive, descendants, ready_info, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 

@@ -63,11 +63,31 @@ def test_list_settings_take_comma_separated_values(monkeypatch):
 
 
 def test_queue_bounds_reach_the_batcher():
-    from service.enginep import build_batcher
-
-    limits = build_batcher(Settings(max_queue_images=7, max_queue_tokens=1234)).limits
+    limits = Settings(max_queue_images=7, max_queue_tokens=1234).engine_options().limits
     assert (limits.max_queue_images, limits.max_queue_tokens) == (7, 1234)
     assert Settings().max_queue_tokens == 65536
+
+
+def test_each_part_gets_its_options_derived_from_the_settings_once():
+    from pathlib import Path
+
+    from service.config import BatchLimits, FaultInjection, RunnerOptions, StoreOptions
+
+    s = _from_cli("--max-batch-tokens", "2048", "--max-batch-images", "12", "--max-wait-ms", "7", "--pool-slots", "4",
+                  "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--no-compile",
+                  "--compile-cache", "/tmp/cc", "--store", "/tmp/st", "--store-capacity-bytes", "1000",
+                  "--store-group", "video", "--store-min-residency-s", "9", "--store-writers", "2",
+                  "--max-queue-images", "5", "--max-queue-tokens", "99")
+    assert s.batch_limits() == BatchLimits(max_batch_tokens=2048, max_batch_images=12, max_wait_s=0.007,
+                                           max_queue_images=5, max_queue_tokens=99)
+    faults = FaultInjection(stall_cycles=5)
+    assert s.runner_options(faults) == RunnerOptions(
+        max_batch_tokens=2048, max_batch_images=12, pool_slots=4, cuda_graphs=False, graph_max_patches=4096,
+        graph_exact_sides=(448, 512), compile=False, compile_cache=Path("/tmp/cc"), faults=faults)
+    assert s.store_options() == StoreOptions(root=Path("/tmp/st"), capacity_bytes=1000, group="video",
+                                             min_residency_s=9.0, writers=2)
+    with pytest.raises(AttributeError):
+        s.store_options().writers = 3  # frozen: derived once, never changed on the way down
 
 
 def test_unknown_qve_variables_get_the_closest_setting_and_known_ones_nothing():

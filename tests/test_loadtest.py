@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 
 from service.config import Settings
-from service.loader import load_model
+from service.engine.loader import load_model
 from tests.live import RawHTTPServer, free_port, live_server
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"

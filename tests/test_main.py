@@ -17,9 +17,9 @@ import pytest
 
 from service.__main__ import build_parser, main
 from service.config import Settings, default_store_dir, env_name
-from service.preflight import cuda_device_count
+from service.procs.preflight import cuda_device_count
 from tests.live import free_port
-from tests.test_supervisor import alive, descendants, wait_for
+from tests.procs.test_supervisor import alive, descendants, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CAT = ROOT / "service" / "data" / "cat.jpg"
@@ -84,7 +84,7 @@ def test_a_secret_is_never_echoed_in_an_error(monkeypatch, capsys):
 def test_unknown_variables_are_warned_with_the_closest_name_and_known_ones_are_not(monkeypatch, capsys):
     monkeypatch.setenv("QVE_MODLE", "tiny")
     monkeypatch.setenv("QVE_MAX_BATCH_TOKEN", "10")
-    monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by service/runner.py: not a typo
+    monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by the entry points (config.FaultInjection): not a typo
     monkeypatch.setenv("QVE_PORT", "not-a-port")
     assert main(["serve"]) == 2
     lines = capsys.readouterr().err.splitlines()
@@ -110,9 +110,9 @@ def test_every_flag_has_a_working_variable(monkeypatch):
 
 # ---- failing before the model loads ----------------------------------------------------------------
 # `main` run as `python -m service` runs it, plus one line on stdout saying which heavy modules the run
-# imported: no service.loader means the model was never loaded; no torch means not even imported.
+# imported: no service.engine.loader means the model was never loaded; no torch means not even imported.
 _PROBE = ("import json, sys\nfrom service.__main__ import main\ncode = main(sys.argv[1:])\n"
-          "print(json.dumps({m: m in sys.modules for m in ('torch', 'service.loader')}))\nsys.exit(code)\n")
+          "print(json.dumps({m: m in sys.modules for m in ('torch', 'service.engine.loader')}))\nsys.exit(code)\n")
 
 
 def run_cli(*argv: str, env: dict | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
@@ -128,7 +128,7 @@ def assert_failed_fast(r: subprocess.CompletedProcess, message: str, torch_impor
     assert len(lines) == 1, r.stderr  # one line, no traceback, no log
     assert lines[0].startswith("cannot start: ") and re.search(message, lines[0]), lines[0]
     imported = json.loads(r.stdout)
-    assert imported == {"torch": torch_imported, "service.loader": False}, imported
+    assert imported == {"torch": torch_imported, "service.engine.loader": False}, imported
 
 
 @pytest.fixture
@@ -206,7 +206,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180
     answers, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
-        bound = re.search(r"service.boot: listening on|service.supervisor: supervisor", log.read_text())
+        bound = re.search(r"service.procs.single: listening on|service.procs.supervisor: supervisor", log.read_text())
         try:
             r = httpx.get(url + "/ready", timeout=10)
             answers.append({"status": r.status_code, **r.json()})
@@ -232,6 +232,21 @@ def group_alive(pgid: int) -> list[int]:
             if int(stat[2]) == pgid and stat[0] != "Z":
                 found.append(int(entry))
     return found
+
+
+def group_left(pgid: int, timeout: float = 10) -> list[str]:
+    """The group's processes still alive once `timeout` has passed (polled: a child that is exiting, such
+    as multiprocessing's resource tracker on its pipe's EOF, is given the moments it needs)."""
+    deadline = time.monotonic() + timeout
+    while (alive := group_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    names = []
+    for pid in alive:
+        try:
+            names.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160])
+        except OSError:
+            pass  # gone meanwhile
+    return names
 
 
 def stop_group(proc: subprocess.Popen, sig: int, timeout: float = 90) -> int:
@@ -318,12 +333,12 @@ def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_firs
     text = log.read_text()
     assert code == 130, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
-    assert len(re.findall(r"service.supervisor: SIGINT: stopping", text)) == 1, text
+    assert len(re.findall(r"service.procs.supervisor: SIGINT: stopping", text)) == 1, text
     # The children ignored the Ctrl-C; the supervisor's SIGTERMs stopped them: API processes, then the engine.
-    assert "[api" in text and "SIGINT" not in text.replace("service.supervisor: SIGINT", ""), text
+    assert "[api" in text and "SIGINT" not in text.replace("service.procs.supervisor: SIGINT", ""), text
     lines = text.splitlines()
     engine_stopped = next(i for i, line in enumerate(lines) if "engine stopped" in line)
     assert max(i for i, line in enumerate(lines) if "Finished server process" in line) < engine_stopped, text
-    assert not group_alive(proc.pid)
+    assert group_left(proc.pid) == []
     assert answers[-1]["status"] == 200
     assert all(a["status"] == 503 and a["phase"] in ("loading", "warming") for a in answers[:-1]), answers

@@ -5,11 +5,11 @@ import torch
 from transformers import Qwen3VLVisionModel
 
 from service.config import Settings
-from service.loader import load_model
+from service.engine.loader import load_model
 from service.presets import PRESETS, preset_vision_config
-from service.tower import TowerSpec, VisionTower
+from service.engine.tower import TowerSpec, VisionTower
 
-# From the released checkpoints' vision_config (DESIGN.md): depth, hidden, intermediate, heads, out_hidden, taps, params(M)
+# From the released checkpoints' vision_config (config.json): depth, hidden, intermediate, heads, out_hidden, taps, params(M)
 RELEASED = {
     "qwen3-vl-2b": (24, 1024, 4096, 16, 2048, (5, 11, 17), 407.0),
     "qwen3-vl-4b": (24, 1024, 4096, 16, 2560, (5, 11, 17), 415.3),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.storeformat import read_embeddings
+from service.store.format import read_embeddings
 from tests.live import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
 
-from service.storeformat import read_embeddings
+from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
 from tests.live import ServiceProcess, free_port, json_body, metric
@@ -153,7 +153,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
 
 
 def test_sigkill_of_a_single_process_server_leaves_no_decode_worker(tmp_path, tiny_checkpoint):
-    from tests.test_supervisor import alive, descendants, wait_for
+    from tests.procs.test_supervisor import alive, descendants, wait_for
 
     server = Server(tiny_checkpoint, tmp_path / "store", "--decode-workers", "2")
     r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=5), "PNG")),

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU machine call: the GPU tests on this tree, then the front end of a baseline tree against this one
+# (bench/ab_frontend.py), results into OUT.
+#
+#   bash bench/gpu_check.sh OUT [BASELINE_TREE] [ROUNDS]
+#
+# BASELINE_TREE: a checkout of the earlier commit (e.g. `git archive <commit> service kernels pyproject.toml
+# | tar -x -C .baseline`); without it only the tests run. Wheels missing on the machine are installed from
+# .whl/ first when that folder exists (the GPU machines have no package registry).
+set -uo pipefail
+OUT=${1:?usage: gpu_check.sh OUT [BASELINE_TREE] [ROUNDS]}
+BASE=${2:-}
+ROUNDS=${3:-3}
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONUNBUFFERED=1
+{ date -u; nproc; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv;
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+  > "$OUT/machine.txt" 2>&1
+python3 -m pytest -q -p no:cacheprovider tests/engine tests/kernels tests/media tests/store tests/api/test_encode.py \
+  tests/procs/test_decoders.py tests/test_layers.py > "$OUT/gpu_tests.log" 2>&1
+if [ -n "$BASE" ]; then
+  timeout 500 python3 bench/ab_frontend.py --out /tmp/ab --a "$BASE" --b . --rounds "$ROUNDS" > "$OUT/ab.log" 2>&1
+  cp /tmp/ab/ab_frontend.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/ab_runs.tgz" -C /tmp ab 2>/dev/null
+fi

@@ -1,0 +1,219 @@
+"""HTTP front end: routes, auth, error mapping, /health /ready /metrics.
+
+The /encode handler parses the request into `encode.Input`s (api/parse.py), calls `encode.encode`
+(keys, claims, decode, submit: api/encode.py) and maps its answers to the response. Handlers never see
+tensors: they deal in bytes, keys and StoredItems, and the same app serves a single-process service and
+each API process of a supervised one (api/runtime.py's Runtime is what differs, built by procs/).
+Every ServiceError becomes its HTTP status in one place (`errors.HTTP_STATUS`), as
+`{"error": {"code", "message", "index"?}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api import encode as encoding
+from service.api.docs import mount_docs
+from service.api.encode import Answer
+from service.api.parse import parse_inputs
+from service.api.runtime import Runtime
+from service.api.schemas import EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
+from service.config import Settings
+from service.api.server import error_response
+from service.errors import (
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    RequestTimeout,
+    Relayed,
+    RequestTooLarge,
+    ServiceError,
+    Unauthorized,
+    http_status,
+)
+
+
+_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "malformed request"), (401, "missing or wrong API key"), (408, "the request body stalled"),
+    (409, "a uuid already names other image bytes"), (413, "an image or the request is too large"),
+    (415, "an image format that is not supported"), (422, "an image that cannot be used, or an invalid key"),
+    (429, "the queue is full: retry after Retry-After seconds"), (500, "an encoding step failed"),
+    (503, "starting, shutting down, or the store is full: retry after Retry-After seconds"))}
+_HEALTH = {"description": "the service's state, in words", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}}
+# The JSON request body's schema, with its nested models as OpenAPI components (not dangling $defs).
+_REQUEST_SCHEMA = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+_REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
+
+
+
+def _item(answer: Answer) -> EncodedItem:
+    stored = answer.stored
+    return EncodedItem(key=stored.key, num_tokens=stored.num_tokens, grid_thw=list(stored.grid_thw),
+                       shape=list(stored.shape), dtype=stored.dtype, cached=answer.cached, path=stored.path)
+
+
+# ---- the app --------------------------------------------------------------------------------------
+class _BodyLimit:
+    """ASGI middleware: an /encode body over `limit` bytes is answered 413 before it is read (declared
+    Content-Length) or as soon as the bytes streamed in pass the limit (chunked), JSON and multipart
+    alike: nothing over the limit is buffered or spooled to disk. A body whose next part takes longer
+    than `timeout_s` to arrive is answered 408."""
+
+    def __init__(self, app, limit: int, timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/encode":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
+                                                    f"{self.limit} (--max-request-bytes); send fewer or smaller images"))
+            answer.headers["connection"] = "close"  # the body it did not read is still coming
+            return await answer(scope, receive, send)
+        seen, body_done = 0, False
+
+        async def counted():
+            nonlocal seen, body_done
+            if body_done:  # later receives wait for a disconnect, as long as a request takes: no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"no part of the request body arrived for {self.timeout_s:g} s "
+                                     "(--body-timeout-s); send the body without pauses") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if seen > self.limit:
+                    raise RequestTooLarge(f"request body is over the limit of {self.limit} bytes "
+                                          "(--max-request-bytes); send fewer or smaller images")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]]) -> FastAPI:
+    """The app of one serving process; its lifespan builds the Runtime (`make_runtime`: procs/ says what
+    it holds), starts it, and shuts it down."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        rt = await make_runtime()
+        app.state.rt = rt
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.shutdown()
+
+    app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
+    mount_docs(app)  # /docs from the package, not a CDN
+    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        # Routing errors in the service's one error shape, not FastAPI's {"detail": ...}.
+        if err.status_code == 404:
+            answer = error_response(NotFound(f"no such endpoint: {request.method} {request.url.path}; see /docs"))
+        elif err.status_code == 405:
+            answer = error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        else:
+            answer = error_response(Relayed(err.status_code, "http_error", str(err.detail)))
+        answer.headers.update(err.headers or {})  # e.g. a 405's Allow
+        return answer
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, err: ServiceError):
+        return error_response(err)
+
+    keys = [k.encode() for k in settings.api_key]
+
+    generate_openapi = app.openapi
+
+    def openapi() -> dict:
+        doc = generate_openapi()  # cached by FastAPI: the additions below are made once
+        doc["components"]["schemas"].update({"EncodeRequest": _REQUEST_SCHEMA, **_REQUEST_DEFS})
+        return doc
+
+    app.openapi = openapi
+
+    def authorize(request: Request) -> None:
+        """With --api-key: `Authorization: Bearer <one of the keys>`, compared in constant time."""
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_b = given.strip().encode()
+        # NOTE: every key is compared (no early exit), each with compare_digest: the time taken says
+        # nothing about which key or how much of it matched.
+        ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys) > 0
+        if not ok:
+            raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
+
+    @app.post("/encode", response_model=EncodeResponse, responses=_ERROR_RESPONSES, openapi_extra={"requestBody": {"content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
+        "multipart/form-data": {"schema": {"type": "object", "properties": {
+            "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+            "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})
+    async def encode(request: Request, response: Response):
+        """Encode images; answer one item per image, in input order, once each is in the store. The
+        `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
+        rt: Runtime = request.app.state.rt
+        phases = encoding.Phases()
+        t0 = phases.start
+        status = 500
+        try:
+            authorize(request)
+            await rt.require_ready()  # before the body is read (or any URL fetched)
+            inputs = await parse_inputs(rt, request)
+            phases.mark("parse")
+            answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
+            status = 200 if answers is not None else 499
+            if answers is None:  # client gone: nobody to answer
+                return PlainTextResponse("client disconnected", status_code=499)
+            response.headers["Server-Timing"] = phases.header()
+            return EncodeResponse(items=[_item(a) for a in answers])
+        except ServiceError as e:
+            status = http_status(e)
+            if isinstance(e, Overloaded):
+                rt.metrics.rejected.inc()
+            raise
+        finally:
+            rt.metrics.requests.labels(status=str(status)).inc()
+            rt.metrics.encode_latency.observe(time.perf_counter() - t0)
+
+    @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
+                                                        "not running, warm-up failed, or the store cannot be written"}})
+    async def health(request: Request):
+        """200 while the engines are alive (or still warming up) and the store takes writes; 503 otherwise."""
+        status, body = await request.app.state.rt.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/ready", responses={503: {"description": "not ready yet (loading, warming up) or the engine is gone",
+                                        "content": {"application/json": {"schema": {
+                                            "type": "object", "properties": {"ready": {"type": "boolean"}},
+                                            "required": ["ready"]}}}}})
+    async def ready(request: Request):
+        """200 once the model is loaded and warmed up."""
+        status, body = await request.app.state.rt.readiness()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}},
+        401: _ERROR_RESPONSES[401]})
+    async def metrics(request: Request):
+        if settings.api_key_metrics:
+            authorize(request)
+        return PlainTextResponse(await request.app.state.rt.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,260 @@
+"""Encode orchestration, behind the HTTP layer: keys, claims, decode, submit, and waiting for the answers.
+
+`encode(rt, inputs, client_gone)` takes parsed inputs (bytes, an optional uuid, where they were fetched
+from) and answers one `Answer` per image, in order, or None if the client went away first. It never
+sees an HTTP request: app.py parses, calls it, and maps its answers and ServiceErrors to HTTP. One path
+for every kind of process: the engine host (engine/host.py) decides hits, coalescing and admission,
+whether it runs in this process or in an engine process (api/runtime.py says how it is reached).
+
+Per request:
+    keys     each image's key (its uuid or a content hash) and header tokens, in one thread hop
+    admit    one Claim per distinct key, all in flight at once: Hit | Pending (joined) | Grant
+    decode   each granted image decoded, then submitted under its grant
+    encode   every Pending answered (or the client gone: everything of the request given back)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from service.api.runtime import Decoded, Runtime
+from service.engine.client import Pending
+from service.engine.messages import Grant, Hit
+from service.errors import BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, at_index
+from service.media.images import ImageHeader, header_tokens, read_header
+from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
+
+
+@dataclass
+class Input:
+    """One image of a request, as parsed (app.py)."""
+
+    data: bytes
+    uuid: str | None
+    source: str | None = None  # the URL it was fetched from (errors must not echo fetched content)
+
+
+class Answer(NamedTuple):
+    """One image's answer: its entry in the store, and whether it was there before this request."""
+
+    stored: StoredItem
+    cached: bool
+
+
+# Whether the client has gone away (the HTTP request's `is_disconnected`): polled while a request waits.
+ClientGone = Callable[[], Awaitable[bool]]
+
+
+class Phases:
+    """Where one request's time went, for its `Server-Timing` response header (W3C Server Timing: browsers'
+    developer tools and `curl -i` show it): each `mark(name)` ends the phase `name` that began at the
+    previous mark. Wall time of this request, not CPU time: concurrent requests overlap."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.spans: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spans.append((name, now - self._last))
+        self._last = now
+
+    def header(self) -> str:
+        parts = [f"{name};dur={s * 1e3:.3f}" for name, s in self.spans]
+        return ", ".join(parts + [f"total;dur={(self._last - self.start) * 1e3:.3f}"])
+
+
+class _Keyed(NamedTuple):
+    key: str  # the store key: the client's uuid, or the content key
+    sha256: str  # of the image's bytes
+    header: ImageHeader  # read once, here; the decode reuses it
+    tokens: int  # output tokens by its header (1 when the header is unusable: the decode says why)
+
+
+async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
+                 phases: Phases | None = None) -> list[Answer] | None:
+    """Answer one item per input image, in order; None if the client went away first (its queued work
+    is cancelled). Raises the request's ServiceError; nothing of a failed request stays queued. The
+    caller has checked `await rt.require_ready()`. `phases` gets the marks keys, admit (claims and
+    queue places), decode (decoded and queued) and encode (every answer in the store)."""
+    phases = phases or Phases()
+    keyed = await _keys_for(rt, inputs)
+    phases.mark("keys")
+    engines, decoder = rt.engines, rt.decoder
+    firsts: dict[str, int] = {}  # key -> the first image with it (a key twice in one request is handled once)
+    for i, k in enumerate(keyed):
+        firsts.setdefault(k.key, i)
+
+    def conflict(i: int, where: str) -> KeyConflict:
+        return at_index(KeyConflict(f"images[{i}]: uuid {keyed[i].key!r} is already bound to other image bytes "
+                                    f"({where}); a uuid must name one image: choose another uuid, or leave it out"), i)
+
+    answers: dict[str, Answer] = {}
+    waits: dict[str, Pending] = {}
+    grants: dict[str, Grant] = {}  # key -> its grant, until its image is submitted
+
+    def give_back() -> None:
+        for p in waits.values():
+            p.result.cancel()
+            engines.cancel(p.id)
+        for g in grants.values():
+            engines.cancel(g.id)
+
+    # Admission happens before decode (a full engine answers 429 before any pixels exist), except on an
+    # idle API process: a request that finds no other request here decodes while its claims travel, so
+    # a lone image does not pay the claim's round trip before its decode. Under load nothing is decoded
+    # ahead of its grant. A speculative decode whose claim is not a grant gives its pixels back.
+    loop = asyncio.get_running_loop()
+    early: dict[str, asyncio.Future] = {}
+    if engines.travels and rt.requests_in_flight == 0:
+        early = {key: loop.create_task(decoder.decode(inputs[i].data, keyed[i].header, rt.params))
+                 for key, i in firsts.items()}
+    rt.requests_in_flight += 1
+
+    def release_when_done(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:  # (a failed decode holds no pixels)
+            decoder.release(f.result())
+
+    def drop_early(keep: set[str]) -> None:
+        for key in [k for k in early if k not in keep]:
+            early.pop(key).add_done_callback(release_when_done)
+
+    async def decode_and_submit(key: str, grant: Grant) -> None:
+        i = firsts[key]
+        try:
+            decoded: Decoded = await (early.pop(key, None) or decoder.decode(inputs[i].data, keyed[i].header, rt.params))
+        except Exception as p:
+            raise _decode_failure(inputs, i, p)
+        try:
+            submitted = await engines.submit(grant.id, key, keyed[i].sha256, decoded.geometry, decoded.pixels)
+        except KeyConflict as e:
+            raise conflict(i, e.message) from None
+        except ServiceError:
+            if not engines.route(key).connected:  # never reached its engine: nothing else gives the pixels back
+                decoder.release(decoded)
+            raise
+        finally:
+            del grants[key]  # a submit uses its grant up, answered or not
+        if isinstance(submitted, Hit):  # stored meanwhile (another request's identical image)
+            answers[key] = Answer(submitted.item, cached=True)
+        else:
+            waits[key] = submitted
+
+    def first_error(outcomes: list) -> BaseException | None:
+        return next((o for o in outcomes if isinstance(o, BaseException)), None)
+
+    try:
+        claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens) for k, i in firsts.items()),
+                                      return_exceptions=True)
+        for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
+            if isinstance(c, KeyConflict):
+                claims[j] = conflict(i, c.message)
+            elif isinstance(c, Hit):
+                answers[key] = Answer(c.item, cached=True)
+            elif isinstance(c, Grant):
+                grants[key] = c
+            elif isinstance(c, Pending):
+                waits[key] = c
+        if (err := first_error(claims)) is not None:
+            raise err
+        phases.mark("admit")
+        drop_early(keep=set(grants))
+        # Each image is submitted as soon as it is decoded.
+        done = await asyncio.gather(*(decode_and_submit(k, g) for k, g in list(grants.items())),
+                                    return_exceptions=True)
+        if (err := first_error(done)) is not None:
+            raise err
+        phases.mark("decode")
+    except BaseException:
+        drop_early(keep=set())  # those not submitted (a submitted one has left `early`)
+        give_back()  # the request is answered with its error as a whole: nothing of it stays queued
+        raise
+    finally:
+        rt.requests_in_flight -= 1
+    if not await _wait_or_disconnect(client_gone, [p.result for p in waits.values()]):
+        give_back()
+        return None
+    phases.mark("encode")
+    images = rt.metrics.images
+    images.labels(outcome="cached").inc(len(answers))
+    for key, p in waits.items():
+        answers[key] = Answer(p.result.result(), cached=False)
+        images.labels(outcome="coalesced" if p.coalesced else "encoded").inc()
+    return [answers[k.key] for k in keyed]
+
+
+def content_key(salt: bytes, sha256: bytes) -> str:
+    """The key of an image sent without a uuid: a hash of the model and preprocessing (`salt`) and of the
+    image bytes' SHA-256, so the same bytes under another model are another key; its prefix keeps it out
+    of uuid space. (The bytes are hashed once: the key hashes their digest.)"""
+    h = hashlib.sha256(salt)
+    h.update(b"\0")
+    h.update(sha256)
+    return CONTENT_KEY_PREFIX + h.hexdigest()
+
+
+async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
+    """Each image's key, the SHA-256 of its bytes, its header and the tokens it declares (what admission
+    counts before decode); 409 when one uuid is given to different images in one request."""
+    for i, inp in enumerate(inputs):
+        if not inp.data:
+            raise at_index(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
+        if inp.uuid is not None:
+            validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
+    params, limits, salt = rt.params, rt.settings.image_limits, rt.key_salt
+
+    def one(inp: Input) -> _Keyed:
+        digest = hashlib.sha256(inp.data).digest()
+        key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
+        header = read_header(inp.data, limits)
+        return _Keyed(key, digest.hex(), header, header_tokens(header, params, limits))
+
+    # Every image in one thread hop: a hop each cost an 8-image request 8 event-loop round trips through
+    # the executor (~0.1-0.2 ms of a lone image's latency on an idle server).
+    keyed = await asyncio.to_thread(lambda: [one(inp) for inp in inputs])
+    bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
+    for i, k in enumerate(keyed):
+        if bound.setdefault(k.key, k.sha256) != k.sha256:
+            raise at_index(KeyConflict(f"images[{i}]: uuid {k.key!r} is also given to other image bytes earlier in "
+                                       "this request; one uuid names one image"), i)
+    return keyed
+
+
+async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Future]) -> bool:
+    """Wait for all futures; False if the client went away first."""
+    gathered = asyncio.gather(*futures)
+
+    async def watch():
+        while not await client_gone():
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if gathered in done:
+        gathered.result()  # re-raise a step failure
+        return True
+    gathered.cancel()
+    return False
+
+
+def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceError:
+    """The error to answer for image i whose decode raised `p` (raise it as it is: its cause is set)."""
+    if isinstance(p, ImageError):
+        if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
+            p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
+                         f"({p.code}); check the URL")
+        p.message = f"images[{i}]: {p.message}"
+        return at_index(p, i)
+    if isinstance(p, ServiceError):
+        return p
+    err = BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")
+    err.__cause__ = p
+    return err

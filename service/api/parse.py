@@ -1,0 +1,153 @@
+"""Request parsing for /encode: bodies (JSON or multipart), data URLs, and http(s) image URLs fetched
+from allow-listed hosts. Answers parsed `Input`s, or raises the ServiceError that says what was wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+import httpx
+import pybase64
+from fastapi import Request
+from pydantic import ValidationError
+
+from service.api.encode import Input
+from service.api.runtime import Runtime
+from service.api.schemas import EncodeRequest
+from service.errors import BadRequest, ImageFetchError, ImageTooLarge, ServiceError, at_index
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ImageTooLarge(f"request body is {int(declared)} bytes, over the limit of {limit}; send fewer or smaller images")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ImageTooLarge(f"request body is over the limit of {limit} bytes; send fewer or smaller images")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_data_url(url: str, index: int, max_bytes: int) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise BadRequest(f"images[{index}].image_url.url must be a data URL 'data:image/<fmt>;base64,<data>' "
+                         f"or an allowed http(s) URL")
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise at_index(ImageTooLarge(f"images[{index}] is over the limit of {max_bytes} bytes"), index)
+    try:
+        # pybase64: ~30x the standard library's speed, so far less time holding the GIL (8 vs 249 us a JPEG)
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"images[{index}].image_url.url has invalid base64 data: {e}") from None
+
+
+def _url_host(url: str, index: int) -> tuple[str, int]:
+    """(host, port) of an http(s) URL, or BadRequest for one that does not parse."""
+    try:
+        parts = urlsplit(url)
+        host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
+        raise BadRequest(f"images[{index}].image_url.url is not a valid URL: {e}") from None
+    if not host or any(c.isspace() or ord(c) < 32 for c in url):
+        raise BadRequest(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
+                         "characters in it)")
+    return host, port
+
+
+async def _check_resolves_public(rt: Runtime, host: str, port: int, index: int) -> None:
+    """Refuse a host that resolves to loopback, private, link-local or otherwise non-public addresses
+    (the service's own /metrics, cloud metadata endpoints), unless --allow-private-url-addresses.
+    NOTE: checked at resolution; the fetch resolves again, so a DNS-rebinding host could still switch
+    addresses in between. Only allow-listed hosts get here."""
+    if rt.settings.allow_private_url_addresses:
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise at_index(ImageFetchError(f"images[{index}]: cannot resolve {host!r}: {e}"), index) from None
+    for *_, sockaddr in infos:
+        addr = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if not addr.is_global:
+            raise at_index(ImageFetchError(f"images[{index}]: {host!r} resolves to {addr}, a loopback, private or "
+                                           "link-local address; such fetches are refused (--allow-private-url-addresses)"),
+                           index)
+
+
+async def _fetch_url(rt: Runtime, url: str, index: int) -> bytes:
+    host, port = _url_host(url, index)
+    if host not in rt.settings.allowed_url_hosts:
+        raise at_index(ImageFetchError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
+                                       f"the host to --allowed-url-hosts"), index)
+    await _check_resolves_public(rt, host, port, index)
+    limit = rt.settings.max_image_bytes
+    try:
+        async with rt.http.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise at_index(ImageFetchError(f"images[{index}]: GET {url} answered {resp.status_code}"), index)
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise at_index(ImageTooLarge(f"images[{index}]: {url} is over the limit of {limit} bytes"), index)
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise at_index(ImageFetchError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}"), index) from None
+
+
+async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
+    s = rt.settings
+    limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        try:
+            form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
+        except ServiceError:
+            raise  # RequestTooLarge from the body limit, as it is
+        except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
+            raise BadRequest(f"malformed multipart body: {e}") from None
+        files = form.getlist("image")
+        uuids = form.getlist("uuid")
+        if not files:
+            raise BadRequest("multipart request has no 'image' file parts")
+        if uuids and len(uuids) != len(files):
+            raise BadRequest(f"got {len(uuids)} 'uuid' fields for {len(files)} images; send one per image or none")
+        inputs = []
+        for i, f in enumerate(files):
+            if isinstance(f, str):
+                raise BadRequest(f"'image' part {i} is a text field; send it as a file part")
+            data = await f.read(s.max_image_bytes + 1)
+            if len(data) > s.max_image_bytes:
+                raise at_index(ImageTooLarge(f"images[{i}] is over the limit of {s.max_image_bytes} bytes"), i)
+            inputs.append(Input(data, uuids[i] if uuids else None))
+        return inputs
+    if ctype not in ("application/json", ""):
+        raise BadRequest(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
+    body = await _read_body(request, limit)
+    try:
+        req = EncodeRequest.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+    if len(req.images) > s.max_images_per_request:
+        raise BadRequest(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
+    inputs = []
+    for i, part in enumerate(req.images):
+        url = part.image_url.url
+        if url.startswith("data:"):
+            data = _decode_data_url(url, i, s.max_image_bytes)
+        elif url.startswith(("http://", "https://")):
+            data = await _fetch_url(rt, url, i)
+            inputs.append(Input(data, part.uuid, source=url))
+            continue
+        else:
+            raise BadRequest(f"images[{i}].image_url.url must start with data:, http:// or https://")
+        inputs.append(Input(data, part.uuid))
+    return inputs

@@ -1,0 +1,113 @@
+"""uvicorn's HTTP protocol with a request-head timeout, and its protocol-level errors in the service's
+JSON error shape.
+
+uvicorn keeps no timer while a request head (request line and headers) arrives: a client that opens a
+connection and sends nothing, or a few bytes of headers now and then (slowloris), holds that connection
+(a file descriptor, and one of --max-connections) forever. Here, from the moment a connection opens, or
+the first byte of its next request arrives, the whole head must be in within `header_timeout_s`;
+otherwise a 408 (when some of the head came) or a plain close (when nothing came: an idle connection
+is closed as uvicorn's keep-alive timeout closes one). Between requests uvicorn's keep-alive timeout
+applies, and once the head is in, the body timeout (app._BodyLimit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from http import HTTPStatus
+
+from service import errors
+from service.errors import BadRequest, RequestTimeout, ServiceError, Unavailable
+
+
+def _raw_response(err: ServiceError) -> bytes:
+    """The whole HTTP/1.1 answer to `err` on a connection it then closes (errors.response builds it)."""
+    status, headers, body = errors.response(err)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}content-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+class HeaderTimeout:
+    """Mixin for uvicorn's HttpToolsProtocol and H11Protocol (both keep `self.cycle`, the current
+    request's RequestResponseCycle, set once a head is complete). Use `header_timeout_protocol`."""
+
+    header_timeout_s: float = 20.0
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes = False  # some of the awaited head has arrived
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
+        if self._awaiting_head():
+            self._head_bytes = True
+            self._arm_head_timer()
+        else:
+            self._disarm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answer to a malformed request (text/plain): the service's one error shape instead.
+        self.transport.write(_raw_response(BadRequest(msg)))
+        self.transport.close()
+
+    def _awaiting_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        # NOTE: armed once per head, never pushed back: a client trickling a byte now and then gains nothing.
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._head_bytes = False
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._awaiting_head():
+            return
+        if self._head_bytes:
+            self.transport.write(_raw_response(RequestTimeout(
+                f"the request head (request line and headers) did not arrive within {self.header_timeout_s:g} s "
+                "(--header-timeout-s); send it without pauses")))
+        self.transport.close()
+
+
+async def over_limit(scope, receive, send) -> None:
+    """The answer to a request beyond --max-connections (uvicorn's `limit_concurrency`): uvicorn's own is
+    a text/plain "Service Unavailable"; this is the service's JSON error shape, with Retry-After."""
+    status, headers, body = errors.response(Unavailable(
+        "this server has too many open connections and requests in progress (--max-connections); retry shortly",
+        retry_after_s=1))
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*raw, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
+    """uvicorn's HTTP protocol class with HeaderTimeout. `base`: the uvicorn protocol to extend; default
+    what uvicorn's "auto" picks (httptools where it is installed, else h11).
+
+    Also makes `over_limit` the protocol's answer beyond the concurrency limit. uvicorn picks that app
+    inside its head parser by the module-level name `service_unavailable` (uvicorn 0.2x-0.54), so the
+    name is rebound in the protocol's module: every server of this process answers so, which is what
+    the service wants (tests/api/test_protocol.py fails if uvicorn stops looking it up there)."""
+    if base is None:
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    module = sys.modules[base.__module__]
+    if hasattr(module, "service_unavailable"):
+        module.service_unavailable = over_limit
+    return type(f"HeaderTimeout{base.__name__}", (HeaderTimeout, base), {"header_timeout_s": timeout_s})

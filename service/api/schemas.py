@@ -1,0 +1,48 @@
+"""The HTTP API's request and response shapes (OpenAI content-part shape), shared with the LM side
+(lm/chat.py, lm/router.py take the same image parts)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ImageURL(BaseModel):
+    url: str = Field(description="data:image/...;base64,... or an http(s) URL on the allow-list")
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+    uuid: str | None = Field(None, description="optional store key; default: content hash")
+
+
+class EncodeRequest(BaseModel):
+    images: list[ImagePart] = Field(min_length=1)
+
+
+class EncodedItem(BaseModel):
+    key: str
+    num_tokens: int
+    grid_thw: list[int]
+    shape: list[int]
+    dtype: str
+    cached: bool
+    path: str = Field(description="relative to the store root: <key>/encoder_cache.safetensors")
+
+
+class EncodeResponse(BaseModel):
+    items: list[EncodedItem]
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="machine-readable, e.g. not_an_image, key_conflict, overloaded")
+    message: str = Field(description="what was wrong, for a person")
+    index: int | None = Field(None, description="the image's position in the request, for per-image errors")
+
+
+class ErrorResponse(BaseModel):
+    """The shape of every error answer (errors.error_body)."""
+
+    error: ErrorDetail

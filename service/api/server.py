@@ -1,0 +1,50 @@
+"""uvicorn serving this app (a single-process service, or each API process): its options, a server that
+says in one line which signal stops it, and the HTTP answer to a ServiceError (every server of this
+project answers errors through `error_response`)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import uvicorn
+from starlette.responses import Response
+
+from service import errors
+from service.api.protocol import header_timeout_protocol
+from service.config import Settings
+from service.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def server_options(settings: Settings) -> dict:
+    """uvicorn's options for serving this app (one process or each API process).
+    NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
+    are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
+    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
+    return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
+            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
+    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first)."""
+
+    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False):
+        super().__init__(config)
+        self.ignore_sigint = ignore_sigint
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGINT and self.ignore_sigint:
+            return
+        if not self.should_exit:
+            log.info("%s: stopping; open requests finish first%s", signal.Signals(sig).name,
+                     " (Ctrl-C again to stop at once)" if sig == signal.SIGINT else "")
+        super().handle_exit(sig, frame)
+
+
+def error_response(err: ServiceError) -> Response:
+    """The HTTP answer to `err` (errors.response builds its status, headers and body)."""
+    status, headers, body = errors.response(err)
+    return Response(body, status_code=status, headers=headers)

@@ -1,0 +1,410 @@
+"""The batcher: a bounded FIFO of encode work that the step loop drains one batch at a time.
+
+HTTP handlers (event-loop thread) `submit` one work item per image and await the ticket's future;
+each step-loop thread calls `next_batch`, runs it, and reports every item with `finish`. This module
+decides *what* runs and never touches the GPU: plain Python, no torch, no numpy, tested with a plain
+queue and a fake clock.
+
+Life of an item::
+
+    submit ──► queued ──(next_batch)──► in flight ──(finish)──► done (future resolved)
+                 │
+                 └──(every waiter cancelled)──► dropped (future cancelled, never runs)
+
+- Coalescing: a key that is queued or in flight is encoded once; later submits of it join the
+  existing item (`waiters += 1`) instead of adding work, so they also bypass admission.
+- Admission: at most `max_queue_images` items (and `max_queue_tokens` tokens) wait unscheduled;
+  beyond that `submit` raises `Overloaded` (429). In-flight items are bounded by the step loop, not
+  here. Admission can come before decode: `reserve` holds a queue place (and the image's tokens, from
+  its header) while the image is decoded, and `submit(..., place=)` uses it up, so a full queue
+  refuses an image before its pixels exist and an admitted one is never refused after decoding.
+- A batch closes on the token budget, the image limit, at once when the step loop says the device
+  is idle (continuous batching: nothing would be gained by waiting), `max_wait_s` after its oldest
+  item was enqueued while the device is busy, or at once while draining after `close()`.
+
+Threading: all state lives behind one `threading.Condition`. Future callbacks (which may run user
+code such as asyncio's `call_soon_threadsafe`) are always fired *outside* that lock.
+
+Payloads: the batcher never looks inside one. Its classes are generic over the payload type `P` (the
+engine queues `Batcher[EncodeJob]`), so the step loop and the writer read payloads typed, while the
+tests queue plain strings or None.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, replace
+from typing import Generic, Literal, TypeVar
+
+from service.config import BatchLimits  # the limits' type, derived from Settings there (Settings.batch_limits)
+from service.errors import Overloaded, Unavailable
+
+# NOTE: a fixed hint for clients' Retry-After. The batcher does not see step times, so it cannot
+# predict when room frees up; one second is several steps at any realistic load.
+RETRY_AFTER_S = 1
+
+CloseReason = Literal["tokens", "images", "idle", "wait", "drain"]
+P = TypeVar("P")  # a work item's payload: opaque to the batcher (the engine's EncodeJob)
+
+
+@dataclass(eq=False)  # identity semantics: payloads may be arrays, and two items are never "equal"
+class WorkItem(Generic[P]):
+    key: str  # store key; unique among queued + in-flight items
+    payload: P  # opaque to the batcher (the engine's: decoded pixels + geometry)
+    tokens: int  # output tokens this image adds to a step
+    future: Future  # the item's own result; tickets mirror it. Set only by `finish` or a drop.
+    waiters: int  # tickets still interested; 0 while queued means drop it
+    enqueued_at: float  # batcher clock; max_wait is measured from here
+
+
+@dataclass
+class Batch(Generic[P]):
+    items: list[WorkItem[P]]  # FIFO order, all now in flight
+    tokens: int  # sum of items' tokens; > max_batch_tokens only for a single oversize item
+    closed_by: CloseReason
+
+
+@dataclass
+class BatcherStats:
+    submitted: int = 0  # accepted submits (tickets issued), coalesced ones included
+    coalesced: int = 0  # submits that joined a queued or in-flight item
+    dropped: int = 0  # items removed before running because every waiter had gone
+    rejected: int = 0  # submits refused by admission (Overloaded / 429)
+    batches: int = 0  # batches handed to the step loop
+
+
+class Ticket(Generic[P]):
+    """One waiter's handle on a (possibly shared) work item.
+
+    `future` is this waiter's own future, not the item's: it mirrors the item's result or error.
+    NOTE: per-waiter futures are deliberate. `asyncio.wrap_future(ticket.future)` cancels the
+    concurrent future when the awaiting task is cancelled (client disconnected); with one shared
+    future that would cancel every other waiter of a coalesced item too. Here a cancelled ticket
+    future only releases this waiter, the same as `cancel()`.
+    """
+
+    def __init__(self, batcher: Batcher[P], item: WorkItem[P], coalesced: bool):
+        self.future: Future = Future()
+        self.coalesced = coalesced  # True if this submit joined an item already queued or in flight
+        self._batcher = batcher
+        self._item = item
+
+    @property
+    def payload(self) -> P:
+        """The payload of the item this ticket waits on (for a joined item: the first submitter's)."""
+        return self._item.payload
+
+    @property
+    def work_future(self) -> Future:
+        """The shared item's own future: done once the item is finished (after its step staged and
+        stored it) or dropped unstaged. The engine process frees an image's pixel cell on it."""
+        return self._item.future
+
+    def cancel(self) -> None:
+        """This waiter has gone. Dropping the item (if it was the last one and the item has not been
+        scheduled) happens in the future's done-callback, so `future.cancel()` has the same effect.
+        A no-op once the result has been delivered."""
+        self.future.cancel()
+
+    def _attach(self) -> None:
+        # Called outside the batcher lock: if the item is already done, add_done_callback runs
+        # _deliver right here, and a cancelled future's callback takes the batcher lock.
+        self.future.add_done_callback(self._on_own_done)
+        self._item.future.add_done_callback(self._deliver)
+
+    def _on_own_done(self, fut: Future) -> None:
+        if fut.cancelled():  # fires at most once: a future is cancelled at most once
+            self._batcher._release(self._item)
+
+    def _deliver(self, item_fut: Future) -> None:
+        if self.future.done():  # this waiter already gone
+            return
+        try:
+            if item_fut.cancelled():
+                self.future.cancel()
+            elif (exc := item_fut.exception()) is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(item_fut.result())
+        except InvalidStateError:
+            pass  # lost a race with this waiter's cancel(): it no longer wants the result
+
+
+class QueuePlace:
+    """A queue place held for one image while it is decoded (admission before decode): counted like a
+    queued image of `tokens` tokens until `Batcher.submit(..., place=)` uses it or `release()`."""
+
+    def __init__(self, batcher: Batcher, tokens: int):
+        self.tokens = tokens  # the image's output tokens, as its header declares them
+        self._batcher = batcher
+        self.held = True
+
+    def release(self) -> None:
+        """Give the place back (the image failed to decode, was a cache hit after all, or its request
+        failed). A no-op once used or released."""
+        with self._batcher._cond:
+            self._batcher._unreserve_locked(self)
+
+
+class Batcher(Generic[P]):
+    """Bounded FIFO of work items; see the module docstring for the life of an item."""
+
+    def __init__(self, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
+        """`clock` stamps enqueue times and decides max-wait closing; inject a fake one in tests.
+        How long `next_batch` blocks for its own `timeout` is always real time (time.monotonic),
+        so with a fake clock, poll with `next_batch(timeout=0)` after advancing it."""
+        self.limits = limits
+        self._clock = clock
+        self._cond = threading.Condition()
+        # Invariants (hold whenever the lock is free):
+        # - a key is in at most one of _queued / _in_flight, so identical keys are encoded once;
+        # - every queued item has waiters >= 1 (the last waiter leaving drops it at once, so a
+        #   later submit of the key makes a fresh item rather than joining a cancelled one);
+        # - every item in either map has a future that is not done (it is removed before its
+        #   future is set or cancelled), so coalescing never joins a finished item;
+        # - _queued is in enqueue order; OrderedDict gives FIFO plus O(1) removal on cancel.
+        self._queued: OrderedDict[str, WorkItem[P]] = OrderedDict()
+        self._in_flight: dict[str, WorkItem[P]] = {}
+        self._queued_tokens = 0  # sum of the queued items' tokens
+        self._reserved = 0  # held QueuePlaces: images being decoded, admitted already
+        self._reserved_tokens = 0  # their tokens
+        self._closed = False
+        self._stats = BatcherStats()
+
+    # ---- producer side (HTTP handlers) -----------------------------------------------------------
+    def submit(self, key: str, payload: P, tokens: int, place: QueuePlace | None = None) -> Ticket[P]:
+        """Queue one image, or join the queued / in-flight item with the same key. Never blocks.
+
+        With `place` (from `reserve`, before the image was decoded) the image was admitted then: the
+        place is used up and the image is queued whatever the queue holds now. Without one, raises
+        `Overloaded` when the queue is full. Raises `Unavailable` after `close()`.
+        """
+        assert tokens > 0, f"an image has at least one output token, got {tokens}: this is a bug"
+        with self._cond:
+            if place is not None:
+                self._unreserve_locked(place)
+            if self._closed:
+                raise Unavailable("the encoder is shutting down and takes no new work; retry on another instance")
+            item = self._queued.get(key) or self._in_flight.get(key)
+            if item is not None:
+                # Joining adds no work, so it is admitted even when the queue is full.
+                item.waiters += 1
+                self._stats.coalesced += 1
+                ticket = Ticket(self, item, coalesced=True)
+            else:
+                if place is None:
+                    self._admit_locked(tokens)
+                item = WorkItem(key, payload, tokens, Future(), waiters=1, enqueued_at=self._clock())
+                self._queued[key] = item
+                self._queued_tokens += tokens
+                ticket = Ticket(self, item, coalesced=False)
+                # notify_all: there may be one step-loop thread per GPU, and the one that wakes
+                # must be able to compute the new max-wait deadline.
+                self._cond.notify_all()
+            self._stats.submitted += 1
+        ticket._attach()
+        return ticket
+
+    def reserve(self, tokens: int) -> QueuePlace:
+        """Admission before decode: hold a queue place for one image of `tokens` output tokens (from its
+        header) while it is decoded. Raises `Overloaded` when the queue (queued images plus the places
+        already held) is full, `Unavailable` after `close()`. Use it up with `submit(..., place=)` or
+        give it back with `release()`."""
+        tokens = max(1, tokens)
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the encoder is shutting down and takes no new work; retry on another instance")
+            self._admit_locked(tokens)
+            self._reserved += 1
+            self._reserved_tokens += tokens
+            return QueuePlace(self, tokens)
+
+    def _admit_locked(self, tokens: int) -> None:
+        """Raise Overloaded if one more image of `tokens` tokens does not fit. Caller holds _cond."""
+        depth = len(self._queued) + self._reserved
+        queued_tokens = self._queued_tokens + self._reserved_tokens
+        max_tokens = self.limits.max_queue_tokens
+        if depth + 1 > self.limits.max_queue_images:
+            self._stats.rejected += 1
+            raise Overloaded(
+                f"encode queue is full ({depth} images waiting or being decoded, limit "
+                f"{self.limits.max_queue_images}); retry in about {RETRY_AFTER_S}s",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        if depth and max_tokens is not None and queued_tokens + tokens > max_tokens:
+            self._stats.rejected += 1
+            raise Overloaded(
+                f"encode queue is full ({depth} images of {queued_tokens} tokens waiting or being decoded; this "
+                f"image adds {tokens}, limit {max_tokens} tokens); retry in about {RETRY_AFTER_S}s",
+                retry_after_s=RETRY_AFTER_S,
+            )
+
+    def _unreserve_locked(self, place: QueuePlace) -> None:
+        if place.held:
+            place.held = False
+            self._reserved -= 1
+            self._reserved_tokens -= place.tokens
+
+    def join(self, key: str) -> Ticket[P] | None:
+        """Join the queued or in-flight item for `key`, if there is one (no payload needed).
+
+        Lets the front end skip decoding an image whose identical twin is already being encoded.
+        Returns None when there is nothing to join (or after `close()`): the caller then submits.
+        """
+        with self._cond:
+            item = None if self._closed else (self._queued.get(key) or self._in_flight.get(key))
+            if item is None:
+                return None
+            item.waiters += 1
+            self._stats.coalesced += 1
+            self._stats.submitted += 1
+            ticket = Ticket(self, item, coalesced=True)
+        ticket._attach()
+        return ticket
+
+    def _release(self, item: WorkItem[P]) -> None:
+        """One waiter of `item` has gone; drop the item if it was the last and it has not run."""
+        with self._cond:
+            item.waiters -= 1
+            assert item.waiters >= 0, f"more releases than waiters for {item.key!r}: this is a bug"
+            drop = item.waiters == 0 and self._queued.get(item.key) is item
+            if drop:
+                del self._queued[item.key]
+                self._queued_tokens -= item.tokens
+                self._stats.dropped += 1
+                # A waiting next_batch may have been timing the dropped head, or draining to empty.
+                self._cond.notify_all()
+        if drop:
+            item.future.cancel()  # outside the lock: its callbacks take the lock (see Ticket)
+
+    # ---- consumer side (step loop) ---------------------------------------------------------------
+    def next_batch(self, timeout: float | None = None, busy: Callable[[], bool] | None = None) -> Batch[P] | None:
+        """Block until a batch closes and return it, its items now in flight.
+
+        `busy` (from the step loop; called under the batcher's lock, so it must be cheap and must not
+        call back into the batcher) says whether the device still runs earlier steps. When it returns
+        False a non-empty batch closes at once; while it returns True the batch waits for company, at
+        most max_wait. Call `wake()` when the device goes idle so a waiting batch re-checks. None:
+        always wait (as if busy).
+
+        Returns None when `timeout` seconds pass first (None: wait as long as needed), or once the
+        batcher is closed and its queue is empty.
+        """
+        give_up_at = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if not self._queued:
+                    if self._closed:
+                        return None
+                    wait_s = None  # nothing to time: sleep until a submit or close notifies
+                else:
+                    items, tokens, closed_by = self._plan()
+                    if closed_by is None and self._closed:
+                        closed_by = "drain"
+                    if closed_by is None and busy is not None and not busy():
+                        closed_by = "idle"
+                    if closed_by is None:
+                        # The batch closes max_wait after its OLDEST item, the queue's head.
+                        wait_s = items[0].enqueued_at + self.limits.max_wait_s - self._clock()
+                        if wait_s <= 0:
+                            closed_by = "wait"
+                    if closed_by is not None:
+                        return self._schedule(items, tokens, closed_by)
+                if give_up_at is not None:
+                    left = give_up_at - time.monotonic()
+                    if left <= 0:
+                        return None
+                    wait_s = left if wait_s is None else min(wait_s, left)
+                # Spurious or early wake-ups are harmless: the loop re-plans from the current state.
+                self._cond.wait(wait_s)
+
+    def _plan(self) -> tuple[list[WorkItem[P]], int, CloseReason | None]:
+        """The batch the queue's head would form now, and why it is already full (None: not yet)."""
+        lim = self.limits
+        items: list[WorkItem[P]] = []
+        tokens = 0
+        for item in self._queued.values():
+            # The first item is always taken, so an image bigger than the budget runs alone.
+            if items and tokens + item.tokens > lim.max_batch_tokens:
+                return items, tokens, "tokens"
+            items.append(item)
+            tokens += item.tokens
+            if len(items) == lim.max_batch_images:
+                return items, tokens, "images"
+            if tokens >= lim.max_batch_tokens:
+                return items, tokens, "tokens"  # no further item (tokens >= 1) could fit
+        return items, tokens, None
+
+    def _schedule(self, items: list[WorkItem[P]], tokens: int, closed_by: CloseReason) -> Batch[P]:
+        for item in items:
+            # NOTE: side effects stay outside the asserts, which `python -O` strips.
+            popped = self._queued.pop(item.key)
+            assert popped is item, "planned item not in the queue: this is a bug"
+            self._queued_tokens -= item.tokens
+            # RUNNING: from here the item's future can no longer be cancelled, only finished.
+            running = item.future.set_running_or_notify_cancel()
+            assert running, f"queued item {item.key!r} was cancelled: this is a bug"
+            self._in_flight[item.key] = item
+        self._stats.batches += 1
+        if self._queued:
+            self._cond.notify_all()  # another step-loop thread may take the rest
+        return Batch(items=items, tokens=tokens, closed_by=closed_by)
+
+    def finish(self, item: WorkItem[P], result: object = None, error: BaseException | None = None) -> None:
+        """Report an in-flight item: resolve every waiter with `result`, or with `error` if given.
+
+        Call after the embeddings are in the store: the key leaves the in-flight map first, so a
+        later submit of it makes a new item, and the caller's store check makes that a cache hit.
+        """
+        with self._cond:
+            # Finishing twice (or an item never handed out) is a runner bug, not something to absorb.
+            in_flight = self._in_flight.get(item.key) is item
+            assert in_flight, f"finish({item.key!r}) of an item not in flight: this is a bug"
+            del self._in_flight[item.key]
+        # Outside the lock: setting the future runs every waiter's callback.
+        if not item.future.done():
+            if error is not None:
+                item.future.set_exception(error)
+            else:
+                item.future.set_result(result)
+
+    def wake(self) -> None:
+        """The device went idle (or anything else a waiting `next_batch` should re-check)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- lifecycle and introspection ---------------------------------------------------------------
+    def close(self) -> None:
+        """Graceful drain: refuse new submits; `next_batch` hands out what is queued at once, then None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def queue_depth(self) -> int:
+        """Images queued and not yet scheduled (admission counts these plus the held queue places)."""
+        with self._cond:
+            return len(self._queued)
+
+    def reserved(self) -> int:
+        """Queue places held by images being decoded (QueuePlaces not yet used or released)."""
+        with self._cond:
+            return self._reserved
+
+    def in_flight(self) -> int:
+        """Items handed out by next_batch and not yet finished."""
+        with self._cond:
+            return len(self._in_flight)
+
+    @property
+    def stats(self) -> BatcherStats:
+        """A consistent snapshot of the counters."""
+        with self._cond:
+            return replace(self._stats)

@@ -1,0 +1,312 @@
+"""The engine host: the one owner of claim, submit and cancel for one engine (one device, one store
+shard). It answers the API side's messages (engine/messages.py) from the store, the batcher and the
+step loop, whether they come from this process (`LocalTransport`, a single-process service) or from
+API processes over a Unix socket (procs/ipc.py's EngineServer, in an engine process).
+
+    Claim  -> stored and the same bytes: Hit | queued or running: Joined (no decode) | else Grant
+              (a queue place, counted with the image's header tokens: admission before decode)
+    Submit -> stored meanwhile: Hit | else queued (Queued), its Result once written
+    Cancel -> a grant's place or a wait given back
+
+A host runs on one thread (its connections' `post` hops there): the event loop of a single-process
+service, the ipc thread of an engine process. It never blocks; the writer thread's answers are posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from service.config import EngineOptions, StoreOptions
+from service.engine.batcher import Batcher, QueuePlace, Ticket
+from service.engine.core import Engine
+from service.engine.job import EncodeJob
+from service.engine.loader import LoadedModel
+from service.engine.runner import use_compile_cache
+from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
+    MetricsQuery, MetricsText, ModelInfo, Queued, Result, Status, StatusQuery, Submit, ToEngine)
+from service.errors import BackendError, KeyConflict, ServiceError
+from service.media.images import PreparedImage, warmup_image
+from service.media.preprocess import grid_for, num_tokens
+from service.metrics import Metrics
+from service.store.directory import EmbeddingStore
+from service.store.format import StoredItem, validate_key
+
+log = logging.getLogger(__name__)
+
+
+def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
+    """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
+    return EmbeddingStore(
+        options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
+        out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
+        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=options.min_residency_s,
+        exclusive=True, group=options.group, shard=shard,
+    )
+
+
+def key_salt(model: LoadedModel) -> str:
+    """Part of every content-hash key: the same bytes under another model or preprocessing are another key."""
+    return f"{model.model_id}|{model.params}|{model.dtype}"
+
+
+def build_host(model: LoadedModel, options: EngineOptions, shard: tuple[int, int] = (0, 1)) -> EngineHost:
+    """An engine for `model` on its device (compiled, graphs captured: seconds on a GPU) and its host.
+    Call `warm_up()` (blocking) to start serving."""
+    metrics = Metrics()
+    use_compile_cache(model, options.runner)  # before the first compile
+    engine = Engine(model, build_store(options.store, model, shard), Batcher(options.limits), options.runner, metrics,
+                    store_writers=options.store.writers)
+    return EngineHost(engine, model, metrics, warmup=options.warmup)
+
+
+class Connection:
+    """One API side's link to the host: how to answer it, and what it holds."""
+
+    def __init__(self, send: Callable[[FromEngine], None], post: Callable[[Callable[[], None]], None]):
+        self.send = send  # on the host's thread only
+        self.post = post  # run a function on the host's thread (from any thread)
+        self.waits: dict[int, Ticket] = {}  # request id -> its wait for an entry
+        self.grants: dict[int, QueuePlace] = {}  # claim id -> the queue place it was granted
+        self.open = True
+
+
+class EngineHost:
+    """What the engine does for each message (see the module docstring). Not thread-safe: one thread."""
+
+    def __init__(self, engine: Engine, model: LoadedModel, metrics: Metrics, *, warmup: bool = True):
+        self.engine, self.model, self.metrics = engine, model, metrics
+        self.store: EmbeddingStore = engine.store
+        self.batcher: Batcher[EncodeJob] = engine.batcher
+        self._warmup = warmup
+        self.ready = threading.Event()
+        self.warmup_error: str | None = None
+        self.startup: dict[str, float] = {"load_s": model.load_s, **engine.runner.startup}
+        self._created = time.perf_counter()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run one step through the whole path (compiled kernels, graphs), start the step loop, and say
+        ready. Blocking (seconds on a GPU); a failure is logged and reported by `status`, not raised."""
+        try:
+            t0 = time.perf_counter()
+            if self._warmup:
+                self.engine.encode_sync([warmup_image(self.model.params)])
+            self.startup["warmup_s"] = round(time.perf_counter() - t0, 2)
+            self.engine.start()
+            self.startup["total_s"] = round(time.perf_counter() - self._created + self.model.load_s, 2)
+            self.ready.set()
+            log.info("engine ready: %s on %s (%s); start-up %s", self.model.model_id, self.model.device,
+                     self.model.dtype, ", ".join(f"{k} {v}" for k, v in self.startup.items()))
+        except Exception as e:
+            self.warmup_error = f"warm-up failed ({type(e).__name__}: {e}); see the log"
+            log.exception("warm-up failed: /ready and /health say so")
+
+    def stop(self, timeout: float = 60) -> None:
+        """Drain: no new work, the queued steps finish and are written, then the store is released."""
+        self.batcher.close()
+        self.engine.join(timeout)
+        self.store.close()
+
+    # ---- connections ----------------------------------------------------------------------------
+    def connect(self, send: Callable[[FromEngine], None], post: Callable[[Callable[[], None]], None]) -> Connection:
+        return Connection(send, post)
+
+    def disconnect(self, conn: Connection) -> None:
+        """The API side closed (or its process died): its waits are gone, its grants given back."""
+        conn.open = False
+        for t in conn.waits.values():
+            t.cancel()
+        conn.waits.clear()
+        for place in conn.grants.values():
+            place.release()
+        conn.grants.clear()
+
+    # ---- messages -------------------------------------------------------------------------------
+    def handle(self, conn: Connection, msg: ToEngine, pixels: np.ndarray | None = None,
+               release: Callable[[], None] = lambda: None) -> None:
+        """Answer one message. A Submit comes with its pixels (flat uint8, read in place until
+        `release`, which is called once, on this thread, when nothing will read them again)."""
+        try:
+            if isinstance(msg, Claim):
+                self._claim(conn, msg)
+            elif isinstance(msg, Submit):
+                assert pixels is not None, "a Submit without its pixels: this is a bug"
+                self._submit(conn, msg, pixels, release)
+            elif isinstance(msg, Cancel):
+                self._cancel(conn, msg.id)
+            elif isinstance(msg, StatusQuery):
+                conn.send(Status(msg.id, self.status()))
+            elif isinstance(msg, MetricsQuery):
+                conn.send(MetricsText(msg.id, self.metrics_text()))
+            else:
+                raise AssertionError(f"unknown message {msg!r}: this is a bug")
+        except Exception as e:  # a ServiceError is the client's answer; anything else a bug: fail that request
+            if not isinstance(e, ServiceError):
+                log.exception("engine: %s %s failed", type(msg).__name__, msg.id)
+            conn.send(_failed(msg.id, e))
+
+    def _stored(self, key: str, sha256: str) -> StoredItem | None:
+        """The store's entry for `key` if it holds these bytes' embeddings (an entry without a recorded
+        hash is encoded again); KeyConflict if the key names other bytes there."""
+        hit = self.store.lookup(key)
+        if hit is None or hit.content_sha256 is None:
+            return None
+        if hit.content_sha256 != sha256:
+            raise KeyConflict("in the store")
+        self.metrics.cache_hits.inc()
+        return hit
+
+    def _claim(self, conn: Connection, msg: Claim) -> None:
+        validate_key(msg.key)
+        if (hit := self._stored(msg.key, msg.sha256)) is not None:
+            conn.send(Hit(msg.id, hit))
+            return
+        joined = self.batcher.join(msg.key)  # an identical image already queued or running: no decode
+        if joined is not None:
+            if joined.payload.content_sha256 != msg.sha256:
+                joined.cancel()
+                raise KeyConflict("being encoded for another request")
+            self.metrics.coalesced.inc()
+            self._wait(conn, msg.id, joined)
+            conn.send(Joined(msg.id))
+            return
+        # Admission before decode: the grant holds a queue place (with the image's tokens by its header)
+        # until its submit; a full queue is Overloaded (429) before any pixels exist.
+        conn.grants[msg.id] = self.batcher.reserve(msg.tokens)
+        conn.send(Grant(msg.id))
+
+    def _submit(self, conn: Connection, msg: Submit, pixels: np.ndarray, release: Callable[[], None]) -> None:
+        place = conn.grants.pop(msg.grant, None)  # used up by this submit, whatever its outcome
+        try:
+            validate_key(msg.key)
+            # Stored meanwhile: two claims of one key can both miss (the first image not yet submitted), and
+            # the first's encode can finish before this submit, when there is no queued item to join.
+            if (hit := self._stored(msg.key, msg.sha256)) is not None:
+                if place is not None:
+                    place.release()
+                release()
+                conn.send(Hit(msg.id, hit))
+                return
+            image = self._image(msg, pixels)
+            ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256), tokens=image.num_tokens,
+                                         place=place)
+        except Exception:
+            if place is not None:
+                place.release()
+            release()
+            raise
+        if ticket.coalesced:  # joined an item queued meanwhile: these pixels are not needed
+            release()
+            if ticket.payload.content_sha256 != msg.sha256:
+                ticket.cancel()
+                raise KeyConflict("being encoded for another request")
+            self.metrics.coalesced.inc()
+        else:
+            # The pixels are read when the item's step is staged; its own future is done only after that
+            # (finished) or when it was dropped unstaged. Either way nothing reads them again.
+            ticket.work_future.add_done_callback(lambda _f: conn.post(release))
+        self._wait(conn, msg.id, ticket)
+        conn.send(Queued(msg.id, coalesced=ticket.coalesced))
+
+    def _image(self, msg: Submit, pixels: np.ndarray) -> PreparedImage:
+        """The submitted pixels as the batcher's image, once their geometry is the one this model's
+        preprocessing gives that size (a decoder is another process: trust nothing)."""
+        g = msg.geometry
+        h, w = g.height, g.width
+        params = self.model.params
+        ok = (h > 0 and w > 0 and h % params.factor == 0 and w % params.factor == 0 and pixels.size == h * w * 3
+              and pixels.dtype == np.uint8 and g.grid_thw == grid_for(h, w, params)
+              and g.tokens == num_tokens(g.grid_thw, params))
+        if not ok:
+            raise BackendError(f"submit of {msg.key}: inconsistent geometry {h}x{w}, {pixels.size} bytes, "
+                               f"grid {g.grid_thw}, {g.tokens} tokens")
+        t, gh, gw = g.grid_thw
+        return PreparedImage(pixels=pixels.reshape(h, w, 3), grid_thw=g.grid_thw, num_patches=t * gh * gw,
+                             num_tokens=g.tokens)
+
+    def _cancel(self, conn: Connection, rid: int) -> None:
+        if (t := conn.waits.pop(rid, None)) is not None:
+            t.cancel()
+        if (place := conn.grants.pop(rid, None)) is not None:
+            place.release()
+
+    def _wait(self, conn: Connection, rid: int, ticket: Ticket) -> None:
+        conn.waits[rid] = ticket
+
+        def done(f):
+            def answer():
+                if conn.waits.pop(rid, None) is None or not conn.open or f.cancelled():
+                    return
+                exc = f.exception()
+                conn.send(_failed(rid, exc) if exc is not None else Result(rid, f.result()))
+            conn.post(answer)
+
+        ticket.future.add_done_callback(done)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def status(self) -> EngineStatus:
+        """/ready's answer, and what an API process needs to key and preprocess images itself."""
+        failed = self.warmup_error
+        if failed is None and self.ready.is_set() and not self.engine.alive():
+            failed = "the step loop is not running; see the log"
+        return EngineStatus(ready=self.ready.is_set() and failed is None, failed=failed,
+                            store_error=self.store.unwritable, key_salt=key_salt(self.model),
+                            params=self.model.params, pid=os.getpid(), info=self.model_info())
+
+    def model_info(self) -> ModelInfo:
+        m, runner = self.model, self.engine.runner
+        return ModelInfo(model=m.model_id, device=str(m.device), dtype=str(m.dtype).replace("torch.", ""),
+                         random_weights=m.random_weights, out_hidden_size=m.spec.out_hidden_size,
+                         deepstack_levels=m.spec.deepstack_levels, compiled=m.tower.compiled,
+                         cuda_graphs=len(runner.graphs) if runner.graphs else 0, startup_s=dict(self.startup),
+                         min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=str(self.store.root))
+
+    def metrics_text(self) -> str:
+        self.metrics.update_gauges(self.batcher, self.store)
+        return self.metrics.exposition(api_side=False).decode()
+
+
+def _failed(rid: int, e: BaseException) -> Failed:
+    if isinstance(e, ServiceError):
+        return Failed(rid, e.code, e.message, getattr(e, "retry_after_s", None))
+    return Failed(rid, BackendError.code, f"{type(e).__name__}: {e}")
+
+
+class LocalTransport:
+    """A single-process service's transport: the EngineClient calls the host directly, on the event
+    loop's thread (the host's thread here); the writer's answers are posted to the loop. No socket, no
+    copy: a Submit's pixels are the decoder's array. With `owner`, closing it drains the host (its only
+    client is going: the step loop finishes its queue, the store is released)."""
+
+    travels = False  # a claim is answered before `send` returns: nothing to hide a decode behind
+
+    def __init__(self, host: EngineHost, owner: bool = False):
+        self.host, self.owner = host, owner
+        self.connected = False
+        self._conn: Connection | None = None
+
+    async def connect(self, deliver: Callable[[FromEngine], None], lost: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._conn = self.host.connect(deliver, loop.call_soon_threadsafe)
+        self._lost = lost
+        self.connected = True
+
+    def send(self, msg: ToEngine, pixels: np.ndarray | None = None) -> None:
+        assert not (isinstance(msg, Submit) and msg.cell is not None), "an arena cell in process: this is a bug"
+        flat = None if pixels is None else pixels.reshape(-1)
+        self.host.handle(self._conn, msg, flat)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self.host.disconnect(self._conn)
+            self.connected = False
+            self._lost()
+        if self.owner:
+            await asyncio.to_thread(self.host.stop)

@@ -1,0 +1,306 @@
+"""The runner: the tower, the pinned staging pool, the device buffers, the CUDA graphs and the output
+ring of one device. No threads, no batcher, no store: the step loop calls it, one step at a time.
+
+    with runner.stage(images) as staged:  # host: pixels + geometry into pinned slot k (after its fence)
+        launched = runner.run(staged)     # device: H2D, patchify, tower, async D2H; returns at once
+
+`run` never waits on the device for its own sake. Its only host waits are
+  * the slot fence: before overwriting pinned slot k, wait for the CUDA event recorded after the
+    last device work that read slot k (the bug this service exists to avoid: recycling a pinned
+    input buffer while an earlier step's H2D copy still reads it), and
+  * back-pressure from the writer when all output buffers (pool.OutputRing) are still being written
+    to the store.
+On CPU the same code runs: events are trivial and the "device" work is synchronous.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from service.config import FAULT_ENV, FaultInjection, RunnerOptions
+from service.media.images import PreparedImage
+from service.engine.loader import LoadedModel
+from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize
+from service.media.preprocess import grid_for, normalize_lut, num_patches, patchify
+from service.engine import tower as tower_module
+from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
+                                   padded_cu_seqlens)
+from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry
+
+log = logging.getLogger(__name__)
+
+
+def fast_tower(model: LoadedModel) -> bool:
+    """Whether the tower can take CUDA graphs and torch.compile: bf16/fp16 on CUDA (varlen attention);
+    elsewhere it runs eagerly (CPU float32 stays exactly transformers' arithmetic)."""
+    return (model.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16)
+            and tower_module.varlen_available())
+
+
+def use_compile_cache(model: LoadedModel, options: RunnerOptions) -> None:
+    """For an entry point, before it builds the Engine of `model` (the Runner writes no environment):
+    point Inductor's and Triton's on-disk caches at options.compile_cache (unless the user set them), so
+    a restart loads compiled kernels instead of compiling again. Nothing where the Runner won't compile."""
+    if not (options.compile and fast_tower(model)):
+        return
+    path = os.path.abspath(os.path.expanduser(str(options.compile_cache)))
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))
+
+
+@dataclass(kw_only=True)
+class Staged:
+    """Step inputs written into pinned slot `slot`; sizes are host ints (no device syncs needed)."""
+
+    slot: Slot  # held until `run` has enqueued the last device work that reads it
+    size: StepSize  # what the step filled of slot.buffers; its patches are the images' rows (a graph pads beyond)
+    graph: GraphKey | None  # the CUDA graph that runs the step (see TowerGraphs), or None
+    seq_lens: tuple[int, ...]  # [B] patches per image
+    token_offsets: list[int]  # [B+1] output-row offsets per image
+    grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
+
+
+@dataclass(kw_only=True)
+class Launched:
+    """A step whose device work is enqueued; `host_out` is valid once `done` has fired. Images in
+    staging order. Whoever reads `host_out` last releases `output` (the writer; encode_sync)."""
+
+    host_out: torch.Tensor  # [tokens, out_width] model dtype, pinned on CUDA: rows of output.host
+    done: torch.cuda.Event | None  # None on CPU (already complete)
+    output: OutputLease | None  # the ring buffer host_out lies in, held until released (CUDA only)
+    token_offsets: list[int]  # [B+1] output-row offsets per image
+    grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
+
+
+class Runner:
+    """Owns the tower, the staging pool and the device buffers; runs one step at a time (no threads)."""
+
+    def __init__(self, model: LoadedModel, options: RunnerOptions):
+        """Loads nothing and reads no environment: `model` is loaded, `options` derived from Settings
+        (Settings.runner_options). Compiles and captures CUDA graphs now, where the tower is fast (an
+        entry point calls use_compile_cache first)."""
+        self.model = model
+        spec, params = model.spec, model.params
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        merge2 = spec.merge_size**2
+        pp = spec.patch_size**2
+        # A step holds up to the token budget, or one image above it (such an image runs alone).
+        self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp)
+        self.max_images = options.max_batch_images
+        if self.max_patches > tower_module.max_block_rows(spec):
+            raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
+                             f"({tower_module.max_block_rows(spec)}); lower --max-batch-tokens or --max-pixels")
+        fast = fast_tower(model)
+        smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
+        exact = tuple(num_patches(grid_for(side, side, params)) for side in options.graph_exact_sides)
+        self.buckets = graph_buckets(self.max_patches, options.graph_max_patches, smallest) if (
+            fast and options.cuda_graphs) else None
+        self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
+        # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
+        gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
+        self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
+        self.capacity = StepSize(pixel_bytes=self.max_patches * pp * 3, images=self.max_images, patches=self.max_patches,
+                                 cu_seqlens=self.cu_length)
+        self.pool = StagingPool(self.capacity, options.pool_slots, self.device)
+        # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
+        self._np = [self.pool.slot(i).buffers.numpy() for i in range(options.pool_slots)]
+        self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
+        self.lut = torch.from_numpy(self.lut_np).to(self.device)
+        if self.cuda:
+            from kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
+
+            self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
+            # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
+            # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
+            self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
+            self._h2d = [_copy_table(self.pool.slot(i).buffers, self.dev) for i in range(options.pool_slots)]
+            self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+            self.compute_stream = torch.cuda.Stream(self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+            # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
+            self.outputs = OutputRing(options.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
+                                      self.device)
+            # Launched steps whose device work may still run (loop thread only; see device_busy).
+            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
+        t0 = time.perf_counter()
+        if fast:
+            model.tower.cudnn_attention = tower_module.cudnn_attention_works(self.device, model.dtype, spec.num_heads,
+                                                                            spec.head_dim)
+        if fast and options.compile:
+            if not model.tower.compiled:  # several engines may share one loaded model (tests)
+                model.tower.compile()
+            self._warm_compiled(smallest, batch_of_one=bool(self.equal_steps))
+            self.startup["compile_s"] = round(time.perf_counter() - t0, 2)
+        self.graphs = None
+        if self.buckets:
+            t0 = time.perf_counter()
+            d = self.dev
+            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d.pos_hw, d.interp_idx, d.interp_w,
+                                                                d.cu_seqlens),
+                                      self.buckets, self.compute_stream, smallest, self.equal_steps)
+            self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+            self.startup["graphs"] = len(self.graphs)
+        self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
+        self._inject_faults(options.faults)
+
+    def _inject_faults(self, faults: FaultInjection) -> None:
+        """The test-only faults of the soak's control run (see FaultInjection). Never in service."""
+        if faults == FaultInjection():
+            return
+        self.test_stall_cycles = faults.stall_cycles if self.cuda else 0  # a CPU step has no device to lag
+        self.pool.fence = faults.fence
+        log.warning("FAULT INJECTION ON (%s): stall %d cycles before each step's copies, fence %s; "
+                    "embeddings may be wrong", FAULT_ENV, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
+
+    def device_busy(self) -> bool:
+        """Whether a launched step may still run on the device (the batcher's continuous-batching test).
+        Loop thread only. CPU steps are synchronous: never busy."""
+        if not self.cuda:
+            return False
+        q = self._in_flight
+        while q and q[0].query():
+            q.popleft()
+        return bool(q)
+
+    def _warm_compiled(self, smallest: int, batch_of_one: bool) -> None:
+        """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what
+        CUDA graphs capture), batched (equal-size images) and, when equal-step graphs will be
+        captured, batched attention of one image (torch.compile specialises a size of 1). A first
+        compile in the middle of serving would stall the loop for seconds."""
+        side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
+        spec = self.model.spec
+        for count, attention in ((1, None), (2, None), (1, AttentionKind.BATCHED))[: 3 if batch_of_one else 2]:
+            grids = [(1, side, side)] * count
+            arr = build_batch(grids, spec)
+            n = side * side * count
+            d = self.dev
+            for name in ("pos_hw", "interp_idx", "interp_w"):
+                getattr(d, name)[:n].copy_(torch.from_numpy(arr[name]))
+            d.cu_seqlens[: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
+            self.patches[:n].normal_()
+            batch = TowerBatch(self.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
+                               d.cu_seqlens[: count + 1], tuple([side * side] * count), attention=attention)
+            with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+                self.model.tower(batch)
+        self.compute_stream.synchronize()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(self, images: Sequence[PreparedImage]) -> Iterator[Staged]:
+        """Host: write one step's images (pixels and geometry) into the next pinned slot (after its
+        fence), for `run` inside the block. `run` releases the slot at its fence point; if anything
+        raises before that, the slot is released on the way out of the block (see StagingPool.acquired)."""
+        with self.pool.acquired() as slot:  # blocks until the device has finished reading this slot's last step
+            yield self._stage_into(slot, images)
+
+    def _stage_into(self, slot: Slot, images: Sequence[PreparedImage]) -> Staged:
+        bufs = self._np[slot.index]
+        spec = self.model.spec
+        merge2 = spec.merge_size**2
+        off = row = 0
+        seq_lens, grids, token_offsets = [], [], [0]
+        for i, img in enumerate(images):
+            t, gh, gw = img.grid_thw
+            h, w = img.pixels.shape[:2]
+            n_bytes, n_patches = img.pixels.size, gh * gw
+            assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
+            bufs.pixels[off : off + n_bytes] = img.pixels.reshape(-1)
+            bufs.images[i] = (off, h, w, row)
+            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
+            bufs.pos_hw[row : row + n_patches] = geo.pos_hw
+            bufs.interp_idx[row : row + n_patches] = geo.interp_idx
+            bufs.interp_w[row : row + n_patches] = geo.interp_w
+            off += n_bytes
+            row += n_patches
+            seq_lens.append(n_patches)
+            grids.append((t, gh, gw))
+            token_offsets.append(token_offsets[-1] + n_patches // merge2)
+        graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
+        padded = graph.patches if graph and graph.padded else row  # a varlen graph's bucket; else no padding
+        cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
+        if graph and graph.padded:
+            used = cu.index(padded) + 1  # real segments, padding, the leading 0
+            assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
+        bufs.cu_seqlens[:] = cu
+        size = StepSize(pixel_bytes=off, images=len(seq_lens), patches=row, cu_seqlens=self.cu_length)
+        return Staged(slot=slot, size=size, graph=graph, seq_lens=tuple(seq_lens), token_offsets=token_offsets,
+                      grids=grids)
+
+    def run(self, st: Staged) -> Launched:
+        """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
+        return self._run_cuda(st) if self.cuda else self._run_cpu(st)
+
+    def _run_cpu(self, st: Staged) -> Launched:
+        b, n, nb = st.slot.buffers, st.size.patches, st.size.images
+        rows = []
+        for i in range(nb):
+            off, h, w, _ = (int(x) for x in b.images[i])
+            pixels = b.pixels[off : off + h * w * 3].view(h, w, 3)
+            rows.append(patchify(pixels, self.lut, self.model.params))
+        batch = TowerBatch(
+            patches=torch.cat(rows).to(self.model.dtype),
+            pos_hw=b.pos_hw[:n], interp_idx=b.interp_idx[:n], interp_w=b.interp_w[:n],
+            cu_seqlens=b.cu_seqlens[: nb + 1], seq_lens=st.seq_lens,
+        )
+        with torch.inference_mode():
+            out = self.model.tower(batch)
+        # CPU work is synchronous: the slot is free again. (If anything above raised, `stage` released it.)
+        st.slot.release()
+        return Launched(host_out=out, done=None, output=None, token_offsets=st.token_offsets, grids=st.grids)
+
+    def _run_cuda(self, st: Staged) -> Launched:
+        slot, n, nb, nbytes = st.slot, st.size.patches, st.size.images, st.size.pixel_bytes
+        d = self.dev
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            try:
+                if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
+                    torch.cuda._sleep(self.test_stall_cycles)
+                self._copy_async(_copies(self._h2d[slot.index], st.size), self.compute_stream)
+            finally:
+                # The H2D copies above are the last device work that reads slot k: fence it here.
+                slot.release(self.compute_stream)
+            patches = self.patches[:n]
+            self._patchify_cuda(d.pixels[:nbytes], d.images[:nb], self.lut, patches,
+                                patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
+            tokens = st.token_offsets[-1]
+            if st.graph is not None:
+                # One launch for the whole tower. The graph's output is static and the next replay
+                # overwrites it: take a device copy (cheap) for the D2H to read.
+                out = self.graphs.run(st.graph)[:tokens].clone()
+            else:
+                batch = TowerBatch(patches, d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
+                                   d.cu_seqlens[: nb + 1], st.seq_lens)
+                out = self.model.tower(batch)
+        output = self.outputs.acquire()  # back-pressure: only blocks when the writer is pool_slots steps behind
+        host, done = output.host[:tokens], output.done
+        self.copy_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(out, non_blocking=True)
+            done.record(self.copy_stream)
+        self._in_flight.append(done)
+        # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
+        out.record_stream(self.copy_stream)
+        return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids)
+
+
+def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(dst pointer, src pointer, bytes per row) of each buffer, in field order: made once per slot, so
+    a step's copies are plain integer arithmetic (see kernels.preprocess.copy_async for why raw copies)."""
+    return [(d.data_ptr(), s.data_ptr(), s[:1].nbytes) for s, d in zip(src.values(), dst.values())]
+
+
+def _copies(table: list[tuple[int, int, int]], size: StepSize) -> list[tuple[int, int, int]]:
+    """The raw copies (dst, src, bytes) that move what a step of `size` filled: one per buffer, of the
+    rows StepSize.rows gives it (in the same field order as the table)."""
+    return [(dst, src, row_bytes * rows) for (dst, src, row_bytes), rows in zip(table, size.rows().values())]

@@ -1,0 +1,439 @@
+"""The Qwen3-VL vision tower, written for serving.
+
+Same architecture and the same state-dict names as transformers' `Qwen3VLVisionModel` (so released
+checkpoints load with `strict=True` and transformers is the reference in tests), but shaped for a
+step loop:
+  * every per-batch index (rotary positions, learned-position interpolation taps, cu_seqlens) is
+    computed on the host from grid_thw and arrives as a tensor: no `.tolist()` / `repeat_interleave`
+    host syncs inside the forward;
+  * the patch embedding is a Linear over one frame (768 wide) with the Conv3d weights summed over
+    t: both temporal frames of an image are equal, so this is the same function on half the input;
+  * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
+    model-dtype in/out: one Triton kernel on CUDA (kernels/rotary.py; the eager chain was a third of
+    the tower's time on an H200), the plain torch formula on the CPU;
+  * attention is chosen per step on the host, from host integers (no device sync): one batched SDPA
+    call when every image has the same length, `varlen_attn` over the packed batch otherwise (CUDA,
+    bf16/fp16), a per-image loop elsewhere;
+  * the block is one function of its weights (`_make_block_fn`): `compile()` wraps it in torch.compile
+    with dynamic shapes, so one compiled graph per attention kind serves every block and every step
+    size (and the CUDA graphs captured from it); GELU runs in the cuBLASLt GEMM epilogue on CUDA.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import rotary as rotary_kernel
+
+try:  # torch >= 2.10 on CUDA; absent or unusable elsewhere, we fall back to SDPA.
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch build
+    _varlen_attn = None
+
+
+@dataclass(frozen=True)
+class TowerSpec:
+    """What the rest of the service needs to know about a tower (plain ints, no tensors)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    deepstack_indexes: tuple[int, ...]
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    num_position_embeddings: int
+    rope_theta: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "TowerSpec":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        return cls(
+            depth=cfg.depth,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            out_hidden_size=cfg.out_hidden_size,
+            deepstack_indexes=tuple(cfg.deepstack_visual_indexes),
+            patch_size=cfg.patch_size,
+            merge_size=cfg.spatial_merge_size,
+            temporal_patch_size=cfg.temporal_patch_size,
+            num_position_embeddings=cfg.num_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.deepstack_indexes)
+
+    @property
+    def out_width(self) -> int:
+        """Columns of one image's stored tensor: main embeddings, then each deepstack tap."""
+        return self.out_hidden_size * (1 + self.deepstack_levels)
+
+    @property
+    def frame_patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host-side geometry: everything the forward needs that depends only on an image's grid.
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridGeometry:
+    """Per-patch indices for one (grid_h, grid_w), rows in merge-block order (h/2, w/2, 2, 2)."""
+
+    pos_hw: np.ndarray  # [n, 2] int64 — (row, col) of each patch, for the 2-D rotary embedding
+    interp_idx: np.ndarray  # [n, 4] int64 — taps into the learned square position table
+    interp_w: np.ndarray  # [n, 4] float32 — bilinear (align_corners=True) weights of those taps
+
+
+@lru_cache(maxsize=4096)
+def grid_geometry(grid_h: int, grid_w: int, merge: int, num_position_embeddings: int) -> GridGeometry:
+    """Cached: real traffic repeats a few hundred grid shapes, and this is pure index arithmetic."""
+    side = int(math.isqrt(num_position_embeddings))
+    rows = torch.arange(grid_h).view(grid_h // merge, merge, 1, 1).expand(-1, -1, grid_w // merge, merge)
+    cols = torch.arange(grid_w).view(1, 1, grid_w // merge, merge).expand(grid_h // merge, merge, -1, -1)
+    # (bh, mh, bw, mw) -> (bh, bw, mh, mw): each 2x2 merge block contiguous
+    row = rows.permute(0, 2, 1, 3).reshape(-1)
+    col = cols.permute(0, 2, 1, 3).reshape(-1)
+
+    def taps(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # bilinear, align_corners=True: endpoints map to 0 and side-1 (same float32 ops as transformers)
+        src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+        lo = torch.floor(src)
+        t = torch.stack([lo, lo + 1], dim=1).long().clamp(0, side - 1)
+        w = (1 - (src[:, None] - lo[:, None] - torch.arange(2)).abs()).clamp(min=0)
+        return t, w
+
+    h_t, h_w = taps(row, grid_h)
+    w_t, w_w = taps(col, grid_w)
+    idx = (h_t[:, :, None] * side + w_t[:, None, :]).reshape(-1, 4)
+    wts = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    pos_hw = torch.stack([row, col], dim=1)
+    return GridGeometry(pos_hw.numpy(), idx.numpy(), wts.to(torch.float32).numpy())
+
+
+class AttentionKind(enum.Enum):
+    """How a step's attention runs, decided on the host per step (see attention_kind)."""
+
+    VARLEN = "varlen"  # varlen_attn over the packed batch, one segment per image (CUDA, bf16/fp16)
+    BATCHED = "batched"  # one [B, heads, L, dim] SDPA call: every image of the step has the same length
+    LOOP = "loop"  # one SDPA call per image (where varlen is not: the CPU, float32 on CUDA; never compiled)
+
+
+@dataclass
+class TowerBatch:
+    """One packed step of images, on the tower's device. Images are back to back in every tensor."""
+
+    patches: torch.Tensor  # [N, 3*P*P] model dtype — one frame's patch rows, merge-block order
+    pos_hw: torch.Tensor  # [N, 2] int64
+    interp_idx: torch.Tensor  # [N, 4] int64
+    interp_w: torch.Tensor  # [N, 4] float32
+    cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image (graphs: padded, see graphs.py)
+    seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
+    max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
+    attention: AttentionKind | None = None  # VARLEN or BATCHED forced on a fast device (graphs); None: attention_kind
+
+
+def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> AttentionKind:
+    """Pick the attention call for a step from host integers only (never a device sync).
+
+    `b.attention` forces VARLEN or BATCHED on a fast device (CUDA graphs choose per graph; a forced
+    BATCHED needs equal lengths).
+    NOTE: unforced, a single image goes through varlen, not a batch of one: under torch.compile a
+    batch size of 1 is specialised into a compiled graph of its own, compiled at start-up only for
+    the graphs that use it (Runner._warm_compiled)."""
+    lens = b.seq_lens
+    fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
+    equal = all(n == lens[0] for n in lens)
+    if fast and b.attention is not None:
+        assert b.attention == AttentionKind.VARLEN or equal, "batched attention needs equal lengths: this is a bug"
+        return b.attention
+    if equal and len(lens) >= 2:
+        return AttentionKind.BATCHED
+    return AttentionKind.VARLEN if fast else AttentionKind.LOOP
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules (attribute names mirror transformers' Qwen3VLVisionModel for strict state-dict loading)
+# ---------------------------------------------------------------------------------------------------
+class _PatchEmbed(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(3, spec.hidden_size, kernel_size=k, stride=k, bias=True)
+
+
+class _Attn(NamedTuple):
+    """How this step's attention runs: host values, fixed for the whole step."""
+
+    kind: AttentionKind
+    cu_seqlens: torch.Tensor  # [B+1] int32 (VARLEN)
+    max_seqlen: int  # VARLEN: upper bound on a segment's length; else 0
+    batch: int  # BATCHED: number of (equal-length) images; else 0
+    seq_lens: tuple[int, ...] | None  # LOOP only (never under torch.compile)
+    cudnn: bool  # BATCHED: call cuDNN's attention directly
+
+
+class _BlockWeights(NamedTuple):
+    """One block's tensors, handed to the block function as inputs (see _make_block_fn)."""
+
+    norm1_w: torch.Tensor
+    norm1_b: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor
+    norm2_w: torch.Tensor
+    norm2_b: torch.Tensor
+    fc1_w: torch.Tensor
+    fc1_b: torch.Tensor
+    fc2_w: torch.Tensor
+    fc2_b: torch.Tensor
+
+
+def max_block_rows(spec: TowerSpec) -> int:
+    """The most patch rows one step may hold: every activation of a block stays under 2**31 elements."""
+    return (2**31 - 1) // max(3 * spec.hidden_size, spec.intermediate_size)
+
+
+def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
+    """One vision block as a function of its inputs and its weights.
+
+    NOTE: a function of the weights, not a module method, so torch.compile traces ONE graph that all
+    blocks share (the weights are graph inputs): compiling the 24-27 block tower as a whole took ~2
+    minutes on an H200, one block a few seconds. Head count and eps are closure constants; every int
+    argument is symbolic under dynamic=True."""
+    scale = head_dim**-0.5
+    fused_rotary = rotary_kernel.supports(num_heads, head_dim)
+
+    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: AttentionKind, cudnn: bool,
+              seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
+        n, hidden = x.shape
+        # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
+        # integers (with an unbounded symbolic size it falls back to slower 64-bit index math).
+        torch._check(n <= max_rows)
+        h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
+        qkv = F.linear(h, w.qkv_w, w.qkv_b)  # [N, 3*H*D]: q, k, v
+        if fused_rotary and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16):
+            qk = rotary_kernel.rotary_qk(qkv, cos, sin, num_heads)  # one Triton kernel, [N, 2, H, D]
+        else:
+            qk = _rotary(qkv.view(n, 3, num_heads, head_dim)[:, :2], cos, sin)
+        q, k = qk.unbind(1)  # [N, H, D] each
+        qkv = qkv.view(n, 3, num_heads, head_dim)
+        attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, cudnn)
+        o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
+        x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
+        h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
+        if h.is_cuda:
+            # GELU (tanh, = gelu_pytorch_tanh) in cuBLASLt's GEMM epilogue: one pass over the widest
+            # activation saved. (On the CPU this op's GELU is the erf one, so not there.)
+            h = torch._addmm_activation(w.fc1_b, h, w.fc1_w.t(), use_gelu=True)
+        else:
+            h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
+        return x + F.linear(h, w.fc2_w, w.fc2_b)
+
+    return block
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
+        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+
+
+class _MLP(nn.Module):
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
+
+
+class _Block(nn.Module):
+    """Holds one block's parameters under transformers' names; the math is _make_block_fn's."""
+
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(spec.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(spec.hidden_size, eps=1e-6)
+        self.attn = _Attention(spec)
+        self.mlp = _MLP(spec)
+
+    def weights(self) -> _BlockWeights:
+        a, m = self.attn, self.mlp
+        return _BlockWeights(self.norm1.weight, self.norm1.bias, a.qkv.weight, a.qkv.bias, a.proj.weight, a.proj.bias,
+                             self.norm2.weight, self.norm2.bias, m.linear_fc1.weight, m.linear_fc1.bias,
+                             m.linear_fc2.weight, m.linear_fc2.bias)
+
+
+class _Merger(nn.Module):
+    """2x2 patch merge to the LM width. Deepstack mergers normalise after the shuffle, the main one before."""
+
+    def __init__(self, spec: TowerSpec, postshuffle_norm: bool):
+        super().__init__()
+        self.width = spec.hidden_size * spec.merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.width if postshuffle_norm else spec.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, spec.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle_norm else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionTower(nn.Module):
+    """Qwen3-VL vision tower. `forward(TowerBatch) -> [tokens, out_hidden * (1 + deepstack levels)]`."""
+
+    def __init__(self, spec: TowerSpec):
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = _PatchEmbed(spec)
+        self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
+        self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
+        self.merger = _Merger(spec, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(_Merger(spec, postshuffle_norm=True) for _ in spec.deepstack_indexes)
+        # Rotary inverse frequencies: head_dim/4 of them, shared by the row and column axes.
+        quarter = spec.head_dim // 2
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
+        self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
+        self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6, max_rows=max_block_rows(spec))
+        self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
+        self._compiled = None  # torch.compile'd _block_fn, once compile() was called
+        # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
+        # the engine after a probe on the device (cudnn_attention_works); never on the CPU.
+        self.cudnn_attention = False
+
+    @torch.no_grad()
+    def fuse_patch_embed(self) -> None:
+        """Call after loading weights: Conv3d over (t, p, p) on a frame repeated over t == Linear with
+        the weights summed over t. Summed in float32, then cast to the model dtype. Also collects each
+        block's weight tensors for the block function (they never change after loading)."""
+        w = self.patch_embed.proj.weight  # [hidden, 3, T, P, P]
+        self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
+        self._block_weights = [blk.weights() for blk in self.blocks]
+
+    def compile(self) -> None:
+        """Run the blocks through torch.compile (Inductor) from now on: rotary, layernorms, residuals
+        and GELU become fused kernels around the cuBLAS GEMMs and the attention call.
+
+        dynamic=True: the step's patch count, segment count, batch size and max_seqlen are symbolic,
+        so each attention kind compiles once and serves every step size; fullgraph=True: a graph
+        break would silently leave part of the block eager, so it is an error instead."""
+        self._compiled = torch.compile(self._block_fn, dynamic=True, fullgraph=True)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def forward(self, b: TowerBatch) -> torch.Tensor:
+        assert self.frame_proj_weight.numel() > 0, "fuse_patch_embed() was not called after loading: this is a bug"
+        kind = attention_kind(b, b.patches.device, b.patches.dtype)
+        # Arguments a kind does not use are fixed at 0 / None: torch.compile specialises on them, and a
+        # varying unused value (or a 1) would compile another graph.
+        max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == AttentionKind.VARLEN else 0
+        batch = len(b.seq_lens) if kind == AttentionKind.BATCHED else 0
+        seq_lens = b.seq_lens if kind == AttentionKind.LOOP else None
+        block_fn = self._compiled if (self._compiled is not None and kind != AttentionKind.LOOP) else self._block_fn
+
+        x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
+        x = x + pos.to(x.dtype)
+        freqs = b.pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
+        half = freqs.flatten(1)  # [N, D/2]: row freqs then column freqs
+        cos = torch.cat([half, half], dim=-1).cos()  # [N, D] float32
+        s = half.sin()
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign folded into sin once per step
+        # (exactly equal in IEEE arithmetic) instead of a negation per block.
+        sin = torch.cat([-s, s], dim=-1)  # [N, D] float32
+
+        taps = []
+        for i, w in enumerate(self._block_weights):
+            x = block_fn(x, cos, sin, b.cu_seqlens, max_seqlen, batch, kind, self.cudnn_attention, seq_lens, w)
+            if i in self.spec.deepstack_indexes:
+                taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
+        return torch.cat([self.merger(x), *taps], dim=1)
+
+
+def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
+    """Probe cuDNN's fused attention for the tower's batched layout on `device`: it must run and agree
+    with SDPA's math kernel. Some cuDNN / GPU / head-size combinations are unsupported: then SDPA."""
+    if device.type != "cuda":
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2 * 256, num_heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
+    qs, ks, vs = (t.view(2, 256, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    try:
+        with torch.inference_mode():
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False)[0]
+            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float())
+        torch.cuda.synchronize(device)
+    except RuntimeError:  # not supported by this build / device / shape
+        return False
+    return bool(((out.float() - ref).norm() / ref.norm()).item() < 2e-2)
+
+
+def varlen_available() -> bool:
+    return _varlen_attn is not None
+
+
+def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of q and k at once. qk: [N, 2, H, D] (a view of qkv) -> [N, 2, H, D]
+    in qk's dtype; math in float32 like the reference (bf16 rotary loses precision on large grids).
+    `sin` carries rotate_half's sign: [-sin, sin]."""
+    x = qk.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos[:, None, None, :] + torch.cat((x2, x1), dim=-1) * sin[:, None, None, :]
+    return out.to(qk.dtype)
+
+
+def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
+    """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
+    if attn.kind == AttentionKind.VARLEN:
+        return _varlen_attn(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, scale=scale)
+    if attn.kind == AttentionKind.BATCHED:
+        # Equal lengths: one batched SDPA call, no Python loop. On CUDA it picks the flash / cuDNN kernels.
+        n, h, d = q.shape
+        bsz = attn.batch
+        qs, ks, vs = (t.reshape(bsz, n // bsz, h, d).transpose(1, 2) for t in (q, k, v))
+        if attn.cudnn:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False, scale=scale)[0]
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        return out.transpose(1, 2).reshape(n, h, d)
+    outs = []
+    for qi, ki, vi in zip(q.split(attn.seq_lens), k.split(attn.seq_lens), v.split(attn.seq_lens)):
+        o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def build_batch(grids: list[tuple[int, int, int]], spec: TowerSpec) -> dict[str, np.ndarray]:
+    """Host arrays for a batch of grids, concatenated (used by tests and the CPU path)."""
+    geos = [grid_geometry(h, w, spec.merge_size, spec.num_position_embeddings) for (_, h, w) in grids]
+    lens = [t * h * w for (t, h, w) in grids]
+    return {
+        "pos_hw": np.concatenate([g.pos_hw for g in geos]),
+        "interp_idx": np.concatenate([g.interp_idx for g in geos]),
+        "interp_w": np.concatenate([g.interp_w for g in geos]),
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+    }

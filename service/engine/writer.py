@@ -1,0 +1,129 @@
+"""The store writer: the one thread that turns launched steps into store entries and answers.
+
+    per step: reserve each image's entry (while the device computes) -> wait the step's copy-done
+              event -> commit each entry -> finish its waiters -> release the output buffer to its ring
+
+The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
+failed write answers only its own image.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+
+import torch
+
+from service.engine.batcher import Batcher, WorkItem
+from service.engine.job import EncodeJob
+from service.engine.runner import Launched
+from service.errors import BackendError, ServiceError
+from service.metrics import Metrics
+from service.store.directory import EmbeddingStore, PendingEntry
+
+log = logging.getLogger(__name__)
+
+
+class Writer:
+    """Writes launched steps to the store. `run()` is the thread; `publish` hands it a step."""
+
+    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
+        """`threads`: --store-writers, this thread included."""
+        self.store, self.batcher, self.metrics = store, batcher, metrics
+        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched] | None] = queue.Queue()
+        self._writers = threads
+        # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
+
+    def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched) -> None:
+        """Hand over a launched step and its items (in staging order), to be written once its copy is done."""
+        self._queue.put((items, launched))
+
+    def close(self) -> None:
+        """No more steps (the loop has drained): write what is queued, then `run` returns."""
+        self._queue.put(None)
+
+    def run(self) -> None:
+        while (step := self._queue.get()) is not None:
+            self.write(*step)
+        self._put_pool.shutdown()
+
+    def write(self, items: list[WorkItem[EncodeJob]], job: Launched) -> None:
+        """Store one step's embeddings and answer every one of its items (result or error)."""
+        n = len(items)
+        offs = job.token_offsets
+        # Reserve every entry's file while the device still computes: allocating tmpfs pages is
+        # most of a store write's cost, and here it overlaps the tower instead of following it.
+        shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
+        dtypes = [job.host_out.dtype] * n
+        if n == 1:
+            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
+        else:
+            held = self._in_parallel(self._reserve, items, shapes, dtypes, job.grids)
+        try:
+            if job.done is not None:
+                job.done.synchronize()  # the writer's one device wait: this step's D2H copy
+                self.batcher.wake()  # the device may be idle now: a waiting batch can close
+        except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
+            log.error("step of %d images failed on the device: %r", n, e)
+            for item, r in zip(items, held):
+                if r is not None:
+                    self.store.abort(r)
+                    self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+        else:
+            rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
+            # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
+            # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
+            # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
+            if n == 1:
+                self._commit(items[0], held[0], rows[0])
+            else:
+                self._in_parallel(self._commit, items, held, rows)
+        finally:
+            if job.output is not None:
+                job.output.release()  # every commit above has returned: the buffer is free
+        # (The store's gauges are read at scrape time: Metrics.update_gauges.)
+
+    def _in_parallel(self, fn, *columns: list) -> list:
+        """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
+        shares, one of them run by this thread. Why not Executor.map: one submit per image contends on
+        the executor's locks with the threads finishing; py-spy put 10% of the engine process's GIL
+        samples there under HTTP load on an H200 host."""
+        n = len(columns[0])
+        k = max(1, min(self._writers, n))
+        shares = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+        run = lambda idx: [fn(*(c[j] for c in columns)) for j in idx]  # noqa: E731
+        futures = [self._put_pool.submit(run, share) for share in shares[1:]]
+        out = run(shares[0])
+        for f in futures:
+            out += f.result()
+        return out
+
+    def _reserve(self, item: WorkItem[EncodeJob], shape: tuple[int, int], dtype: torch.dtype,
+                 grid: tuple[int, int, int]) -> PendingEntry | None:
+        """Reserve one entry's file, or answer its waiters with the error (then None)."""
+        try:
+            return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
+        except Exception as e:
+            self._store_failed(item, e)
+            return None
+
+    def _commit(self, item: WorkItem[EncodeJob], pending: PendingEntry | None, rows: torch.Tensor) -> None:
+        """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
+        if pending is None:
+            return  # answered by _reserve
+        try:
+            stored = self.store.commit(pending, rows)
+        except Exception as e:
+            self._store_failed(item, e)
+        else:
+            self.batcher.finish(item, result=stored)
+
+    def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
+        if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
+            log.warning("store write for %s refused: %s", item.key, e.message)
+            self.batcher.finish(item, error=e)
+        else:
+            log.error("store write for %s failed: %r", item.key, e)
+            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))

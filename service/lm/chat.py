@@ -1,0 +1,277 @@
+"""The LM side: an OpenAI-style chat endpoint answered by Qwen3-VL's language model, which reads each
+image's embeddings from the encoder's store and never runs the vision tower.
+
+    python -m service consume --model CHECKPOINT_DIR --encoder-url http://127.0.0.1:8080 --store DIR --port 8090
+
+Per request (`POST /v1/chat/completions`, a subset of OpenAI's: text and `image_url` content parts,
+`max_tokens`, greedy decoding only):
+  1. every image part goes to the encoder's `/encode` (the same content-part shape, one call for all)
+     -> key, grid_thw, num_tokens;
+  2. `<store>/<key>/encoder_cache.safetensors` is read (`storeformat.read_embeddings`) -> the main
+     embeddings and the deepstack features;
+  3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per embedding row;
+  4. transformers' Qwen3-VL generates greedily from the embeddings (`mm_encoder_outputs`), taking
+     the 3-D rotary positions from grid_thw, and the answer carries OpenAI's `usage` counts.
+A key evicted between the encoder's answer and the read is re-requested once; still missing -> 424.
+Errors are the encoder's JSON error shape: `{"error": {"code", "message"}}`.
+
+The preprocessing rule (as with vLLM): the LM's image placeholders come from the encoder's
+num_tokens, so the encoder's pixel limits decide the tokens; this side never re-derives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field, ValidationError
+
+from service.lm.client import apost
+from service.api.schemas import ImagePart
+from service.api.server import error_response
+from service.errors import (
+    BadGateway,
+    BadRequest,
+    EmbeddingsMissing,
+    ModelLoadError,
+    Relayed,
+    ServiceError,
+)
+from service.store.format import StoredEmbeddings, StoreFormatError, read_embeddings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    model: Path  # a local Qwen3-VL checkpoint directory with its tokenizer and chat template
+    encoder_url: str  # the encoder service, e.g. http://127.0.0.1:8080
+    store: Path  # the encoder's store root, as mounted here (read-only is enough)
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 | bfloat16; auto: bfloat16 on cuda, float32 on cpu
+    max_tokens_limit: int = 1024  # the most tokens one request may ask for
+    encoder_timeout_s: float = 300.0
+
+
+# ---- request / response schemas (OpenAI chat-completions subset) ------------------------------------
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class ChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float | None = None
+    return_token_ids: bool = Field(False, description="also answer the generated token ids (as vLLM does)")
+
+
+# ---- the language model -------------------------------------------------------------------------
+class LanguageModel:
+    """Qwen3-VL from a checkpoint directory, fed precomputed image embeddings. One generation at a time."""
+
+    def __init__(self, cfg: ChatConfig):
+        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+        if not (cfg.model / "config.json").is_file():
+            raise ModelLoadError(f"--model {cfg.model} is not a Qwen3-VL checkpoint directory (no config.json); "
+                                 "the LM side needs a real checkpoint with its tokenizer")
+        cuda = cfg.device.startswith("cuda")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, torch.bfloat16 if cuda else torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.model = Qwen3VLForConditionalGeneration.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
+        self.device, self.dtype = torch.device(cfg.device), dtype
+        mc = self.model.config
+        self.image_token_id = mc.image_token_id
+        self.image_pad = self.tokenizer.convert_ids_to_tokens(mc.image_token_id)
+        self.hidden_size = mc.text_config.hidden_size
+        self.deepstack_levels = len(mc.vision_config.deepstack_visual_indexes)
+        self.merge = mc.vision_config.spatial_merge_size
+        self.eos_ids = {i for i in (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id) if isinstance(i, int)}
+        self.name = cfg.model.resolve().name
+        self._lock = threading.Lock()  # generate() is not re-entrant on one model
+
+    def prompt_ids(self, messages: list[dict], image_tokens: list[int]) -> list[int]:
+        """The chat template's text with each image placeholder expanded to its embedding rows."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        pieces = text.split(self.image_pad)
+        if len(pieces) - 1 != len(image_tokens):
+            raise BadRequest(f"the chat template placed {len(pieces) - 1} image placeholders for "
+                                                f"{len(image_tokens)} images")
+        text = pieces[0] + "".join(self.image_pad * n + p for n, p in zip(image_tokens, pieces[1:]))
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, input_ids: list[int], images: list[StoredEmbeddings], max_new_tokens: int) -> list[int]:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        ids = torch.tensor([input_ids], device=self.device)
+        kwargs = {}
+        if images:
+            cast = lambda t: t.to(self.device, self.dtype)  # noqa: E731
+            kwargs = dict(
+                image_grid_thw=torch.tensor([e.grid_thw for e in images], device=self.device),
+                mm_token_type_ids=(ids == self.image_token_id).int(),
+                mm_encoder_outputs={"image": BaseModelOutputWithDeepstackFeatures(
+                    pooler_output=tuple(cast(e.main) for e in images),
+                    deepstack_features=[tuple(cast(e.deepstack[i]) for e in images) for i in range(self.deepstack_levels)],
+                )},
+            )
+        with self._lock, torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=sorted(self.eos_ids) or None,
+                                      pad_token_id=self.tokenizer.pad_token_id, **kwargs)
+        return out[0, len(input_ids):].tolist()
+
+    def check(self, key: str, emb: StoredEmbeddings, num_tokens: int) -> None:
+        """The stored tensor must be what this LM consumes (vLLM checks none of this and truncates)."""
+        t, h, w = emb.grid_thw
+        problems = []
+        if emb.main.shape != (num_tokens, self.hidden_size):
+            problems.append(f"main embeddings {tuple(emb.main.shape)}, expected ({num_tokens}, {self.hidden_size})")
+        if len(emb.deepstack) != self.deepstack_levels:
+            problems.append(f"{len(emb.deepstack)} deepstack levels, expected {self.deepstack_levels}")
+        if t * h * w // self.merge**2 != num_tokens:
+            problems.append(f"grid_thw {emb.grid_thw} gives {t * h * w // self.merge**2} tokens, answered {num_tokens}")
+        if problems:
+            raise BadGateway(f"store entry {key!r} does not fit this language model: " + "; ".join(problems)
+                             + ". Do encoder and LM use the same checkpoint?", code="embeddings_mismatch")
+
+
+# ---- the request path ---------------------------------------------------------------------------
+class Chat:
+    def __init__(self, cfg: ChatConfig, lm: LanguageModel):
+        self.cfg, self.lm = cfg, lm
+        self.http = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.encoder_timeout_s)
+
+    async def encode(self, parts: list[ImagePart]) -> list[dict]:
+        """POST the image parts to the encoder; its items, in order. Its 4xx/503 pass through as ours."""
+        body = {"images": [p.model_dump(exclude_none=True) for p in parts]}
+        try:
+            r, _ = await apost(self.http, "/encode", json=body)  # retried once if the connection was stale
+        except httpx.HTTPError as e:
+            raise BadGateway(f"the encoder at {self.cfg.encoder_url} could not be reached: {type(e).__name__}: {e}",
+                             code="encoder_unavailable") from None
+        if r.status_code != 200:
+            try:
+                err = r.json()["error"]
+                code, message = err["code"], f"encoder: {err['message']}"
+            except (ValueError, KeyError, TypeError):
+                code, message = "encoder_error", f"encoder answered {r.status_code}"
+            status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
+            retry = r.headers.get("Retry-After")
+            raise Relayed(status, code, message, int(retry) if retry and retry.isdigit() else None)
+        return r.json()["items"]
+
+    async def embeddings(self, parts: list[ImagePart]) -> list[tuple[dict, StoredEmbeddings]]:
+        items = await self.encode(parts) if parts else []
+        out = []
+        for part, item in zip(parts, items):
+            emb = self._read(item["key"])
+            if emb is None:  # evicted between the encoder's answer and this read: ask once more
+                log.warning("store entry %s missing after /encode answered it; re-requesting once", item["key"])
+                (item,) = await self.encode([part])
+                emb = self._read(item["key"])
+            if emb is None:
+                raise EmbeddingsMissing(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
+                                        "hold it: is --store the encoder's store root, and is the store large enough?")
+            self.lm.check(item["key"], emb, item["num_tokens"])
+            out.append((item, emb))
+        return out
+
+    def _read(self, key: str) -> StoredEmbeddings | None:
+        try:
+            return read_embeddings(self.cfg.store, key)
+        except KeyError:
+            return None
+        except StoreFormatError as e:
+            raise BadGateway(str(e), code="embeddings_mismatch") from None
+
+    async def complete(self, req: ChatRequest) -> dict:
+        if req.temperature not in (None, 0, 0.0):
+            raise BadRequest(f"temperature {req.temperature}: only greedy decoding is supported; "
+                                                "send temperature 0 or leave it out")
+        if req.max_tokens > self.cfg.max_tokens_limit:
+            raise BadRequest(f"max_tokens {req.max_tokens} is over this server's limit of "
+                                                f"{self.cfg.max_tokens_limit}")
+        parts, messages = [], []
+        for m in req.messages:
+            if isinstance(m.content, str):
+                messages.append({"role": m.role, "content": m.content})
+                continue
+            content = []
+            for p in m.content:
+                if isinstance(p, ImagePart):
+                    parts.append(p)
+                    content.append({"type": "image"})
+                else:
+                    content.append({"type": "text", "text": p.text})
+            messages.append({"role": m.role, "content": content})
+        images = await self.embeddings(parts)
+        input_ids = self.lm.prompt_ids(messages, [item["num_tokens"] for item, _ in images])
+        new = await asyncio.to_thread(self.lm.generate, input_ids, [e for _, e in images], req.max_tokens)
+        finish = "stop" if new and new[-1] in self.lm.eos_ids else "length"
+        choice = {"index": 0, "finish_reason": finish,
+                  "message": {"role": "assistant", "content": self.lm.tokenizer.decode(new, skip_special_tokens=True)}}
+        if req.return_token_ids:
+            choice["token_ids"] = new
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or self.lm.name, "choices": [choice],
+                "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(new),
+                          "total_tokens": len(input_ids) + len(new)}}
+
+
+def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
+    chat = Chat(cfg, lm)
+    app = FastAPI(title="Qwen3-VL LM consumer", version="0.1.0",
+                  description="Answers chat requests from image embeddings the encoder service stored.")
+    app.state.chat = chat
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request):
+        try:
+            req = ChatRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return error_response(BadRequest(f"invalid request body at '{where}': {first['msg']}"))
+        try:
+            return await chat.complete(req)
+        except ServiceError as e:
+            return error_response(e)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        return {"ready": True, "model": lm.name, "encoder": cfg.encoder_url, "store": str(cfg.store)}
+
+    return app
+
+
+def serve(cfg: ChatConfig, host: str, port: int, log_level: str = "info") -> int:
+    import uvicorn
+
+    try:
+        lm = LanguageModel(cfg)
+    except ModelLoadError as e:
+        print(f"cannot load the language model: {e}", flush=True)
+        return 2
+    uvicorn.run(create_chat_app(cfg, lm), host=host, port=port, log_level=log_level)
+    return 0

@@ -1,0 +1,118 @@
+"""A small router in front of vLLM: encode a chat request's images on this service, then forward the
+request to vLLM, whose EC consumer reads the embeddings from the store by `uuid` (docs/vllm.md).
+
+    python -m service route --encoder-url http://127.0.0.1:8080 --vllm-url http://127.0.0.1:8000 --port 8100
+
+Two ways to forward an image (`--image-parts`):
+  * `raw` (default, any vLLM with media uuids): the image part as sent, plus `"uuid": key`. vLLM's
+    processor reads the pixels for grid_thw (its rotary positions) and the token count; the encoder
+    cache supplies the embeddings, so its vision tower does not run.
+  * `embeds` (vLLM >= 0.33, reported, not run here): a metadata-only `image_embeds` part, only
+    `image_grid_thw` (a base64 `torch.save` of the [t, h, w] tensor, as vLLM decodes embeds) plus
+    `"uuid": key`, so no pixels travel to the LM tier.
+Everything else in the request is forwarded untouched, and vLLM's answer is returned as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from service.lm.client import apost
+from service.api.server import error_response
+from service.errors import BadGateway, BadRequest
+
+log = logging.getLogger(__name__)
+
+ImageParts = Literal["raw", "embeds"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    encoder_url: str
+    vllm_url: str
+    image_parts: ImageParts = "raw"
+    timeout_s: float = 600.0
+
+
+def tensor_base64(t: torch.Tensor) -> str:
+    """A tensor as vLLM's image_embeds values carry it: base64 of `torch.save` bytes."""
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def image_parts(chat: dict) -> list[dict]:
+    """The request's `image_url` content parts, in order (the dicts themselves, to be rewritten)."""
+    return [p for m in chat.get("messages", []) if isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+
+
+def vllm_request(chat: dict, items: list[dict], mode: ImageParts) -> dict:
+    """The request to send vLLM: `chat` with each image part tied to its encoder item (same order)."""
+    out = copy.deepcopy(chat)
+    parts = image_parts(out)
+    assert len(parts) == len(items), f"{len(items)} encoder items for {len(parts)} images: this is a bug"
+    for part, item in zip(parts, items):
+        if mode == "raw":
+            part["uuid"] = item["key"]
+        else:
+            part.clear()
+            part.update(type="image_embeds", uuid=item["key"],
+                        image_embeds={"image_grid_thw": tensor_base64(torch.tensor(item["grid_thw"], dtype=torch.int64))})
+    return out
+
+
+def create_router_app(cfg: RouterConfig) -> FastAPI:
+    app = FastAPI(title="Qwen3-VL encoder -> vLLM router", version="0.1.0")
+    app.state.encoder = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.timeout_s)
+    app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request):
+        try:
+            chat = await request.json()
+        except ValueError as e:
+            return error_response(BadRequest(f"the body is not JSON: {e}"))
+        if not isinstance(chat, dict):
+            return error_response(BadRequest("the body must be a JSON object"))
+        parts = image_parts(chat)
+        items: list[dict] = []
+        if parts:
+            encode = [{k: v for k, v in p.items() if k in ("type", "image_url", "uuid")} for p in parts]
+            try:
+                r, _ = await apost(app.state.encoder, "/encode", json={"images": encode})  # stale connection: once more
+            except httpx.HTTPError as e:
+                return error_response(BadGateway(f"the encoder could not be reached: {type(e).__name__}: {e}",
+                                                 code="encoder_unavailable"))
+            if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
+                return Response(r.content, status_code=r.status_code, media_type="application/json",
+                                headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
+            items = r.json()["items"]
+        try:
+            r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
+        except httpx.HTTPError as e:
+            return error_response(BadGateway(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def serve(cfg: RouterConfig, host: str, port: int, log_level: str = "info") -> int:
+    import uvicorn
+
+    uvicorn.run(create_router_app(cfg), host=host, port=port, log_level=log_level)
+    return 0

@@ -1,0 +1,48 @@
+"""An API process of a supervised service: the app (api/app.py) on the shared socket, decoding in threads
+into its shared-memory arena (procs/decoders.py's ArenaDecoder), the engines reached over their Unix
+sockets (procs/ipc.py). No model and no torch here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from service.config import MULTIPROC_ENV, Settings
+from service.procs.child import child_setup
+
+
+def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
+             metrics_dir: str, log_level: str, parent_pid: int) -> None:
+    """Entry point of an API process (spawned by the supervisor)."""
+    child_setup(parent_pid, log_level, f"api{index}")
+    # One /metrics for every API process (metrics.py): prometheus_client picks its multiprocess mode
+    # from this variable when it is first imported, which must be after this line.
+    assert "prometheus_client" not in sys.modules, "prometheus_client imported before its multiprocess set-up"
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    # NOTE: imported only now, for the line above: the app's modules import prometheus_client.
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.api.runtime import Runtime
+    from service.api.server import Server, server_options
+    from service.engine.client import EngineRouter
+    from service.metrics import Metrics
+    from service.procs.arena import Arena
+    from service.procs.decoders import ArenaDecoder
+    from service.procs.ipc import SocketTransport
+
+    sys.setswitchinterval(0.001)
+
+    async def make_runtime() -> Runtime:
+        metrics = Metrics()
+        decoder = ArenaDecoder(Arena(arena_name, settings.arena_bytes), settings.decode_worker_count(),
+                               settings.image_limits, metrics)
+        engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
+        return Runtime(settings, decoder, engines, metrics)
+
+    app = create_app(settings, make_runtime)
+    # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
+    # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
+    config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
+    Server(config, ignore_sigint=True).run(sockets=[sock])

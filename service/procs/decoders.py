@@ -1,0 +1,183 @@
+"""The two ways an app instance decodes images (api/runtime.py's Decoder), one per kind of process:
+
+  * PoolDecoder: a single-process service. Decode processes (PIL decode and the bicubic resize hold
+    the GIL most of the time), the pixels handed back as an array for the in-process engine host.
+  * ArenaDecoder: an API process of a supervised service. Decode threads (this process does nothing
+    but HTTP and decoding, and there are several such processes), the pixels written once into a cell
+    of this process's shared-memory arena, which the engine process reads in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import time
+
+from service.api.runtime import Decoded
+from service.config import ImageLimits, PreprocessParams
+from service.engine.messages import Cell, Geometry
+from service.errors import Overloaded, Unavailable
+from service.media.images import ImageHeader, PreparedImage, prepare_image, warmup_png
+from service.metrics import Metrics
+from service.procs.arena import Arena, ArenaFull
+from service.procs.child import exit_with
+
+log = logging.getLogger(__name__)
+
+# A decode waiting this long with no decode of its pool finishing meanwhile means the pool is stuck
+# (PoolDecoder.decode). The largest admitted image decodes in about a second on one core.
+DECODE_STALL_S = 30.0
+# A new pool is on that clock only once a worker of it has answered (starting one through the forkserver
+# took seconds on a loaded 2-core machine); one that has not answered by this time is stuck too.
+POOL_START_LIMIT_S = 120.0
+
+
+def _geometry(prep: PreparedImage) -> Geometry:
+    h, w = prep.pixels.shape[:2]
+    return Geometry(height=h, width=w, grid_thw=prep.grid_thw, tokens=prep.num_tokens)
+
+
+class PoolDecoder:
+    """Decode processes for a single-process service; the pixels come back as an array (pickled once)."""
+
+    def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S):
+        self.workers, self.limits, self.stall_s = workers, limits, stall_s
+        self._decode_done = time.monotonic()  # when a decode last finished (a pool that finishes none is stuck)
+        self.pool = self._new_pool()
+        self.ready = False
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # NOTE: forkserver/spawn, not fork: this process already runs threads (torch, the step loop).
+        # Each worker exits when this process does: a SIGKILL of the service leaves no worker behind (and
+        # then no forkserver: the workers were what kept it alive).
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
+                                                      initializer=exit_with, initargs=(os.getpid(),))
+        # The pool is up once a worker has answered: until then its decodes are not on the stall clock.
+        self._started = (pool, time.monotonic(), pool.submit(os.getpid))
+        self._up_at: float | None = None
+        self._started[2].add_done_callback(lambda _f: setattr(self, "_up_at", time.monotonic()))
+        return pool
+
+    def _stalled(self, pool, waiting_since: float) -> bool:
+        """Whether `pool` counts as stuck for a decode waiting since `waiting_since`."""
+        now = time.monotonic()
+        tracked, created, _ = self._started
+        if tracked is not pool:  # (a pool this decoder did not start: on the clock at once)
+            up = 0.0
+        elif self._up_at is None:
+            return now - created > POOL_START_LIMIT_S
+        else:
+            up = self._up_at
+        return now - max(waiting_since, self._decode_done, up) > self.stall_s
+
+    async def start(self, params: PreprocessParams) -> None:
+        """Start every worker now (imports, forkserver) rather than on the first requests."""
+        blob = warmup_png()
+        await asyncio.to_thread(lambda: list(self.pool.map(prepare_image, [blob] * self.workers,
+                                                           [params] * self.workers, [self.limits] * self.workers)))
+        self.ready = True
+
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        """prepare_image in a decode worker (with the header read at admission: not parsed again). A dead worker (the OOM killer's SIGKILL) breaks the whole
+        pool: it is replaced at once and this image answered 503, so one death costs one request.
+
+        A pool can also stop answering without breaking: the chaos test met it once in CI (after a
+        worker's SIGKILL the pool finished no more decodes and the executor never reported it broken;
+        why was not found). So a decode that waits `stall_s` with no decode of its pool finishing
+        meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and the images
+        waiting on the old one are answered 503."""
+        pool = self.pool
+        waiting_since = time.monotonic()
+        try:  # (a pool already broken raises here, at submit)
+            fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, params, self.limits, header)
+            while not (await asyncio.wait({fut}, timeout=1.0))[0]:
+                if self._stalled(pool, waiting_since) or pool is not self.pool:
+                    fut.cancel()
+                    if self.pool is pool:
+                        log.error("no decode finished in %.0f s: the decode pool is stuck; starting a new one",
+                                  self.stall_s)
+                        self.pool = self._new_pool()
+                        for worker in list(pool._processes.values()):  # (private, stable since 3.2)
+                            worker.kill()
+                        pool.shutdown(wait=False, cancel_futures=True)
+                    raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
+                                      retry_after_s=1)
+            self._decode_done = time.monotonic()  # any outcome, a refused image too: the pool is alive
+            prep = fut.result()
+        except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
+            if self.pool is pool:
+                log.error("a decode worker died (killed, out of memory?); starting a new pool")
+                self.pool = self._new_pool()
+                await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+            raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
+                              "retry", retry_after_s=1) from None
+        return Decoded(_geometry(prep), prep.pixels)
+
+    def release(self, decoded: Decoded) -> None:
+        pass  # an array: the garbage collector has it
+
+    def cell_free(self, cell: Cell) -> None:
+        raise AssertionError(f"{cell} freed in a single-process service, which has no arena: this is a bug")
+
+    async def shutdown(self) -> None:
+        # NOTE: wait=True. Decode workers forked by the forkserver hold its liveness pipe; workers left
+        # running (wait=False) keep the forkserver, and so themselves, alive after this process exits.
+        await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+
+
+class ArenaDecoder:
+    """Decode threads for an API process; the pixels land in a cell of this process's arena."""
+
+    def __init__(self, arena: Arena, workers: int, limits: ImageLimits, metrics: Metrics):
+        self.arena, self.limits, self.metrics = arena, limits, metrics
+        # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
+        # several such processes; PIL releases the GIL while it decodes and resizes.
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self.ready = True
+
+    async def start(self, params: PreprocessParams) -> None:
+        pass  # threads start on demand, and cost nothing to start
+
+    def _decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        """Decode + preprocess (a decode thread) straight into a new arena cell: the pixels are written once."""
+        cells: list[Cell] = []  # the cell prepare_image asked for, once it has
+
+        def into_cell(nbytes: int):
+            try:
+                off = self.arena.alloc(nbytes)
+            except ArenaFull as e:
+                raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
+                                 retry_after_s=1) from None
+            cells.append(Cell(self.arena.name, off, nbytes))
+            self.metrics.arena_bytes.set(self.arena.used)
+            return self.arena.view(off, nbytes)
+
+        try:
+            prep = prepare_image(data, params, self.limits, header, out=into_cell)
+        except BaseException:
+            for cell in cells:  # refused after it took its cell (a JPEG whose data is broken): no owner now
+                self.cell_free(cell)
+            raise
+        return Decoded(_geometry(prep), cells[0])
+
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
+
+    def release(self, decoded: Decoded) -> None:
+        """Pixels that never reached an engine (an unneeded early decode, a submit that failed to leave)."""
+        self.cell_free(decoded.pixels)
+
+    def cell_free(self, cell: Cell) -> None:
+        if cell.segment == self.arena.name:
+            self.arena.free(cell.offset, cell.nbytes)
+            # Kept current here, not at scrape time: any API process answers /metrics for all of them.
+            self.metrics.arena_bytes.set(self.arena.used)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+        log.info("pixel arena %s: %d bytes in use at exit", self.arena.name, self.arena.used)
+        self.arena.close()

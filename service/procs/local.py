@@ -1,0 +1,37 @@
+"""The engine side of a single-process service: its Runtime holds decode processes and an engine host
+in this process, reached through engine/host.py's LocalTransport (no socket, no pixel copy)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+from service.api.app import create_app
+from service.api.runtime import Runtime
+from service.config import FaultInjection, Settings
+from service.engine.client import EngineRouter
+from service.engine.host import LocalTransport, build_host
+from service.engine.loader import LoadedModel, load_model
+from service.metrics import Metrics
+from service.procs.decoders import PoolDecoder
+
+
+async def local_runtime(settings: Settings, model: LoadedModel) -> Runtime:
+    """The Runtime of a single-process service for `model`: the engine host is built in a thread (on
+    cuda the Engine compiles and captures graphs, seconds, and meanwhile the loop keeps answering) and
+    warms up in another; /ready says when it is done. The host is drained when the Runtime shuts down."""
+    faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
+    host = await asyncio.to_thread(build_host, model, settings.engine_options(faults))
+    threading.Thread(target=host.warm_up, name="warmup", daemon=True).start()
+    decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits)
+    return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
+
+
+def local_app(settings: Settings, model: LoadedModel | None = None):
+    """The real app of a single-process service (tests serve it in process); `model` loaded if None."""
+    async def make_runtime() -> Runtime:
+        loaded = model or await asyncio.to_thread(load_model, settings)
+        return await local_runtime(settings, loaded)
+
+    return create_app(settings, make_runtime)

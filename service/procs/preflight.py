@@ -1,0 +1,102 @@
+"""Start-up checks that run before the model is loaded, cheapest first, so that a mistake costs a
+second and one line instead of a model load and a traceback:
+
+    --model   a preset name or an existing directory          (no heavy import)
+    --device  cuda asked for: the CUDA driver sees that GPU    (libcuda via ctypes, not torch)
+    --devices the same for each of them
+    --port    bound now, with uvicorn's SO_REUSEADDR; the socket is the one the server then serves on
+    --store   the store's own ownership checks (service/store/directory.py): creatable, this user's, not writable
+              by others, not locked by another service
+
+Each failure is a StartupError whose message is the line the CLI prints. None of them imports torch
+(tests/procs/test_preflight.py checks it): a failed check exits in about half a second (tests/test_main.py
+prints it), and a supervisor starts its engine process without waiting seconds on an import it does
+not need.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import socket
+from pathlib import Path
+
+from service.errors import StartupError, StoreOwnershipError
+from service.presets import check_model
+from service.store.directory import EmbeddingStore
+
+
+def cuda_device_count() -> int:
+    """GPUs the CUDA driver sees (CUDA_VISIBLE_DEVICES applies), asked of libcuda directly: milliseconds,
+    where importing torch to ask takes seconds. 0 where there is no driver (or it fails to start)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def check_device(device: str, flag: str = "--device") -> None:
+    """An explicit cuda / cuda:N needs a driver that sees that GPU. (`auto` needs nothing. A CPU-only
+    torch on a GPU machine passes here and is caught by the loader, before it loads anything.)
+    `flag`: the setting the message names (--device, or --devices for one of them)."""
+    if not device.startswith("cuda"):
+        return
+    n = cuda_device_count()
+    index = int(device.partition(":")[2] or 0)
+    if n == 0:
+        raise StartupError(f"{flag} {device} asked for CUDA, but there is no CUDA driver or GPU here; "
+                           f"use {flag} cpu")
+    if index >= n:
+        raise StartupError(f"{flag} {device}: the CUDA driver sees {n} GPU(s), cuda:0 to cuda:{n - 1}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket the server will serve on, bound now: a port in use fails before anything
+    loads, and clients that connect during start-up wait in the backlog instead of being refused.
+    SO_REUSEADDR as uvicorn (and asyncio) set it: a port left in TIME_WAIT by a stopped server can be
+    bound again at once, one with a live listener cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = ": another process is listening there; stop it or choose another --port" if (
+            e.errno == errno.EADDRINUSE) else ""
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)  # the supervisor's API processes serve on it too
+    return sock
+
+
+def check_store(root: Path, group: str | None) -> None:
+    """Run the store's own root checks now (creating the root if needed), then release its lock: the
+    service's store takes it again once the model is loaded."""
+    # NOTE: EmbeddingStore's constructor would also rebuild the index from every file in the root;
+    # only its root checks are wanted here (lock_root).
+    try:
+        EmbeddingStore.lock_root(root, group).close()
+    except StoreOwnershipError as e:
+        raise StartupError(str(e)) from None
+
+
+def preflight(settings) -> socket.socket:
+    """Every check above, cheapest first. Returns the bound socket; raises StartupError."""
+    check_model(settings.model)
+    if len(settings.engine_devices) > 1:
+        for device in settings.engine_devices:
+            check_device(device, "--devices")
+    else:
+        check_device(settings.device)
+    sock = bind(settings.host, settings.port)
+    try:
+        check_store(settings.store, settings.store_group)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

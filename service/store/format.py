@@ -1,0 +1,316 @@
+"""The embedding store's on-disk format: what a consumer (the LM server) imports. The writer, with its LRU
+index and eviction, is service/store/directory.py; nothing here depends on it.
+
+One safetensors file per image, in vLLM's ECExampleConnector layout:
+
+    <root>/<key>/encoder_cache.safetensors
+        tensor  "ec_cache"      # [num_tokens, out_hidden * (1 + deepstack_levels)], float32 | bfloat16
+                                # columns: main merged embeddings, then each deepstack tap in index order
+        __metadata__ (all values are strings; lists are JSON):
+            format_version   "1"
+            model            model identity, e.g. "qwen3-vl-4b" or a checkpoint path
+            out_hidden_size  "2560"
+            deepstack_levels "3"
+            grid_thw         "[1, 28, 28]"
+            num_tokens       "196"        (redundant with the shape; for humans and `jq`)
+            content_sha256   SHA-256 of the source image's bytes (a uuid bound to other bytes is a 409)
+
+`read_embeddings` is the consumer (reader) side. It shares nothing with the writer
+(`store.EmbeddingStore`) but this format, so another process (the LM server) can call it while the
+writer evicts and replaces files. This module imports torch only inside `read_embeddings`.
+
+Why this is safe for concurrent readers: a file is written under a temp name in its key directory and
+`os.replace`d onto the final name, and never modified in place afterwards. A reader that opens the
+final name holds either the old or the new inode, both complete; eviction only unlinks, and an
+unlinked inode stays readable through an open handle (POSIX). So `read_embeddings` opens once, reads
+everything from that handle, and checks the size against the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap as _mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.errors import InvalidKey
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT_VERSION = 1
+FILE_NAME = "encoder_cache.safetensors"
+TENSOR_NAME = "ec_cache"
+TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (older versions'
+# files were written by safetensors' save_file, whose 0.8 writes a ".tmpXXXXXX" of its own)
+FILE_MODE = 0o644
+
+KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # client keys (`uuid`), used verbatim
+# Content keys: "sha256+<hex>". The '+' is outside KEY_RE, so no client uuid can name (and poison) one.
+CONTENT_KEY_PREFIX = "sha256+"
+CONTENT_KEY_RE = re.compile(r"^sha256\+[0-9a-f]{64}$")
+
+# safetensors dtype code -> the name used in the API ("dtype" in /encode answers; torch's name for it
+# too) and the bytes per element. No torch dtypes here, so that this module imports without torch.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F32": ("float32", 4),
+    "BF16": ("bfloat16", 2),
+}
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+
+class StoreFormatError(ValueError):
+    """A store file that is not a well-formed ec_cache file (truncated, foreign, or corrupt)."""
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
+
+    key: str
+    path: str  # relative to the store root: "<key>/encoder_cache.safetensors"
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
+    dtype: str  # "float32" | "bfloat16"
+    nbytes: int  # whole file (header + data): what counts against the capacity
+    content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
+
+
+def shard_of(key: str, n: int) -> int:
+    """The shard (engine, with several --devices) that owns `key`: the only process that writes, indexes
+    and evicts `<root>/<key>`, so dedupe and coalescing stay exact. The same in every process and every
+    run (blake2b of the key; Python's hash() is salted per process)."""
+    if n == 1:
+        return 0
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
+
+
+def is_store_key(key: object) -> bool:
+    """A client key or a content key: one safe path component either way."""
+    # NOTE: fullmatch, not match: with `re.match`, "$" also matches before a trailing "\n".
+    return isinstance(key, str) and key not in (".", "..") and (
+        KEY_RE.fullmatch(key) is not None or CONTENT_KEY_RE.fullmatch(key) is not None)
+
+
+def validate_key(key: str, *, content_keys: bool = True) -> str:
+    """Return `key` if it is a store key, else raise InvalidKey. `content_keys=False` (a client's
+    `uuid`): only KEY_RE, so a client cannot take a content key."""
+    ok = is_store_key(key) if content_keys else (isinstance(key, str) and key not in (".", "..")
+                                                   and KEY_RE.fullmatch(key) is not None)
+    if not ok:
+        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+        raise InvalidKey(
+            f"invalid key {shown}: a key is 1-128 ASCII characters from [A-Za-z0-9._-] "
+            "and must not start with '.'; leave 'uuid' out to use a content hash"
+        )
+    return key
+
+
+def _key_dir(root: Path, key: str, real_root: str | None = None) -> Path:
+    """`root/key`, checked to resolve to a direct child of root (defence in depth behind validate_key:
+    it also catches a key directory that someone replaced with a symlink to elsewhere)."""
+    validate_key(key)
+    d = root / key
+    real_root = real_root or os.path.realpath(root)
+    if os.path.dirname(os.path.realpath(d)) != real_root:
+        raise InvalidKey(f"key {key!r} resolves outside the store root {str(root)!r}; remove that entry from the store")
+    return d
+
+
+# ---- the on-disk format ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Header:
+    """A parsed, validated safetensors header of one store file."""
+
+    header_len: int  # bytes of JSON after the 8-byte length prefix
+    dtype: str  # "float32" | "bfloat16" (torch's names for them too)
+    itemsize: int  # bytes per element
+    shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
+    data_nbytes: int
+    metadata: dict[str, str]  # the raw __metadata__
+    format_version: int
+    model: str
+    out_hidden_size: int
+    deepstack_levels: int
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def file_nbytes(self) -> int:
+        return 8 + self.header_len + self.data_nbytes
+
+
+def _parse_header(prefix: bytes, header_json: bytes, file_size: int, where: str) -> _Header:
+    """Validate one store file's header against its size. Raises StoreFormatError saying what is wrong."""
+
+    def bad(why: str) -> StoreFormatError:
+        return StoreFormatError(f"{where}: not a valid {FILE_NAME} ({why})")
+
+    (header_len,) = struct.unpack("<Q", prefix)
+    if len(header_json) != header_len:
+        raise bad(f"truncated header: {len(header_json)} of {header_len} bytes")
+    try:
+        header = json.loads(header_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or set(header) != {"__metadata__", TENSOR_NAME}:
+        keys = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise bad(f"expected exactly the tensor {TENSOR_NAME!r} and __metadata__, found {keys}")
+    info, meta = header[TENSOR_NAME], header["__metadata__"]
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ must map strings to strings")
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        raise bad(f"{TENSOR_NAME} dtype must be one of {sorted(_DTYPES)}")
+    dtype, itemsize = _DTYPES[info["dtype"]]
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(s) is int and s >= 0 for s in shape)):
+        raise bad(f"{TENSOR_NAME} must be 2-D, got shape {shape!r}")
+    data_nbytes = shape[0] * shape[1] * itemsize
+    if offsets != [0, data_nbytes]:
+        raise bad(f"data_offsets {offsets!r} do not match shape {shape} {dtype}")
+    if file_size != 8 + header_len + data_nbytes:
+        raise bad(f"file is {file_size} bytes, header says {8 + header_len + data_nbytes}")
+    try:
+        format_version = int(meta["format_version"])
+        model = meta["model"]
+        out_hidden = int(meta["out_hidden_size"])
+        levels = int(meta["deepstack_levels"])
+        grid = json.loads(meta["grid_thw"])
+    except (KeyError, ValueError) as e:
+        raise bad(f"missing or malformed metadata field: {e!r}") from None
+    if not (isinstance(grid, list) and len(grid) == 3 and all(type(g) is int and g > 0 for g in grid)):
+        raise bad(f"grid_thw must be three positive ints, got {meta['grid_thw']!r}")
+    if out_hidden <= 0 or levels < 0 or shape[1] != out_hidden * (1 + levels):
+        raise bad(f"shape {shape} does not match out_hidden_size={out_hidden} deepstack_levels={levels}")
+    return _Header(
+        header_len=header_len,
+        dtype=dtype,
+        itemsize=itemsize,
+        shape=(shape[0], shape[1]),
+        data_nbytes=data_nbytes,
+        metadata=meta,
+        format_version=format_version,
+        model=model,
+        out_hidden_size=out_hidden,
+        deepstack_levels=levels,
+        grid_thw=(grid[0], grid[1], grid[2]),
+    )
+
+
+def _read_into(fd: int, buf: memoryview, where: str) -> None:
+    """Fill `buf` from the file's current position, or raise StoreFormatError if the file ends first."""
+    got = 0
+    while got < len(buf):
+        k = os.readv(fd, [buf[got:]])
+        if k == 0:
+            raise StoreFormatError(f"{where}: truncated: got {got} of {len(buf)} bytes")
+        got += k
+
+
+def _read_bytes(fd: int, n: int, where: str) -> bytes:
+    buf = bytearray(n)
+    _read_into(fd, memoryview(buf), where)
+    return bytes(buf)
+
+
+def _read_header(fd: int, where: str) -> _Header:
+    """Read and validate the header from an open file (position must be 0; left after the header)."""
+    file_size = os.fstat(fd).st_size
+    if file_size < 8:
+        raise StoreFormatError(f"{where}: not a valid {FILE_NAME} (only {file_size} bytes)")
+    prefix = _read_bytes(fd, 8, where)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+        raise StoreFormatError(f"{where}: not a valid {FILE_NAME} (header length {header_len} is impossible)")
+    return _parse_header(prefix, _read_bytes(fd, header_len, where), file_size, where)
+
+
+def _encode_header(dtype_code: str, shape: tuple[int, ...], data_nbytes: int, metadata: dict[str, str]) -> bytes:
+    """The 8-byte length prefix and the JSON header of a file holding one tensor `ec_cache`, byte for byte
+    as safetensors 0.8 (Rust serde_json) writes them:
+
+        u64 little-endian N, then N bytes {"__metadata__":{...},"ec_cache":{"dtype":..,"shape":[..],
+        "data_offsets":[0,nbytes]}} -- compact separators, non-ASCII as raw UTF-8, control characters
+        escaped as \\n \\t ... or \\u00xx (lowercase hex) -- padded with spaces to N % 8 == 0, so the data
+        starts 8-byte aligned. The raw little-endian tensor bytes follow.
+
+    The one liberty: safetensors 0.8 emits the `__metadata__` entries in Rust HashMap order, which is
+    randomized per call (its own output is not reproducible); we emit them in `metadata`'s order. Given
+    the same order the bytes are identical (tests/store/test_directory.py checks it), and no reader depends on it.
+    """
+    for k, v in metadata.items():
+        if type(k) is not str or type(v) is not str:  # safetensors raises too; json would write a number
+            raise TypeError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+    info = {"dtype": dtype_code, "shape": list(shape), "data_offsets": [0, data_nbytes]}  # serde's field order
+    body = json.dumps(
+        {"__metadata__": metadata, TENSOR_NAME: info}, ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+# ---- the consumer side -----------------------------------------------------------------------------
+@dataclass
+class StoredEmbeddings:
+    """One image's embeddings as the LM consumer needs them.
+
+    `main` and `deepstack[i]` are column slices (views) of one [n, out_hidden*(1+levels)] buffer, as in
+    vLLM's split of `ec_cache`; call `.contiguous()` if a kernel needs dense rows.
+    """
+
+    main: torch.Tensor  # [num_tokens, out_hidden], CPU, float32 | bfloat16
+    deepstack: list[torch.Tensor]  # deepstack_levels x [num_tokens, out_hidden], tap index order
+    grid_thw: tuple[int, int, int]  # the LM needs it for Qwen3-VL's 3-D rotary positions
+    metadata: dict[str, str]  # the raw safetensors __metadata__ (string values, lists JSON-encoded)
+
+
+def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbeddings:
+    """Read `<root>/<key>/encoder_cache.safetensors` and split it into main + deepstack embeddings.
+
+    Raises KeyError(key) if the key is not in the store (never written, or evicted), InvalidKey for a
+    key that could not be in the store, and StoreFormatError for a file that is not a whole ec_cache file.
+
+    Safe against a concurrent eviction or replacement by the writer: the file is opened once, its
+    header checked against its size, and the data read through that same handle, so the result is
+    one complete version of the file (an unlinked or replaced inode stays valid while open).
+
+    `mmap=True` maps the file instead of copying it (zero-copy; on /dev/shm the tensor then lives in
+    the store's pages, copy-on-write). The mapping keeps the inode alive after an eviction too; it is
+    safe because the writer never modifies or truncates a published file, it only replaces or unlinks
+    it. The default copy (~1.6 GB/s on one core, mostly page faults) owns its memory.
+    """
+    import torch  # here, not at module level: the format itself needs no torch
+
+    root = Path(root)
+    path = _key_dir(root, key) / FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise KeyError(key) from None
+    try:
+        where = str(path)
+        h = _read_header(fd, where)
+        n, width = h.shape
+        offset = 8 + h.header_len
+        torch_dtype = getattr(torch, h.dtype)  # torch.float32 | torch.bfloat16
+        if h.data_nbytes == 0:
+            ec_cache = torch.empty((n, width), dtype=torch_dtype)
+        elif mmap and offset % h.itemsize == 0:  # safetensors pads headers to 8 bytes
+            mapped = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)  # the tensor holds the only reference
+            ec_cache = torch.frombuffer(mapped, dtype=torch_dtype, count=n * width, offset=offset)
+            ec_cache = ec_cache.view(n, width)
+        else:
+            data = torch.empty(h.data_nbytes, dtype=torch.uint8)  # [data_nbytes] uint8, no zero fill
+            _read_into(fd, memoryview(data.numpy()), where)
+            ec_cache = data.view(torch_dtype).view(n, width)  # little-endian, like every host we run on
+    finally:
+        os.close(fd)
+    parts = list(torch.split(ec_cache, h.out_hidden_size, dim=1))
+    assert len(parts) == 1 + h.deepstack_levels, "checked by _parse_header: this is a bug"
+    return StoredEmbeddings(main=parts[0], deepstack=parts[1:], grid_thw=h.grid_thw, metadata=h.metadata)

@@ -1,0 +1,160 @@
+"""The request-head timeout and JSON protocol errors (service/api/protocol.py), on both of uvicorn's HTTP
+protocols, with raw sockets against a small app served on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.api.protocol import header_timeout_protocol
+from tests.live import free_port
+
+TIMEOUT = 0.6
+
+
+async def _app(scope, receive, send):
+    """Echoes the body's length, after `?sleep=` seconds (a slow answer)."""
+    if scope["type"] != "http":
+        return
+    n, more = 0, True
+    while more:
+        message = await receive()
+        n += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    if scope["query_string"].startswith(b"sleep="):
+        await asyncio.sleep(float(scope["query_string"][6:]))
+    body = json.dumps({"bytes": n}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def _serve(base, limit: int | None = None):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+                                           http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
+                                           limit_concurrency=limit))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield ("127.0.0.1", port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _read_until_closed(c: socket.socket) -> bytes:
+    out = b""
+    while chunk := c.recv(65536):
+        out += chunk
+    return out
+
+
+@pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def addr(request):
+    with _serve(request.param) as a:
+        yield a
+
+
+def test_a_partial_head_gets_408_and_is_closed_within_the_bound(addr):
+    with socket.create_connection(addr, timeout=10) as c:
+        t0 = time.monotonic()
+        c.sendall(b"GET /x HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+        answer = _read_until_closed(c)
+        took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer, answer
+    err = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "request_timeout" and "--header-timeout-s" in err["message"]
+    assert TIMEOUT * 0.9 <= took < TIMEOUT + 3, took
+
+
+def test_trickling_bytes_does_not_extend_the_deadline(addr):
+    with socket.create_connection(addr, timeout=10) as c:
+        t0 = time.monotonic()
+        head = b"GET /x HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 100
+        try:
+            for byte in head:  # one byte every 50 ms: 5 s for the whole head, were it allowed
+                c.sendall(bytes([byte]))
+                time.sleep(0.05)
+        except OSError:  # the server closed the connection meanwhile
+            pass
+        answer = _read_until_closed(c)
+        took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert took < TIMEOUT + 3, took
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_an_answer(addr):
+    with socket.create_connection(addr, timeout=10) as c:
+        t0 = time.monotonic()
+        assert _read_until_closed(c) == b""
+        assert TIMEOUT * 0.9 <= time.monotonic() - t0 < TIMEOUT + 3
+
+
+def test_complete_heads_are_not_limited_slow_answers_and_slow_bodies_included(addr):
+    with socket.create_connection(addr, timeout=10) as c:
+        # A slow answer (twice the head timeout) on a complete head: answered.
+        c.sendall(b"GET /x?sleep=%g HTTP/1.1\r\nHost: t\r\n\r\n" % (2 * TIMEOUT))
+        assert c.recv(65536).startswith(b"HTTP/1.1 200 ")
+        # A body that takes longer than the head timeout to arrive (the body timeout is the app's business).
+        c.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nab")
+        time.sleep(TIMEOUT)
+        c.sendall(b"cd")
+        time.sleep(TIMEOUT)
+        c.sendall(b"ef")
+        answer = c.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"bytes": 6}'), answer
+        # The same keep-alive connection, a next head that stalls: 408 within the bound of its first byte.
+        time.sleep(TIMEOUT * 1.5)  # idle between requests: the keep-alive timeout's business, not this one
+        t0 = time.monotonic()
+        c.sendall(b"GET /x HTTP/1.1\r\n")
+        answer = _read_until_closed(c)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert time.monotonic() - t0 < TIMEOUT + 3
+
+
+def test_malformed_requests_get_400_in_the_json_error_shape(addr):
+    with socket.create_connection(addr, timeout=10) as c:
+        c.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = _read_until_closed(c)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_beyond_the_connection_limit_a_request_gets_503_in_the_json_error_shape(base):
+    request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+    with _serve(base, limit=2) as addr:
+        with socket.create_connection(addr, timeout=10) as c:  # under the limit: served
+            c.sendall(request)
+            assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(addr, timeout=10), socket.create_connection(addr, timeout=10):
+            # Two idle connections reach the limit of 2 once the server has accepted them: a third's
+            # request is then refused (until then it is served: try again, with a deadline).
+            deadline = time.monotonic() + 10
+            while True:
+                with socket.create_connection(addr, timeout=10) as c:
+                    c.sendall(request)
+                    answer = _read_until_closed(c)
+                if not answer.startswith(b"HTTP/1.1 200 ") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert b"retry-after: 1" in head.lower() and b"application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "unavailable" and "--max-connections" in error["message"], error

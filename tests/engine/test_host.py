@@ -1,0 +1,115 @@
+"""The engine host's answers (service/engine/host.py), driven with typed messages and plain stand-ins for
+the store: admission before decode by images and by the tokens each image's header declares, places
+given back on cancel and on disconnect, a submit whose key was stored meanwhile, conflicts."""
+
+import numpy as np
+
+from service.engine.batcher import BatchLimits, Batcher
+from service.engine.host import EngineHost
+from service.engine.messages import Cancel, Claim, Failed, Geometry, Grant, Hit, Submit
+from service.media.preprocess import grid_for, num_tokens
+from service.metrics import Metrics
+from service.config import PreprocessParams
+from service.store.format import StoredItem
+
+
+class _DictStore:
+    def __init__(self):
+        self.items: dict[str, StoredItem] = {}
+
+    def lookup(self, key):
+        return self.items.get(key)
+
+
+class _Engine:
+    """What the host reads of an Engine before it starts: its store, batcher and start-up phases."""
+
+    def __init__(self, store, batcher):
+        self.store, self.batcher = store, batcher
+        self.runner = type("Runner", (), {"startup": {}})()
+
+
+class _Model:
+    params = PreprocessParams(min_pixels=32 * 32, max_pixels=64 * 64)
+    load_s = 0.0
+
+
+def _host(max_queue_images: int, max_queue_tokens: int, store=None) -> tuple[EngineHost, list, object]:
+    batcher = Batcher(BatchLimits(max_batch_tokens=100, max_batch_images=8, max_wait_s=0.01,
+                                  max_queue_images=max_queue_images, max_queue_tokens=max_queue_tokens))
+    host = EngineHost(_Engine(store or _DictStore(), batcher), _Model(), Metrics())
+    sent: list = []
+    conn = host.connect(sent.append, lambda fn: fn())
+    return host, sent, conn
+
+
+def test_claims_admit_by_images_and_header_tokens_and_give_places_back():
+    host, sent, conn = _host(max_queue_images=3, max_queue_tokens=500)
+    sha = "0" * 64
+
+    def claim(rid: int, key: str, tokens: int):
+        host.handle(conn, Claim(rid, key, sha, tokens))
+        return sent[-1]
+
+    assert claim(1, "a", 400) == Grant(1)
+    refused = claim(2, "b", 200)  # 400 + 200 tokens > 500, before anything is decoded
+    assert isinstance(refused, Failed) and refused.id == 2 and refused.code == "overloaded"
+    assert "limit 500 tokens" in refused.message and refused.retry_after_s >= 1
+    assert claim(3, "c", 50) == Grant(3) and claim(4, "d", 20) == Grant(4)
+    assert claim(5, "e", 1).code == "overloaded"  # 3 images being decoded: full by count
+    assert host.batcher.reserved() == 3
+    host.handle(conn, Cancel(1))  # the API side gave up on image a (its decode failed, say)
+    assert host.batcher.reserved() == 2 and claim(6, "b", 200) == Grant(6)
+    host.disconnect(conn)  # the API process died: its places go back
+    assert host.batcher.reserved() == 0
+
+
+def _geometry(h: int, w: int) -> Geometry:
+    grid = grid_for(h, w, _Model.params)
+    return Geometry(height=h, width=w, grid_thw=grid, tokens=num_tokens(grid, _Model.params))
+
+
+def test_a_submit_whose_key_was_stored_since_its_claim_is_answered_from_the_store():
+    # Two requests with one image: both claims miss (nothing stored, nothing queued yet), so both API
+    # processes decode it; the first is encoded and stored before the second submits. The second must
+    # get the stored entry, not a second encode (seen as one image encoded twice under load).
+    store = _DictStore()
+    host, sent, conn = _host(max_queue_images=4, max_queue_tokens=500, store=store)
+    sha = "ab" * 32
+    host.handle(conn, Claim(1, "k", sha, 4))
+    host.handle(conn, Claim(2, "k", sha, 4))
+    assert sent == [Grant(1), Grant(2)] and host.batcher.reserved() == 2
+    item = StoredItem(key="k", path="k/encoder_cache.safetensors", num_tokens=4, grid_thw=(1, 4, 4), shape=(4, 48),
+                      dtype="float32", nbytes=1000, content_sha256=sha)
+    store.items["k"] = item  # the first request's image, encoded and stored
+    sent.clear()
+    released = []
+    pixels = np.zeros(64 * 64 * 3, np.uint8)
+    host.handle(conn, Submit(3, 2, "k", sha, _geometry(64, 64)), pixels, release=lambda: released.append(3))
+    assert sent == [Hit(3, item)] and released == [3]  # answered from the store, the pixels given back at once
+    assert host.batcher.reserved() == 1 and host.batcher.queue_depth() == 0  # its place given back, nothing queued
+    assert host.metrics.cache_hits._value.get() == 1
+    # Other bytes under that key: a conflict, and the pixels and the place still go back.
+    sent.clear()
+    host.handle(conn, Submit(4, 1, "k", "cd" * 32, _geometry(64, 64)), pixels, release=lambda: released.append(4))
+    assert released == [3, 4] and isinstance(sent[0], Failed) and sent[0].code == "key_conflict"
+    assert host.batcher.reserved() == 0
+
+
+def test_a_submit_with_geometry_its_pixels_or_the_model_contradict_is_refused_and_gives_everything_back():
+    host, sent, conn = _host(max_queue_images=4, max_queue_tokens=500)
+    sha = "ef" * 32
+    good = _geometry(64, 64)
+    bad = [
+        (good, np.zeros(64 * 64 * 3 - 3, np.uint8)),  # fewer bytes than 64x64 RGB
+        (Geometry(64, 64, (1, 2, 2), 1), np.zeros(64 * 64 * 3, np.uint8)),  # a grid this size does not give
+        (Geometry(64, 64, good.grid_thw, good.tokens + 1), np.zeros(64 * 64 * 3, np.uint8)),  # token count off
+        (Geometry(48, 64, (1, 3, 4), 3), np.zeros(48 * 64 * 3, np.uint8)),  # not a multiple of patch * merge
+    ]
+    for rid, (geometry, pixels) in enumerate(bad, start=10):
+        host.handle(conn, Claim(rid, f"k{rid}", sha, 4))
+        released = []
+        host.handle(conn, Submit(rid + 100, rid, f"k{rid}", sha, geometry), pixels, release=lambda: released.append(1))
+        assert isinstance(sent[-1], Failed) and sent[-1].code == "backend_error", sent[-1]
+        assert "inconsistent geometry" in sent[-1].message and released == [1]
+    assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0

@@ -1,0 +1,127 @@
+"""The fast tower on a CUDA GPU (skipped without one): torch.compile'd and CUDA-graph-replayed steps
+against the eager tower and a float32 reference, for 1..16 images, a mixed-size step and a step too
+large for a graph. Also: compiling happens at start-up only, never in the middle of serving."""
+
+import pytest
+import torch
+
+from kernels.preprocess import cupy_available
+from service.config import Settings
+from service.engine.core import Engine
+from service.engine.graphs import GraphKey
+from service.media.images import prepare_image
+from service.engine.loader import load_model
+from service.engine.runner import use_compile_cache
+from service.metrics import Metrics
+from tests import imagedata as data
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()), reason="needs a CUDA GPU and CuPy")
+
+
+def _engine(model, s: Settings) -> Engine:
+    """An Engine without a store, built as the entry points build one: compile cache first."""
+    options = s.runner_options()
+    use_compile_cache(model, options)
+    return Engine(model, store=None, batcher=None, options=options, metrics=Metrics())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """Steps the service runs: k equal 448x448 images for k = 1..16, photographs of mixed sizes, and
+    20 equal images (beyond the largest graph: the compiled tower runs without one)."""
+    params = load_model(Settings(model="tiny", device="cpu")).params
+    limits = Settings().image_limits
+    same = [prepare_image(data.encode(data.textured_rgb(448, 448, seed=i), "PNG"), params, limits) for i in range(20)]
+    photos = [prepare_image(data.photo(n, max_side=640), params, limits)
+              for n in ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png")]
+    out = {f"{k} x 448px": same[:k] for k in range(1, 17)}
+    out["mixed photos"] = photos
+    out["20 x 448px"] = same
+    return out
+
+
+def test_compiled_and_graph_replayed_steps_equal_the_eager_tower(tmp_path, steps):
+    s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
+                 graph_max_patches=16 * 784)
+    model = load_model(s)
+    ref_model = load_model(s.model_copy(update={"dtype": "float32"}))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref_engine = _engine(ref_model, ref_model_settings(s))
+    eager = _engine(model, s.model_copy(update={"compile": False, "cuda_graphs": False}))
+    expected = {name: (torch.cat(ref_engine.encode_sync(imgs)), torch.cat(eager.encode_sync(imgs)))
+                for name, imgs in steps.items()}
+
+    fast = _engine(model, s)
+    runner = fast.runner
+    assert model.tower.compiled and runner.graphs is not None
+    assert runner.startup["compile_s"] > 0 and runner.startup["graphs"] == len(runner.buckets) + len(runner.equal_steps)
+    assert (1, 784) in runner.equal_steps and (16, 784) in runner.equal_steps
+    from torch._dynamo.utils import counters
+
+    graphs_after_startup = counters["stats"]["unique_graphs"]
+    for name, imgs in steps.items():
+        patches = sum(i.num_patches for i in imgs)
+        graph = runner.graphs.graph_for(tuple(i.num_patches for i in imgs))
+        replayed = graph is not None
+        assert replayed == (name != "20 x 448px"), name
+        if replayed and "448px" in name:  # 448 is one of --graph-exact-sides: an unpadded batched-attention graph
+            assert graph == GraphKey.equal(len(imgs), patches // len(imgs)) and not graph.padded, name
+        elif replayed:
+            assert graph.padded, name  # images of different sizes: a padded varlen graph
+        out = torch.cat(fast.encode_sync(imgs))
+        ref32, ref_eager = expected[name]
+        assert out.shape == ref32.shape and out.dtype == torch.bfloat16
+        assert torch.isfinite(out.float()).all()
+        err_fast, err_eager = _rel(out, ref32), _rel(ref_eager, ref32)
+        print(f"{name:14s} graph={replayed!s:5s} rel err vs fp32: fast {err_fast:.2e} eager {err_eager:.2e} "
+              f"fast-vs-eager {_rel(out, ref_eager):.2e}")
+        # As accurate as the eager bf16 tower, and the same function (not merely "close").
+        assert err_fast <= 1.25 * err_eager + 1e-3, name
+        assert _rel(out, ref_eager) <= 2 * err_eager + 1e-3, name
+    # Every step above ran on what start-up compiled: no compile in the middle of serving.
+    assert counters["stats"]["unique_graphs"] == graphs_after_startup
+
+
+def test_a_step_of_unequal_images_on_an_equal_step_size_takes_the_varlen_graph(tmp_path):
+    """1568 patches is two 448px images' equal-step graph, and also one 512px image (1024 patches) with
+    a 256x544 one (544): that step must replay a padded varlen graph and match the eager tower."""
+    s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
+                 graph_max_patches=4 * 784)
+    model = load_model(s)
+    limits = Settings().image_limits
+    imgs = [prepare_image(data.encode(data.textured_rgb(w, h, seed=i), "PNG"), model.params, limits)
+            for i, (w, h) in enumerate(((512, 512), (544, 256)))]
+    assert [i.num_patches for i in imgs] == [1024, 544]
+    eager = _engine(model, s.model_copy(update={"compile": False, "cuda_graphs": False}))
+    expected = torch.cat(eager.encode_sync(imgs))
+    fast = _engine(model, s)
+    varlen = fast.runner.graphs.graph_for((1024, 544))
+    assert varlen.padded and varlen.patches >= 1568 and fast.runner.graphs.graph_for((784, 784)) == GraphKey.equal(2, 784)
+    out = torch.cat(fast.encode_sync(imgs))
+    assert _rel(out, expected) < 2e-2
+    # and the equal step of the same size right after it still replays its own graph correctly
+    two = [prepare_image(data.encode(data.textured_rgb(448, 448, seed=7 + i), "PNG"), model.params, limits) for i in range(2)]
+    assert _rel(torch.cat(fast.encode_sync(two)), torch.cat(eager.encode_sync(two))) < 2e-2
+
+
+def ref_model_settings(s: Settings) -> Settings:
+    return s.model_copy(update={"dtype": "float32", "compile": False, "cuda_graphs": False})
+
+
+def test_graph_replays_of_one_step_are_identical_and_independent_of_stale_padding(tmp_path, steps):
+    """A graph replays the same kernels on the same rows: a step's output must not depend on what an
+    earlier, larger step left in the padding rows."""
+    s = Settings(model="tiny", device="cuda", dtype="bfloat16", max_batch_tokens=8192, compile_cache=tmp_path / "cc",
+                 graph_exact_sides=[])  # no exact buckets: one image pads to its bucket
+    fast = _engine(load_model(s), s)
+    one = steps["1 x 448px"]
+    assert fast.runner.graphs.bucket_for(784) > 784
+    first = torch.cat(fast.encode_sync(one))
+    fast.encode_sync(steps["16 x 448px"])  # fills the padding rows of one image's bucket with other data
+    again = torch.cat(fast.encode_sync(one))
+    assert torch.equal(first, again)

@@ -1,0 +1,164 @@
+"""The store writer on the CPU: a real store in tmp_path, a real batcher, launched steps made by hand
+(a fake copy-done event where the device's would be). A failed write answers only its own image, and
+the step's output buffer goes back to the ring whatever happens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from service.engine.batcher import Batcher, BatchLimits
+from service.engine.job import EncodeJob
+from service.engine.pool import OutputRing
+from service.errors import BackendError, StoreFull
+from service.metrics import Metrics
+from service.engine.runner import Launched
+from service.store.directory import EmbeddingStore
+from service.store.format import read_embeddings
+from service.engine.writer import Writer
+from tests.live import metric
+
+D, L = 8, 1  # out_hidden_size, deepstack levels
+W = D * (1 + L)
+
+
+class FakeEvent:
+    """A copy-done event: `synchronize` logs itself, or raises as a device fault surfacing there would."""
+
+    def __init__(self, log: list, fault: Exception | None = None):
+        self.log, self.fault = log, fault
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+        if self.fault is not None:
+            raise self.fault
+
+
+def _setup(tmp_path, threads: int = 3):
+    store = EmbeddingStore(tmp_path / "store", 1 << 30, model_id="m", out_hidden_size=D, deepstack_levels=L)
+    batcher = Batcher(BatchLimits(max_batch_tokens=10_000, max_batch_images=64, max_wait_s=0, max_queue_images=100))
+    ring = OutputRing(4, rows=64, width=W, dtype=torch.float32, device=torch.device("cpu"))  # the steps' outputs
+    writer = Writer(store, batcher, Metrics(), threads=threads)
+    return store, batcher, writer, ring
+
+
+def _launched(batcher: Batcher, ring: OutputRing, keys: list[str], done=None, seed: int = 0):
+    """Submit `keys` (key i has i + 1 tokens), take them in flight as one batch, and make its launched step
+    with its rows in a buffer of `ring`: (the batch's items, the step, the tickets)."""
+    tickets = [batcher.submit(k, EncodeJob(k, image=None, content_sha256=f"sha-{k}"), tokens=i + 1)
+               for i, k in enumerate(keys)]
+    batch = batcher.next_batch(timeout=0, busy=lambda: False)
+    assert [it.key for it in batch.items] == keys
+    offs = [0]
+    for it in batch.items:
+        offs.append(offs[-1] + it.tokens)
+    output = ring.acquire()
+    rows = output.host[: offs[-1]]
+    rows.copy_(torch.randn(offs[-1], W, generator=torch.Generator().manual_seed(seed)))
+    grids = [(1, 2, 2 * it.tokens) for it in batch.items]  # t * h * w / 4 = tokens
+    job = Launched(host_out=rows, done=done, output=output, token_offsets=offs, grids=grids)
+    return batch.items, job, tickets
+
+
+def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path):
+    store, batcher, writer, ring = _setup(tmp_path)
+    log: list[str] = []
+    real_reserve, real_commit = store.reserve, store.commit
+    store.reserve = lambda *a, **k: log.append("reserve") or real_reserve(*a, **k)
+    store.commit = lambda *a, **k: log.append("commit") or real_commit(*a, **k)
+    keys = [f"k{i}" for i in range(5)]
+    items, job, tickets = _launched(batcher, ring, keys, done=FakeEvent(log))
+    assert ring.held() == 1
+    writer.write(items, job)
+    # Every entry reserved while the device computes, the one device wait, then the commits.
+    assert log == ["reserve"] * 5 + ["sync"] + ["commit"] * 5
+    for i, (key, t) in enumerate(zip(keys, tickets)):
+        item = t.future.result(timeout=0)
+        assert (item.key, item.num_tokens, item.content_sha256) == (key, i + 1, f"sha-{key}")
+        stored = read_embeddings(tmp_path / "store", key)
+        rows = job.host_out[job.token_offsets[i] : job.token_offsets[i + 1]]
+        assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
+    assert ring.held() == 0 and batcher.in_flight() == 0
+    with pytest.raises(AssertionError, match="released twice"):
+        job.output.release()  # the writer gave it back, exactly once
+    writer.metrics.update_gauges(batcher, store)  # what a scrape does first (app.py, enginep.py)
+    m = writer.metrics.exposition().decode()
+    assert metric(m, "qve_store_items") == 5 and metric(m, "qve_store_bytes") == store.bytes_used > 0
+
+
+@pytest.mark.parametrize("where", ["reserve", "commit"])
+def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
+    store, batcher, writer, ring = _setup(tmp_path)
+    real = getattr(store, where)
+
+    def failing(*a, **k):
+        key = a[0] if where == "reserve" else a[0].key
+        if key == "bad":
+            if where == "commit":
+                store.abort(a[0])  # as the store's own commit does when its write fails
+            raise OSError(28, "No space left on device")
+        if key == "full":
+            if where == "commit":
+                store.abort(a[0])
+            raise StoreFull("the store is full", retry_after_s=1)
+        return real(*a, **k)
+
+    setattr(store, where, failing)
+    items, job, tickets = _launched(batcher, ring, ["ok1", "bad", "full", "ok2"])
+    writer.write(items, job)
+    ok1, bad, full, ok2 = (t.future for t in tickets)
+    assert ok1.result(timeout=0).key == "ok1" and ok2.result(timeout=0).key == "ok2"
+    err = bad.exception(timeout=0)
+    assert isinstance(err, BackendError)
+    assert str(err) == "could not write embeddings to the store: [Errno 28] No space left on device"
+    assert isinstance(full.exception(timeout=0), StoreFull)  # a ServiceError is the client's answer as it is
+    assert ring.held() == 0 and batcher.in_flight() == 0
+    assert store.lookup("bad") is None and store.lookup("full") is None and len(store) == 2
+
+
+def test_a_device_fault_at_the_copy_wait_fails_the_whole_step_and_leaves_nothing_behind(tmp_path):
+    store, batcher, writer, ring = _setup(tmp_path)
+    items, job, tickets = _launched(batcher, ring, ["a", "b", "c"], done=FakeEvent([], fault=RuntimeError("illegal memory access")))
+    writer.write(items, job)
+    for t in tickets:
+        err = t.future.exception(timeout=0)
+        assert isinstance(err, BackendError) and str(err) == "encoding failed on the device: illegal memory access"
+    assert ring.held() == 0 and batcher.in_flight() == 0 and len(store) == 0
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []  # every reservation aborted
+
+
+def test_run_writes_every_published_step_then_returns_after_close(tmp_path):
+    store, batcher, writer, ring = _setup(tmp_path, threads=2)
+    thread = threading.Thread(target=writer.run)
+    thread.start()
+    try:
+        steps = [_launched(batcher, ring, [f"s{s}_{i}" for i in range(3)], seed=s) for s in range(3)]
+        for items, job, _ in steps:
+            writer.publish(items, job)
+        writer.close()
+    finally:
+        thread.join(30)
+    assert not thread.is_alive()
+    assert all(t.future.result(timeout=0).key == items[i].key for items, _, ts in steps for i, t in enumerate(ts))
+    assert ring.held() == 0 and len(store) == 9
+
+
+@pytest.mark.parametrize("writers", [1, 3, 4])
+def test_store_writes_of_a_step_are_shared_among_the_writer_threads_in_order(tmp_path, writers):
+    _, _, writer, _ = _setup(tmp_path, threads=writers)
+    seen: dict[int, str] = {}
+
+    def work(a, b):
+        seen[a] = threading.current_thread().name
+        time.sleep(0.001)  # long enough that the shares run at the same time, on different threads
+        return a * 10 + b
+
+    for n in (1, 2, 7, 64):
+        assert writer._in_parallel(work, list(range(n)), [1] * n) == [a * 10 + 1 for a in range(n)]
+    # 64 images: `writers` contiguous shares, one run by the calling thread, the rest by the pool.
+    threads = [seen[a] for a in range(64)]
+    assert len(set(threads)) == writers and threads[0] == threading.current_thread().name
+    assert threads == sorted(threads, key=threads.index)  # each thread's share is one contiguous run

@@ -1,0 +1,144 @@
+"""The vLLM router (service/lm/router.py), in process against fake encoder and vLLM servers: the request it
+forwards is checked against vLLM's chat content-part schema, and its grid decodes as vLLM decodes it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from typing import Literal
+
+import httpx
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from service.lm.router import RouterConfig, create_router_app, vllm_request
+from tests.live import data_url
+
+
+# ---- vLLM's content parts, as vllm/entrypoints/chat_utils.py declares them (TypedDicts there) ---------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a key vLLM does not declare is a mistake
+
+
+class _ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class VllmImageURLPart(_Strict):
+    """OpenAI's image part plus vLLM's optional media `uuid` (used verbatim as the mm_hash)."""
+
+    type: Literal["image_url"]
+    image_url: _ImageURL
+    uuid: str | None = None
+
+
+class VllmImageEmbedsPart(_Strict):
+    """ChatCompletionContentPartImageEmbedsParam: `image_embeds` is one base64 string or a dict whose
+    values are base64 strings (serialized tensors), or None; `uuid` identifies the media."""
+
+    type: Literal["image_embeds"]
+    image_embeds: str | dict[str, str] | None = None
+    uuid: str | None = None
+
+
+class VllmTextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+PART = {"image_url": VllmImageURLPart, "image_embeds": VllmImageEmbedsPart, "text": VllmTextPart}
+
+
+def _check_vllm_schema(request: dict) -> list[BaseModel]:
+    parts = []
+    for m in request["messages"]:
+        if isinstance(m["content"], list):
+            parts += [PART[p["type"]].model_validate(p) for p in m["content"]]
+    return parts
+
+
+def _vllm_tensor(b64: str) -> torch.Tensor:
+    """How vLLM reads a base64 embeds value: torch.load of the bytes, weights only."""
+    return torch.load(io.BytesIO(base64.b64decode(b64)), weights_only=True)
+
+
+CHAT = {"model": "Qwen3-VL-4B", "temperature": 0, "max_tokens": 32,
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [
+                         {"type": "image_url", "image_url": {"url": data_url(b"png-a")}},
+                         {"type": "text", "text": "compare"},
+                         {"type": "image_url", "image_url": {"url": data_url(b"png-b")}, "uuid": "client-id"}]}]}
+ITEMS = [{"key": "k" * 64, "num_tokens": 196, "grid_thw": [1, 28, 28]},
+         {"key": "client-id", "num_tokens": 64, "grid_thw": [1, 16, 16]}]
+
+
+def test_raw_image_parts_keep_the_image_and_gain_the_key_as_uuid():
+    req = vllm_request(CHAT, ITEMS, "raw")
+    parts = _check_vllm_schema(req)
+    images = [p for p in parts if isinstance(p, VllmImageURLPart)]
+    assert [p.uuid for p in images] == ["k" * 64, "client-id"]
+    assert [p.image_url.url for p in images] == [data_url(b"png-a"), data_url(b"png-b")]
+    assert req["messages"][0] == CHAT["messages"][0] and req["max_tokens"] == 32 and req["model"] == "Qwen3-VL-4B"
+    assert "uuid" not in CHAT["messages"][1]["content"][0]  # the caller's request is not modified
+
+
+def test_embeds_parts_carry_only_the_grid_and_the_key():
+    req = vllm_request(CHAT, ITEMS, "embeds")
+    parts = _check_vllm_schema(req)
+    embeds = [p for p in parts if isinstance(p, VllmImageEmbedsPart)]
+    assert [p.uuid for p in embeds] == ["k" * 64, "client-id"]
+    assert all(set(p.image_embeds) == {"image_grid_thw"} for p in embeds)  # metadata only: no pixels, no tensor
+    grids = [_vllm_tensor(p.image_embeds["image_grid_thw"]) for p in embeds]
+    assert [g.tolist() for g in grids] == [[1, 28, 28], [1, 16, 16]] and grids[0].dtype == torch.int64
+    assert [p.text for p in parts if isinstance(p, VllmTextPart)] == ["compare"]  # order and text kept
+    assert [p["type"] for p in req["messages"][1]["content"]] == ["image_embeds", "text", "image_embeds"]
+
+
+def _route(mode: str, body, encoder_status: int = 200):
+    seen = {"encode": [], "vllm": []}
+
+    def encoder(request: httpx.Request) -> httpx.Response:
+        seen["encode"].append(json.loads(request.read()))
+        if encoder_status != 200:
+            return httpx.Response(encoder_status, json={"error": {"code": "not_an_image", "message": "images[0]: no"}})
+        return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])]})
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        seen["vllm"].append(json.loads(request.read()))
+        return httpx.Response(200, json={"object": "chat.completion", "choices": [{"message": {"content": "ok"}}]})
+
+    app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", mode))
+    app.state.encoder = httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")
+    app.state.vllm = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url="http://vllm.test")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router.test") as c:
+            return await c.post("/v1/chat/completions", **({"json": body} if isinstance(body, dict) else {"content": body}))
+
+    return asyncio.run(go()), seen
+
+
+@pytest.mark.parametrize("mode", ["raw", "embeds"])
+def test_router_encodes_then_forwards_and_returns_vllms_answer(mode):
+    r, seen = _route(mode, CHAT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    (encoded,) = seen["encode"]  # one /encode for all images, in order, client uuids kept
+    assert [p["image_url"]["url"] for p in encoded["images"]] == [data_url(b"png-a"), data_url(b"png-b")]
+    assert [p.get("uuid") for p in encoded["images"]] == [None, "client-id"]
+    (forwarded,) = seen["vllm"]
+    assert forwarded == vllm_request(CHAT, ITEMS, mode)
+    _check_vllm_schema(forwarded)
+
+
+def test_router_passes_encoder_errors_and_text_only_requests_through():
+    r, seen = _route("raw", CHAT, encoder_status=422)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "not_an_image" and seen["vllm"] == []
+    text_only = {"messages": [{"role": "user", "content": "hello"}]}
+    r, seen = _route("raw", text_only)
+    assert r.status_code == 200 and seen["encode"] == [] and seen["vllm"] == [text_only]
+    r, _ = _route("raw", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"

@@ -1,0 +1,54 @@
+"""The two decoders (service/procs/decoders.py): an API process's decode threads write each image once,
+straight into a cell of its arena, and give the cell back when the decode fails; a full arena is a 429
+before anything is taken."""
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from service.config import PreprocessParams, Settings
+from service.errors import CorruptImage, Overloaded
+from service.media.images import prepare_image, read_header
+from service.metrics import Metrics
+from service.procs.arena import Arena, segment_name
+from service.procs.decoders import ArenaDecoder
+from tests import imagedata as data
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_an_api_process_decodes_into_its_arena_cell_and_gives_the_cell_back_if_the_decode_fails():
+    limits, params = Settings().image_limits, PreprocessParams()
+    decoder = ArenaDecoder(Arena(segment_name(os.getpid(), 0, 98), 1 << 20), 1, limits, Metrics())
+    arena = decoder.arena
+
+    def decode(blob: bytes, header=None):
+        return asyncio.run(decoder.decode(blob, header or read_header(blob, limits), params))
+
+    try:
+        good = data.encode(data.textured_rgb(448, 448, seed=1), "JPEG", quality=90)  # decoded in place
+        decoded = decode(good)
+        cell = decoded.pixels
+        assert cell.segment == arena.name and cell.nbytes == 448 * 448 * 3 and arena.used >= cell.nbytes
+        assert (decoded.geometry.height, decoded.geometry.width, decoded.geometry.grid_thw) == (448, 448, (1, 28, 28))
+        expected = prepare_image(good, params, limits).pixels
+        assert np.array_equal(arena.view(cell.offset, cell.nbytes), expected.reshape(-1))
+        decoder.release(decoded)
+        assert arena.used == 0
+        # a readable header over broken data: the cell it took while simplejpeg tried is given back
+        broken = bytearray(good)
+        dht = broken.index(b"\xff\xc4")
+        broken[dht + 5 : dht + 13] = bytes(b ^ 0xFF for b in broken[dht + 5 : dht + 13])
+        header = read_header(bytes(broken), limits)
+        assert header.plain_jpeg  # so its cell is taken before simplejpeg (and then PIL) refuse it
+        with pytest.raises(CorruptImage):
+            decode(bytes(broken), header)
+        assert arena.used == 0
+        # no cell for it (1.2 MB in a 1 MB arena): 429, and nothing taken
+        big = data.encode(data.textured_rgb(640, 640, seed=2), "PNG")
+        with pytest.raises(Overloaded, match="too many images"):
+            decode(big)
+        assert arena.used == 0
+    finally:
+        asyncio.run(decoder.shutdown())

@@ -1,0 +1,155 @@
+"""The import structure: packages in layers, every import pointing down, no cycle between modules.
+
+    cli      service.__main__, service.quickstart, service.configdoc
+    procs    lm     (processes: supervisor, engine / API processes, single process | the LM side)
+    api             (HTTP, encode orchestration, the Runtime)
+    engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
+    media    store
+    base     service.errors, service.config, service.presets, service.metrics; kernels
+
+A module may import its own package, any package of a lower layer, and nothing else: not a package of a
+higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
+a dependency from a reader, not from this test. Read from the source with `ast` (nothing is imported).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: list[set[str]] = [
+    {"base", "kernels"},
+    {"service.media", "service.store"},
+    {"service.engine"},
+    {"service.api"},
+    {"service.procs", "service.lm"},
+    {"cli"},
+]
+BASE = {"service.errors", "service.config", "service.presets", "service.metrics"}
+CLI = {"service.__main__", "service.quickstart", "service.configdoc"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in ("service", "kernels"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project's modules that `name` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` names a module; `from mod import name` the module itself.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # `import a.b.c` of a module: its deepest existing prefix
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _group(module: str) -> str:
+    if module in BASE:
+        return "base"
+    if module in CLI:
+        return "cli"
+    if module.startswith("kernels"):
+        return "kernels"
+    group = ".".join(module.split(".")[:2])
+    assert any(group in layer for layer in LAYERS), f"{module}: a module of service/ in no layer (add it to LAYERS)"
+    return group
+
+
+def _layer(group: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if group in layer)
+
+
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Each import that points up a layer or across to another package of the same layer."""
+    bad = []
+    for src, targets in edges.items():
+        if src in ("service", "kernels"):
+            continue
+        g = _group(src)
+        for dst in sorted(targets):
+            if dst in ("service", "kernels"):
+                continue
+            h = _group(dst)
+            if h != g and _layer(h) >= _layer(g):
+                bad.append(f"{src} imports {dst} ({h} is {'above' if _layer(h) > _layer(g) else 'beside'} {g})")
+    return bad
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_import_points_down_a_layer_or_stays_in_its_package():
+    assert violations(graph()) == []
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_fail_on_an_upward_import_and_on_a_cycle():
+    edges = graph()
+    before = set(violations(edges))
+    edges["service.media.images"] = edges["service.media.images"] | {"service.api.encode"}  # media -> api: up
+    assert set(violations(edges)) - before == {
+        "service.media.images imports service.api.encode (service.api is above service.media)"}
+    assert any("service.media.images" in c and "service.api.encode" in c for c in cycles(edges))
+    edges = graph()
+    edges["service.store.format"] = edges["service.store.format"] | {"service.media.preprocess"}  # beside
+    assert set(violations(edges)) - before == {
+        "service.store.format imports service.media.preprocess (service.media is beside service.store)"}
