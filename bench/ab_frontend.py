@@ -54,6 +54,9 @@ def main() -> int:
             res["runs"][k].append({"exit": done.returncode, "modes": run.get("modes", {})})
             print(f"round {r + 1} {k}: exit {done.returncode} {json.dumps(run.get('modes', {}))[:300]}", flush=True)
             save()
+            if done.returncode != 0:  # a tree that does not serve: the other runs would not be comparable
+                print(f"stopping: tree {k} failed (its log: {out.parent / f'{k}{r + 1}.log'})", flush=True)
+                return 1
     if args.step_loop:
         bt = args.out / "step_loop"
         subprocess.run([sys.executable, "bench/bench_tower.py", "--out", str(bt), "--sections", "loop"], cwd=ROOT,
