@@ -90,7 +90,7 @@ def _in_daemon_thread(fn: Callable, *args):
 def _load_model(settings: Settings):
     # NOTE: the service's heavy modules (torch, transformers, the app) are imported here, in the
     # loading thread: imported on the event loop they would stall /ready for seconds.
-    from . import app  # noqa: F401
+    from service.api import app  # noqa: F401
     from service.engine.loader import load_model
 
     return load_model(settings)
