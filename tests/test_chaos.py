@@ -22,7 +22,7 @@ import pytest
 
 from service.store.format import FILE_NAME, read_embeddings
 from tests import imagedata as data
-from tests.live import ServiceProcess, free_port, json_body, metric
+from tests.live import ServiceProcess, json_body, metric
 from tests.procs.test_supervisor import alive, descendants, ready_info, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
@@ -80,10 +80,9 @@ class Load:
 
 
 def _server(store: Path, *extra: str) -> ServiceProcess:
-    port = free_port()
+    log = store.parent / f"server-{len(list(store.parent.glob('server-*.log')))}.log"  # one per restart
     return ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(store), "--host", "127.0.0.1",
-                           "--port", str(port), "--decode-workers", "2", "--max-wait-ms", "2", *extra], port,
-                          store.parent / f"server-{port}.log")
+                           "--decode-workers", "2", "--max-wait-ms", "2", *extra], log)
 
 
 def _check_store(server: ServiceProcess, store: Path, answered: dict[str, bytes], why: str) -> None:

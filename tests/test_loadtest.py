@@ -28,7 +28,7 @@ from PIL import Image
 
 from service.config import Settings
 from service.engine.loader import load_model
-from tests.live import RawHTTPServer, free_port, live_server
+from tests.live import RawHTTPServer, live_server, refused_port
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent
@@ -344,11 +344,12 @@ def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
 
 # ---- pre-flight -----------------------------------------------------------------------------------------
 def test_unreachable_server_is_one_clear_line_and_exit_2(lt, capsys, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     out = tmp_path / "r.json"
-    t0 = time.monotonic()
-    assert lt.main(["--url", url, "--out", str(out)]) == 2
-    assert time.monotonic() - t0 < 10  # fails fast, no load started
+    with refused_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        assert lt.main(["--url", url, "--out", str(out)]) == 2
+        assert time.monotonic() - t0 < 10  # fails fast, no load started
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of NaNs
     lines = captured.err.strip().splitlines()

@@ -18,7 +18,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.checkpoints import PilProcessor
-from tests.live import ServiceProcess, free_port, json_body, metric
+from tests.live import ServiceProcess, json_body, metric
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,10 +31,10 @@ IMAGES = [  # real photographs first, then modes / formats / shapes
 
 class Server(ServiceProcess):
     def __init__(self, ckpt, store, *extra):
-        port = free_port()
+        logs = len(list(store.parent.glob("server-*.log")))  # one log per server a test starts on this store
         super().__init__(["serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32", "--store", str(store),
-                          "--host", "127.0.0.1", "--port", str(port), "--decode-workers", "2", *extra],
-                         port, store.parent / f"server-{port}.log")
+                          "--host", "127.0.0.1", "--decode-workers", "2", *extra],
+                         store.parent / f"server-{logs}.log")
 
     def listening_addresses(self) -> set[str]:
         """Local addresses with a LISTEN socket on our port (from /proc/net/tcp{,6})."""
@@ -167,9 +167,8 @@ def test_sigkill_of_a_single_process_server_leaves_no_decode_worker(tmp_path, ti
 
 
 def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
-    port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "service", "serve", "--model", str(tmp_path / "nope"), "--device", "cpu", "--port", str(port)],
+        [sys.executable, "-m", "service", "serve", "--model", str(tmp_path / "nope"), "--device", "cpu", "--port", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
@@ -182,7 +181,7 @@ def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny
     try:
         second = subprocess.run(
             [sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu", "--store", str(store),
-             "--port", str(free_port()), "--no-warmup"],
+             "--port", "0", "--no-warmup"],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
         assert second.returncode != 0

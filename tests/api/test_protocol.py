@@ -16,9 +16,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.protocol import header_timeout_protocol
-from tests.live import free_port
 
-TIMEOUT = 0.6
+TIMEOUT = 0.6  # the head timeout under test: seconds of real time, as the server counts them
 
 
 async def _app(scope, receive, send):
@@ -40,21 +39,23 @@ async def _app(scope, receive, send):
 
 @contextlib.contextmanager
 def _serve(base, limit: int | None = None):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+    # NOTE: bound here on port 0 and handed to uvicorn: the port is ours from the start.
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(_app, log_level="error", lifespan="off",
                                            http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
                                            limit_concurrency=limit))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
-    while not server.started:
+    while not server.started:  # serving: a connection's head timer starts when it is accepted
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield ("127.0.0.1", port)
+        yield sock.getsockname()
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def _read_until_closed(c: socket.socket) -> bytes:

@@ -15,7 +15,7 @@ from service.lm.chat import ChatConfig, LanguageModel, create_chat_app
 from service.store.directory import EmbeddingStore
 from tests import imagedata as data
 from tests.checkpoints import SPECIAL_TOKENS
-from tests.live import ServiceProcess, free_port
+from tests.live import ServiceProcess
 from tests.lm_reference import MAX_TOKENS
 from tests.lm_reference import chat_messages as _messages
 from tests.lm_reference import monolithic as _monolithic
@@ -26,13 +26,11 @@ def stack(tmp_path_factory, tiny_checkpoint):
     """The encoder and the LM consumer as their own processes, sharing one store."""
     tmp = tmp_path_factory.mktemp("stack")
     store = tmp / "store"
-    port = free_port()
     encoder = ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32",
-                              "--store", str(store), "--port", str(port), "--decode-workers", "1"], port, tmp / "enc.log")
+                              "--store", str(store), "--decode-workers", "1"], tmp / "enc.log")
     try:
-        cport = free_port()
         consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", encoder.url,
-                                   "--store", str(store), "--port", str(cport)], cport, tmp / "lm.log")
+                                   "--store", str(store)], tmp / "lm.log")
         try:
             yield encoder, consumer
         finally:
