@@ -23,7 +23,7 @@ import pytest
 from service.store.format import FILE_NAME, read_embeddings
 from tests import imagedata as data
 from tests.live import ServiceProcess, json_body, metric
-from tests.procs.test_supervisor import alive, descendants, ready_info, wait_for
+from tests.processes import alive, descendants, ready_info, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 

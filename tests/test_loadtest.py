@@ -29,6 +29,7 @@ from PIL import Image
 from service.config import Settings
 from service.engine.loader import load_model
 from tests.live import RawHTTPServer, live_server, refused_port
+from tests.processes import alive, descendants
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent
@@ -619,28 +620,6 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
     assert "replayed    6: 4 ok, 0 missing, 2 wrong" in printed and f"wrong: {keys[0]}" in printed
 
 
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
                          ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
 def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):
@@ -660,7 +639,7 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the load never got going"
                 time.sleep(0.1)
-            children = _descendants(proc.pid)
+            children = descendants(proc.pid)
             assert len(children) >= processes  # image builders (and client processes)
             if to_group:
                 os.killpg(proc.pid, signal.SIGINT)
@@ -685,8 +664,8 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
     assert s["wall_s"] > 0 and s["images_per_s"] > 0
     # Nothing the tool started outlives it.
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
 
 

@@ -20,7 +20,7 @@ from service.__main__ import build_parser, main
 from service.config import Settings, default_store_dir, env_name
 from service.procs.preflight import cuda_device_count
 from tests.live import reported_url
-from tests.procs.test_supervisor import alive, descendants, wait_for
+from tests.processes import alive, descendants, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CAT = ROOT / "service" / "data" / "cat.jpg"

@@ -1,8 +1,5 @@
 """The real server as its own process (python -m service serve ... on a loopback port)."""
 
-import io
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -10,77 +7,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 import torch
-from PIL import Image, ImageOps
-from transformers import Qwen3VLForConditionalGeneration
 
 from service.store.format import read_embeddings
 from tests import imagedata as data
-from tests.checkpoints import PilProcessor
-from tests.live import ServiceProcess, json_body, metric
+from tests.live import json_body, metric
+from tests.processes import (IMAGES, CheckpointServer, alive, descendants, stalled_heads_are_cut_off, two_image_client,
+                             wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-IMAGES = [  # real photographs first, then modes / formats / shapes
-    "astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png", "page.png", "retina.jpg@360",
-    "hubble_deep_field.jpg@400", "rgba.png", "palette_transparent.png", "gray.png", "cmyk.jpg", "exif6.jpg",
-    "noise.webp.lossy", "noise.gif.animated", "wide_4000x40.png",
-]
-
-
-class Server(ServiceProcess):
-    def __init__(self, ckpt, store, *extra):
-        logs = len(list(store.parent.glob("server-*.log")))  # one log per server a test starts on this store
-        super().__init__(["serve", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32", "--store", str(store),
-                          "--host", "127.0.0.1", "--decode-workers", "2", *extra],
-                         store.parent / f"server-{logs}.log")
-
-    def listening_addresses(self) -> set[str]:
-        """Local addresses with a LISTEN socket on our port (from /proc/net/tcp{,6})."""
-        found = set()
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            if not os.path.exists(table):
-                continue
-            for line in Path(table).read_text().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                addr, port = local.split(":")
-                if int(port, 16) == self.port and state == "0A":
-                    found.add(addr)
-        return found
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    """transformers' processor + vision tower for every test image: name -> (grid_thw, [tokens, 48*3])."""
-    blobs = [data.valid_images()[n] for n in IMAGES]
-    pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
-    inputs = PilProcessor.from_pretrained(tiny_checkpoint)(images=pil, return_tensors="pt")
-    visual = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).model.visual.eval()
-    with torch.no_grad():
-        out = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-    full = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
-    refs, offset = {}, 0
-    for name, grid in zip(IMAGES, inputs["image_grid_thw"].tolist()):
-        n = grid[0] * grid[1] * grid[2] // 4
-        refs[name] = (grid, full[offset : offset + n])
-        offset += n
-    return refs
-
-
-def two_image_client(server, c: int):
-    """Client c of many: two test images; odd clients use multipart, even ones JSON."""
-    blobs = data.valid_images()
-    names = [IMAGES[c % len(IMAGES)], IMAGES[(c * 7 + 3) % len(IMAGES)]]
-    if c % 2:
-        files = [("image", (n, blobs[n], "application/octet-stream")) for n in names]
-        return names, httpx.post(server.url + "/encode", files=files, timeout=120)
-    return names, httpx.post(server.url + "/encode", json=json_body(*(blobs[n] for n in names)), timeout=120)
-
-
 def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, reference):
     store = tmp_path / "store"
-    server = Server(tiny_checkpoint, store, "--max-wait-ms", "20")
+    server = CheckpointServer(tiny_checkpoint, store, "--max-wait-ms", "20")
     try:
         assert server.listening_addresses() == {"0100007F"}  # 127.0.0.1 only, nothing else advertised
         with ThreadPoolExecutor(32) as pool:
@@ -119,7 +58,8 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     # request is inside the service (answered, queued or running) and some are not answered yet.
     # NOTE: conditions, not timing. SIGTERM before every request was accepted would refuse the late
     # ones (uvicorn stops accepting first), which is right for a server and not what this tests.
-    server = Server(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0", "--max-pixels", "1000000")
+    server = CheckpointServer(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0",
+                              "--max-pixels", "1000000")
     blobs = [data.encode(data.textured_rgb(900, 860, seed=900 + i), "PNG") for i in range(12)]
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
@@ -141,7 +81,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     assert "Waiting for connections to close" in log or "Shutting down" in log
 
     # restart on the existing store: the index is rebuilt from disk and every image is a cache hit
-    again = Server(tiny_checkpoint, store, "--max-pixels", "1000000")  # same preprocessing: same keys
+    again = CheckpointServer(tiny_checkpoint, store, "--max-pixels", "1000000")  # same preprocessing: same keys
     try:
         m = httpx.get(again.url + "/metrics").text
         assert metric(m, "qve_store_items") == 12
@@ -153,9 +93,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
 
 
 def test_sigkill_of_a_single_process_server_leaves_no_decode_worker(tmp_path, tiny_checkpoint):
-    from tests.procs.test_supervisor import alive, descendants, wait_for
-
-    server = Server(tiny_checkpoint, tmp_path / "store", "--decode-workers", "2")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--decode-workers", "2")
     r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=5), "PNG")),
                    timeout=60)
     assert r.status_code == 200
@@ -177,7 +115,7 @@ def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
 
 def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny_checkpoint):
     store = tmp_path / "store"
-    first = Server(tiny_checkpoint, store)
+    first = CheckpointServer(tiny_checkpoint, store)
     try:
         second = subprocess.run(
             [sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu", "--store", str(store),
@@ -191,34 +129,8 @@ def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny
         assert first.stop()
 
 
-def stalled_heads_are_cut_off(server, timeout_s: float, n: int = 200) -> None:
-    """`n` connections that each send part of a request head and stall (slowloris): each is answered 408
-    and closed within the bound of --header-timeout-s, and the server answers normal requests meanwhile
-    and afterwards."""
-    import socket
-
-    stalled = []
-    for i in range(n):
-        c = socket.create_connection(("127.0.0.1", server.port), timeout=timeout_s + 30)
-        c.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nX-Pad-%d: " % i)
-        stalled.append((c, time.monotonic()))
-    blob = data.encode(data.textured_rgb(72, 72, seed=n), "PNG")
-    assert httpx.post(server.url + "/encode", json=json_body(blob), timeout=60).status_code == 200  # meanwhile
-    took = []
-    for c, opened in stalled:
-        answer = b""
-        while chunk := c.recv(65536):
-            answer += chunk
-        took.append(time.monotonic() - opened)
-        assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer, answer[:300]
-        c.close()
-    assert timeout_s * 0.9 <= min(took) and max(took) < timeout_s + 10, (min(took), max(took))
-    r = httpx.post(server.url + "/encode", json=json_body(blob), timeout=60)  # afterwards
-    assert r.status_code == 200 and r.json()["items"][0]["cached"] is True
-
-
 def test_stalled_request_heads_are_cut_off_and_the_server_keeps_serving(tmp_path, tiny_checkpoint):
-    server = Server(tiny_checkpoint, tmp_path / "store", "--header-timeout-s", "1")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--header-timeout-s", "1")
     try:
         stalled_heads_are_cut_off(server, 1.0)
     finally:

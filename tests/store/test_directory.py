@@ -23,35 +23,12 @@ import service.store.format as format_mod
 from service.errors import StoreFull
 from service.store.directory import EmbeddingStore, StoreOwnershipError, shard_of
 from service.store.format import FILE_NAME, read_embeddings
-
-MODEL = "test-model"
-D = 8  # out_hidden_size
-L = 3  # deepstack levels
-W = D * (1 + L)
-
-
-def make_store(root: Path, capacity: int = 1 << 30, model: str = MODEL, **kw) -> EmbeddingStore:
-    return EmbeddingStore(root, capacity, model_id=model, out_hidden_size=D, deepstack_levels=L, **kw)
-
-
-def parts_for(seed: int, n: int, dtype=torch.float32) -> list[torch.Tensor]:
-    """main + L deepstack taps, each [n, D], distinct and deterministic in `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, D, generator=g) + 100 * i).to(dtype) for i in range(1 + L)]
-
-
-def ec_for(seed: int, n: int, dtype=torch.float32) -> torch.Tensor:
-    return torch.cat(parts_for(seed, n, dtype), dim=1).contiguous()
-
+from tests.store.storedata import MODEL, D, W, ec_for, files_under, make_store, parts_for
 
 def item_nbytes(store: EmbeddingStore, n: int) -> int:
     """File size of one n-token float32 item with a one-digit grid, measured by writing one."""
     probe = make_store(store.root.parent / "probe")
     return probe.put("probe", ec_for(0, n), (1, 2, 2 * n)).nbytes
-
-
-def files_under(path: Path) -> set[str]:
-    return {str(p.relative_to(path)) for p in path.rglob("*")}
 
 
 def tmp_files(root: Path) -> list[Path]:
