@@ -25,7 +25,8 @@ from tests import imagedata as data
 from tests.live import ServiceProcess, json_body, metric
 from tests.processes import alive, descendants, ready_info, wait_for
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)"),
+              pytest.mark.slow]  # five SIGKILLs and four server starts under load: minutes
 
 
 _RUNNING: list[Load] = []  # every Load started, for _stop_loads

@@ -529,6 +529,7 @@ def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
     assert set(lag) == {"p50", "p99", "max"} and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
 
 
+@pytest.mark.slow  # two client processes (spawned, each importing the tool) and a reference tower
 def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
     out = tmp_path / "p.json"
     with _serve(tmp_path, tiny_model) as (url, app):
@@ -620,6 +621,7 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
     assert "replayed    6: 4 ok, 0 missing, 2 wrong" in printed and f"wrong: {keys[0]}" in printed
 
 
+@pytest.mark.slow  # the tool as its own process groups, under load until interrupted
 @pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
                          ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
 def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):

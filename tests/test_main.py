@@ -266,6 +266,7 @@ def post_cat(url: str) -> None:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow  # a real server of its own, started and stopped
 def test_log_level_comes_from_qve_log_level(tmp_path):
     proc, log = start(tmp_path, env=clean_env(QVE_LOG_LEVEL="warning"))
     try:
@@ -280,6 +281,7 @@ def test_log_level_comes_from_qve_log_level(tmp_path):
     assert "INFO" not in text, text  # neither the service's INFO lines nor uvicorn's access log
 
 
+@pytest.mark.slow  # a real server of its own for each signal
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_one_process_stops_on_a_signal_to_its_group_with_one_line(tmp_path, sig):
     proc, log = start(tmp_path)
@@ -324,6 +326,7 @@ def test_ctrl_c_while_the_model_loads_stops_at_once(tmp_path):
     print(f"Ctrl-C while loading: exit 130 after {took:.1f} s")
 
 
+@pytest.mark.slow  # a real supervisor, its API processes and engine
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_first(tmp_path):
     proc, log = start(tmp_path, "--api-processes", "2")

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from service.store.format import read_embeddings
@@ -52,6 +53,7 @@ def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, ref
         assert server.stop()
 
 
+@pytest.mark.slow  # two server starts and a queue of large images
 def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tiny_checkpoint):
     store = tmp_path / "store"
     # One large image per step (slow steps, so work piles up in the queue): SIGTERM lands once every
@@ -92,6 +94,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
         assert again.stop()
 
 
+@pytest.mark.slow  # a kill test: a server of its own, killed
 def test_sigkill_of_a_single_process_server_leaves_no_decode_worker(tmp_path, tiny_checkpoint):
     server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--decode-workers", "2")
     r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(80, 80, seed=5), "PNG")),

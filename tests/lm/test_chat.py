@@ -39,6 +39,7 @@ def stack(tmp_path_factory, tiny_checkpoint):
         assert encoder.stop()
 
 
+@pytest.mark.slow  # the stack: a real encoder and a real LM consumer process
 @pytest.mark.parametrize("names", [["astronaut.png"], ["chelsea.png", "coffee.png"]], ids=["one image", "two images"])
 def test_chat_through_the_store_equals_monolithic_generation(stack, tiny_checkpoint, names):
     encoder, consumer = stack
@@ -60,6 +61,7 @@ def test_chat_through_the_store_equals_monolithic_generation(stack, tiny_checkpo
     assert body["object"] == "chat.completion"
 
 
+@pytest.mark.slow  # the stack, as above
 def test_encoder_errors_and_bad_requests_come_back_as_clear_4xx(stack):
     _, consumer = stack
     post = lambda body: httpx.post(consumer.url + "/v1/chat/completions", json=body, timeout=60)  # noqa: E731

@@ -18,7 +18,10 @@ from tests.live import json_body, metric, server_timing
 from tests.processes import (IMAGES, CheckpointServer, alive, descendants, ready_info, stalled_heads_are_cut_off,
                              two_image_client, wait_for)
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
+# slow: each test starts a supervisor with two API processes and one or two engines (tens of seconds on two
+# cores, the first one thousands of requests), and four of them SIGKILL one of its processes.
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)"),
+              pytest.mark.slow]
 
 
 def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tmp_path, tiny_checkpoint, reference):
