@@ -18,39 +18,53 @@ from tests.processes import (IMAGES, CheckpointServer, alive, descendants, stall
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def test_32_concurrent_clients_match_transformers(tmp_path, tiny_checkpoint, reference):
-    store = tmp_path / "store"
-    server = CheckpointServer(tiny_checkpoint, store, "--max-wait-ms", "20")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, tiny_checkpoint):
+    """(server, store): one server for the tests that only send it requests (none stops or kills it), as a
+    start costs seconds. --header-timeout-s 2 for the stalled-heads test: the other tests' clients send a
+    whole head at once, far within it."""
+    store = tmp_path_factory.mktemp("shared") / "store"
+    server = CheckpointServer(tiny_checkpoint, store, "--max-wait-ms", "20", "--header-timeout-s", "2")
     try:
-        assert server.listening_addresses() == {"0100007F"}  # 127.0.0.1 only, nothing else advertised
-        with ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
-        checked = set()
-        for names, r in results:
-            assert r.status_code == 200, r.text
-            items = r.json()["items"]
-            assert len(items) == 2
-            for name, item in zip(names, items):
-                grid, ref = reference[name]
-                stored = read_embeddings(store, item["key"])
-                ec = torch.cat([stored.main, *stored.deepstack], dim=1)
-                # every response field against the stored tensor
-                assert item["grid_thw"] == list(stored.grid_thw) == grid, name
-                assert item["shape"] == list(ec.shape) and item["num_tokens"] == ec.shape[0], name
-                assert item["dtype"] == "float32" and ec.dtype == torch.float32
-                assert item["path"] == f"{item['key']}/encoder_cache.safetensors"
-                assert (store / item["path"]).is_file()
-                # and the stored tensor against transformers
-                diff = (ec - ref).abs().max().item()
-                assert diff <= 1e-5, f"{name}: max abs diff {diff}"
-                checked.add(name)
-        assert checked == set(IMAGES)
-        m = httpx.get(server.url + "/metrics").text
-        assert metric(m, "qve_requests_total", 'status="200"') == 32
-        assert metric(m, "qve_images_total", 'outcome="encoded"') == len(IMAGES)  # each distinct image once
-        assert metric(m, "qve_store_items") == len(IMAGES)
+        yield server, store
     finally:
         assert server.stop()
+
+
+def test_32_concurrent_clients_match_transformers(shared, reference):
+    server, store = shared
+    assert server.listening_addresses() == {"0100007F"}  # 127.0.0.1 only, nothing else advertised
+    before = httpx.get(server.url + "/metrics").text  # the shared server's counters (other tests' requests)
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
+    checked = set()
+    for names, r in results:
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        assert len(items) == 2
+        for name, item in zip(names, items):
+            grid, ref = reference[name]
+            stored = read_embeddings(store, item["key"])
+            ec = torch.cat([stored.main, *stored.deepstack], dim=1)
+            # every response field against the stored tensor
+            assert item["grid_thw"] == list(stored.grid_thw) == grid, name
+            assert item["shape"] == list(ec.shape) and item["num_tokens"] == ec.shape[0], name
+            assert item["dtype"] == "float32" and ec.dtype == torch.float32
+            assert item["path"] == f"{item['key']}/encoder_cache.safetensors"
+            assert (store / item["path"]).is_file()
+            # and the stored tensor against transformers
+            diff = (ec - ref).abs().max().item()
+            assert diff <= 1e-5, f"{name}: max abs diff {diff}"
+            checked.add(name)
+    assert checked == set(IMAGES)
+    after = httpx.get(server.url + "/metrics").text
+
+    def grew(name: str, labels: str = "") -> float:
+        return metric(after, name, labels) - metric(before, name, labels)
+
+    assert grew("qve_requests_total", 'status="200"') == 32
+    assert grew("qve_images_total", 'outcome="encoded"') == len(IMAGES)  # each distinct image once
+    assert grew("qve_store_items") == len(IMAGES)
 
 
 @pytest.mark.slow  # two server starts and a queue of large images
@@ -62,8 +76,9 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     # ones (uvicorn stops accepting first), which is right for a server and not what this tests.
     server = CheckpointServer(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0",
                               "--max-pixels", "1000000")
-    blobs = [data.encode(data.textured_rgb(900, 860, seed=900 + i), "PNG") for i in range(12)]
-    with ThreadPoolExecutor(12) as pool:
+    # 8 requests of ~1 s steps each: ample time for the condition below (all inside, 2 or more unanswered).
+    blobs = [data.encode(data.textured_rgb(900, 860, seed=900 + i), "PNG") for i in range(8)]
+    with ThreadPoolExecutor(len(blobs)) as pool:
         futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
         deadline = time.monotonic() + 120
         while True:
@@ -76,7 +91,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
             time.sleep(0.002)
         assert server.stop()  # SIGTERM, then a graceful exit
         responses = [f.result() for f in futures]
-    assert [r.status_code for r in responses] == [200] * 12
+    assert [r.status_code for r in responses] == [200] * len(blobs)
     keys = [r.json()["items"][0]["key"] for r in responses]
     assert all((store / k / "encoder_cache.safetensors").is_file() for k in keys)
     log = server.log.read_text()
@@ -86,7 +101,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     again = CheckpointServer(tiny_checkpoint, store, "--max-pixels", "1000000")  # same preprocessing: same keys
     try:
         m = httpx.get(again.url + "/metrics").text
-        assert metric(m, "qve_store_items") == 12
+        assert metric(m, "qve_store_items") == len(blobs)
         r = httpx.post(again.url + "/encode", json=json_body(*blobs[:4]), timeout=60)
         assert [it["cached"] for it in r.json()["items"]] == [True] * 4
         assert [it["key"] for it in r.json()["items"]] == keys[:4]
@@ -116,25 +131,18 @@ def test_bad_model_directory_fails_fast_with_a_message(tmp_path):
     assert "neither a preset" in proc.stderr and "nope" in proc.stderr
 
 
-def test_a_second_service_on_the_same_store_root_refuses_to_start(tmp_path, tiny_checkpoint):
-    store = tmp_path / "store"
-    first = CheckpointServer(tiny_checkpoint, store)
-    try:
-        second = subprocess.run(
-            [sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu", "--store", str(store),
-             "--port", "0", "--no-warmup"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )
-        assert second.returncode != 0
-        assert "is writing to the store root" in second.stdout + second.stderr  # and says what to do
-        assert httpx.get(first.url + "/health").status_code == 200  # the first one is unaffected
-    finally:
-        assert first.stop()
+def test_a_second_service_on_the_same_store_root_refuses_to_start(shared):
+    first, store = shared
+    second = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu", "--store", str(store),
+         "--port", "0", "--no-warmup"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert second.returncode != 0
+    assert "is writing to the store root" in second.stdout + second.stderr  # and says what to do
+    assert httpx.get(first.url + "/health").status_code == 200  # the first one is unaffected
 
 
-def test_stalled_request_heads_are_cut_off_and_the_server_keeps_serving(tmp_path, tiny_checkpoint):
-    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--header-timeout-s", "1")
-    try:
-        stalled_heads_are_cut_off(server, 1.0)
-    finally:
-        assert server.stop()
+def test_stalled_request_heads_are_cut_off_and_the_server_keeps_serving(shared):
+    server, _ = shared
+    stalled_heads_are_cut_off(server, 2.0)

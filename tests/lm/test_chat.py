@@ -23,15 +23,19 @@ from tests.lm_reference import monolithic as _monolithic
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_checkpoint):
-    """The encoder and the LM consumer as their own processes, sharing one store."""
+    """The encoder and the LM consumer as their own processes, sharing one store. Both load their models at
+    once: the consumer needs only the encoder's URL to start (it calls the encoder per request)."""
     tmp = tmp_path_factory.mktemp("stack")
     store = tmp / "store"
     encoder = ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32",
-                              "--store", str(store), "--decode-workers", "1"], tmp / "enc.log")
+                              "--store", str(store), "--decode-workers", "1"], tmp / "enc.log", wait=False)
     try:
+        encoder.wait_ready(bound_only=True)  # bound before its model loads
         consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", encoder.url,
-                                   "--store", str(store)], tmp / "lm.log")
+                                   "--store", str(store)], tmp / "lm.log", wait=False)
         try:
+            encoder.wait_ready()
+            consumer.wait_ready()
             yield encoder, consumer
         finally:
             assert consumer.stop()
