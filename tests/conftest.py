@@ -1,5 +1,6 @@
 import io
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,11 @@ def _leftovers(since_ticks: int) -> list[str]:
 
 
 def pytest_sessionstart(session):
+    # The servers the tests start must get Ctrl-C as under a terminal. A run started as a background job
+    # of a non-interactive shell (`pytest ... &`) has SIGINT ignored, and its children inherit that: the
+    # Ctrl-C tests' servers then drain on SIGINT, re-raise it into SIG_IGN and exit 0 instead of 130.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.platform.startswith("linux"):
         session.config._qve_start_ticks = _start_ticks(str(os.getpid()))
 
