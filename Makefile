@@ -17,7 +17,7 @@ PY := $(VENV)/bin/python
 SERVE_STAMP := $(VENV)/.installed-serve
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install install-serve test run serve-tiny try loadtest soak lint docker-build compose-test clean help
+.PHONY: install install-serve test test-fast run serve-tiny try loadtest soak lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
@@ -25,7 +25,8 @@ help:
 	@echo "make run         serve the default preset on 127.0.0.1:8080 (ARGS=... for more flags)"
 	@echo "make serve-tiny  serve the tiny preset on the CPU (fast start, for trying the API)"
 	@echo "make try         post a test image to the server at URL=$(URL), print the answer and the file"
-	@echo "make test        run the test suite"
+	@echo "make test        run the test suite (what CI runs)"
+	@echo "make test-fast   the suite without the tests marked slow (soak, chaos, SIGKILL, real load-test runs)"
 	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot)"
 	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
@@ -61,6 +62,10 @@ $(DEV_STAMP): $(SERVE_STAMP) pyproject.toml
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: everything but the long system tests (pyproject.toml's `slow` marker says which).
+test-fast: $(DEV_STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 run: $(SERVE_STAMP)
 	@echo "==> serving; flags go in ARGS=\"...\" (every flag, its default and its QVE_ variable: make run ARGS=--help)"

@@ -13,8 +13,10 @@ the reason. What it needs, in order of preference:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
@@ -26,7 +28,6 @@ import pytest
 
 from tests import imagedata as data
 from tests.checkpoints import make_full_checkpoint
-from tests.live import free_port
 from tests.lm_reference import MAX_TOKENS, chat_messages as _messages, monolithic as _monolithic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,19 @@ def _base_image(env: dict) -> str:
     return "qve-base:bookworm"
 
 
+def _unused_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports nothing listens on now (all held while they are picked).
+    NOTE: the one place the tests pick ports and release them (the others bind port 0 and read the port
+    the server reports): the compose file names its ports before anything starts (the encoder's --port,
+    the consumer's --encoder-url, both healthchecks), with host networking. A port taken meanwhile fails
+    `up` with "address already in use" in the log."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def test_compose_stack_answers_like_monolithic_transformers(tmp_path):
     LOG.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QVE_")}
@@ -115,7 +129,7 @@ def test_compose_stack_answers_like_monolithic_transformers(tmp_path):
     for w in wheels:  # PyTorch's CPU index may be unreachable; a local CPU wheel then serves
         shutil.copy(w, ROOT / "docker" / "wheels" / w.name)
         copied.append(ROOT / "docker" / "wheels" / w.name)
-    enc_port, lm_port = free_port(), free_port()
+    enc_port, lm_port = _unused_ports(2)
     env.update(MODEL_DIR=str(model), ENCODER_PORT=str(enc_port), LM_PORT=str(lm_port), BASE_IMAGE=_base_image(env),
                COMPOSE_PROJECT_NAME=f"qve-test-{enc_port}")
     if copied:

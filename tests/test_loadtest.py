@@ -28,7 +28,8 @@ from PIL import Image
 
 from service.config import Settings
 from service.engine.loader import load_model
-from tests.live import RawHTTPServer, free_port, live_server
+from tests.live import RawHTTPServer, live_server, refused_port
+from tests.processes import alive, descendants
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent
@@ -344,11 +345,12 @@ def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
 
 # ---- pre-flight -----------------------------------------------------------------------------------------
 def test_unreachable_server_is_one_clear_line_and_exit_2(lt, capsys, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     out = tmp_path / "r.json"
-    t0 = time.monotonic()
-    assert lt.main(["--url", url, "--out", str(out)]) == 2
-    assert time.monotonic() - t0 < 10  # fails fast, no load started
+    with refused_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        assert lt.main(["--url", url, "--out", str(out)]) == 2
+        assert time.monotonic() - t0 < 10  # fails fast, no load started
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of NaNs
     lines = captured.err.strip().splitlines()
@@ -527,6 +529,7 @@ def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
     assert set(lag) == {"p50", "p99", "max"} and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
 
 
+@pytest.mark.slow  # two client processes (spawned, each importing the tool) and a reference tower
 def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
     out = tmp_path / "p.json"
     with _serve(tmp_path, tiny_model) as (url, app):
@@ -618,28 +621,7 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
     assert "replayed    6: 4 ok, 0 missing, 2 wrong" in printed and f"wrong: {keys[0]}" in printed
 
 
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.slow  # the tool as its own process groups, under load until interrupted
 @pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
                          ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
 def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):
@@ -659,7 +641,7 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the load never got going"
                 time.sleep(0.1)
-            children = _descendants(proc.pid)
+            children = descendants(proc.pid)
             assert len(children) >= processes  # image builders (and client processes)
             if to_group:
                 os.killpg(proc.pid, signal.SIGINT)
@@ -684,8 +666,8 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
     assert s["wall_s"] > 0 and s["images_per_s"] > 0
     # Nothing the tool started outlives it.
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
 
 

@@ -1,6 +1,7 @@
 """The CLI (service/__main__.py) as a user meets it: `serve --help`, QVE_ variables, the one-line
 failures before the model loads, and Ctrl-C / SIGTERM of a real server's whole process group."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -18,8 +19,8 @@ import pytest
 from service.__main__ import build_parser, main
 from service.config import Settings, default_store_dir, env_name
 from service.procs.preflight import cuda_device_count
-from tests.live import free_port
-from tests.procs.test_supervisor import alive, descendants, wait_for
+from tests.live import reported_url
+from tests.processes import alive, descendants, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CAT = ROOT / "service" / "data" / "cat.jpg"
@@ -189,33 +190,49 @@ def test_store_not_creatable_or_not_the_services_own_fails_before_the_model_load
 
 
 # ---- a real server: QVE_LOG_LEVEL, Ctrl-C and SIGTERM ------------------------------------------------
-def start(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
-    """`python -m service serve --model tiny ...` in a process group of its own (as a terminal runs it)."""
-    port = free_port()
-    log = tmp_path / f"server-{port}.log"
+def start(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """`python -m service serve --model tiny ... --port 0` in a process group of its own (as a terminal
+    runs it); the kernel picks the port as the server binds it."""
+    log = tmp_path / f"server-{len(list(tmp_path.glob('server-*.log')))}.log"
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "tiny", "--device", "cpu",
-                             "--store", str(tmp_path / "store"), "--port", str(port), "--decode-workers", "2", *args],
+                             "--store", str(tmp_path / "store"), "--decode-workers", "2", *args, "--port", "0"],
                             cwd=ROOT, env=env or clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}", log
+    return proc, log
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> list[dict]:
-    """Poll /ready from the start; every answer until the 200 (a refused connection is a failure
-    once the port is bound, which the log says)."""
+def listening_port(pid: int) -> int | None:
+    """The TCP port `pid` listens on (its sockets' inodes in /proc/net/tcp{,6}, state LISTEN), or None."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(fd)).startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in (line.split() for line in Path(table).read_text().splitlines()[1:]):
+            if row[3] == "0A" and row[9] in inodes:
+                return int(row[1].rsplit(":", 1)[1], 16)
+    return None
+
+
+def wait_ready(proc: subprocess.Popen, log: Path, url: str | None = None,
+               timeout: float = 180) -> tuple[str, list[dict]]:
+    """The server's URL (the one it logs once bound, unless given) and every /ready answer from then on
+    until the 200. Once the port is bound a refused connection is a failure: the port is known only then."""
     answers, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
-        bound = re.search(r"service.procs.single: listening on|service.procs.supervisor: supervisor", log.read_text())
-        try:
-            r = httpx.get(url + "/ready", timeout=10)
-            answers.append({"status": r.status_code, **r.json()})
-            if r.status_code == 200:
-                return answers
-        except httpx.ConnectError:
-            assert not bound, "connection refused after the port was bound"
-        except httpx.TimeoutException:
-            pass  # accepted by the kernel, waiting in the backlog while the server process starts
+        url = url or reported_url(log)
+        if url is not None:
+            try:
+                r = httpx.get(url + "/ready", timeout=10)
+                answers.append({"status": r.status_code, **r.json()})
+                if r.status_code == 200:
+                    return url, answers
+            except httpx.ConnectError:
+                raise AssertionError(f"connection refused after the port was bound:\n{log.read_text()}") from None
+            except httpx.TimeoutException:
+                pass  # accepted by the kernel, waiting in the backlog while the server process starts
         time.sleep(0.1)
     raise TimeoutError(log.read_text())
 
@@ -264,10 +281,13 @@ def post_cat(url: str) -> None:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow  # a real server of its own, started and stopped
 def test_log_level_comes_from_qve_log_level(tmp_path):
-    proc, url, log = start(tmp_path, env=clean_env(QVE_LOG_LEVEL="warning"))
+    proc, log = start(tmp_path, env=clean_env(QVE_LOG_LEVEL="warning"))
     try:
-        wait_ready(proc, url, log)
+        # At level warning the server does not log the line naming its port: it is read off its socket.
+        wait_for(lambda: listening_port(proc.pid) is not None, 60, "the server's port bound")
+        url, _ = wait_ready(proc, log, f"http://127.0.0.1:{listening_port(proc.pid)}")
         post_cat(url)
     finally:
         stop_group(proc, signal.SIGTERM)
@@ -276,11 +296,12 @@ def test_log_level_comes_from_qve_log_level(tmp_path):
     assert "INFO" not in text, text  # neither the service's INFO lines nor uvicorn's access log
 
 
+@pytest.mark.slow  # a real server of its own for each signal
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_one_process_stops_on_a_signal_to_its_group_with_one_line(tmp_path, sig):
-    proc, url, log = start(tmp_path)
+    proc, log = start(tmp_path)
     try:
-        answers = wait_ready(proc, url, log)
+        url, answers = wait_ready(proc, log)
         post_cat(url)  # decode workers exist now: they get the signal too
         workers = descendants(proc.pid)
         assert len(workers) >= 2
@@ -298,14 +319,14 @@ def test_one_process_stops_on_a_signal_to_its_group_with_one_line(tmp_path, sig)
 
 
 def test_ctrl_c_while_the_model_loads_stops_at_once(tmp_path):
-    proc, url, log = start(tmp_path, "--model", "qwen3-vl-2b")  # seconds of loading on a CPU
+    proc, log = start(tmp_path, "--model", "qwen3-vl-2b")  # seconds of loading on a CPU
     try:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             try:
-                r = httpx.get(url + "/ready", timeout=10)
-                if r.json().get("phase") == "loading":
+                url = reported_url(log)
+                if url is not None and httpx.get(url + "/ready", timeout=10).json().get("phase") == "loading":
                     break
             except httpx.TransportError:
                 pass
@@ -320,11 +341,12 @@ def test_ctrl_c_while_the_model_loads_stops_at_once(tmp_path):
     print(f"Ctrl-C while loading: exit 130 after {took:.1f} s")
 
 
+@pytest.mark.slow  # a real supervisor, its API processes and engine
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
 def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_first(tmp_path):
-    proc, url, log = start(tmp_path, "--api-processes", "2")
+    proc, log = start(tmp_path, "--api-processes", "2")
     try:
-        answers = wait_ready(proc, url, log)
+        url, answers = wait_ready(proc, log)
         post_cat(url)
         children = descendants(proc.pid)
         assert len(children) >= 3  # two API processes and the engine
