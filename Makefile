@@ -17,7 +17,7 @@ PY := $(VENV)/bin/python
 SERVE_STAMP := $(VENV)/.installed-serve
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install install-serve test test-fast run serve-tiny try loadtest soak lint docker-build compose-test clean help
+.PHONY: install install-serve test test-fast run serve-tiny try demo loadtest soak lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
@@ -25,6 +25,7 @@ help:
 	@echo "make run         serve the default preset on 127.0.0.1:8080 (ARGS=... for more flags)"
 	@echo "make serve-tiny  serve the tiny preset on the CPU (fast start, for trying the API)"
 	@echo "make try         post a test image to the server at URL=$(URL), print the answer and the file"
+	@echo "make demo        the whole pipeline here: a tiny RANDOM checkpoint, encoder + LM consumer, one chat answer"
 	@echo "make test        run the test suite (what CI runs)"
 	@echo "make test-fast   the suite without the tests marked slow (soak, chaos, SIGKILL, real load-test runs)"
 	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot)"
@@ -76,6 +77,9 @@ serve-tiny: $(SERVE_STAMP)
 
 try: $(SERVE_STAMP)
 	$(PY) -m service try --url $(URL) $(ARGS)
+
+demo: $(SERVE_STAMP)
+	$(PY) -m service demo $(ARGS)
 
 loadtest: $(DEV_STAMP)
 	$(PY) bench/loadtest.py --url $(URL) $(ARGS)

@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--max-tokens-limit", type=int, default=1024, help="the most tokens one request may ask for")
     consume.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
+    demo = sub.add_parser("demo", help="the whole pipeline on this machine: a tiny RANDOM checkpoint, the encoder "
+                          "and the LM consumer on it, one chat answer (nothing is downloaded)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint, store and logs here "
+                      "(default: a temporary folder, removed at the end)")
+    demo.add_argument("--keep", action="store_true", help="do not remove the temporary folder")
+    demo.add_argument("--timeout-s", type=float, default=300.0, help="how long each server may take to be ready")
+
     route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     route.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="this encoder service")
@@ -129,6 +137,16 @@ def _main(argv: list[str] | None) -> int:
         from service.quickstart import try_it
 
         return try_it(**args)
+    if command == "demo":
+        from service.demo import demo
+
+        return demo(args["workdir"], args["keep"], args["timeout_s"])
+    if command == "consume" and not (args["model"] / "config.json").is_file():
+        # Before torch is imported (seconds): a preset name or a wrong path fails at once.
+        print(f"cannot start: --model {args['model']} is not a Qwen3-VL checkpoint directory (no config.json); the "
+              "LM side needs a real checkpoint with its tokenizer. `qwen3vl-encoder demo` writes a tiny random "
+              "one and runs the whole pipeline on it", file=sys.stderr)
+        return 2
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

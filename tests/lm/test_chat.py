@@ -137,3 +137,19 @@ def test_an_entry_of_another_model_is_refused_not_truncated(tmp_path, lm):
     r = _run(app, {"messages": _messages([b"png"], "describe"), "max_tokens": 2})
     assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch"
     assert "(16, 48)" in r.json()["error"]["message"]
+
+
+def test_models_lists_the_one_model_in_openais_shape_and_unknown_paths_answer_json(tmp_path, lm):
+    """OpenAI clients ask /v1/models first (and a 404 must still be the service's error shape)."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://lm.test") as c:
+            return await c.get("/v1/models"), await c.get("/v1/nope")
+
+    models, missing = asyncio.run(go())
+    assert models.status_code == 200
+    body = models.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [lm.name]
+    assert body["data"][0]["object"] == "model" and isinstance(body["data"][0]["created"], int)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -342,6 +342,12 @@ def test_the_service_owns_its_root_private_checked_and_locked(tmp_path):
     os.chmod(planted, 0o770)
     with pytest.raises(StoreOwnershipError, match="writable by its group"):
         make_store(planted, exclusive=True)
+    # A sticky shared directory (as /dev/shm and /tmp are): never `chmod` it, take a folder inside it.
+    os.chmod(planted, 0o1777)
+    with pytest.raises(StoreOwnershipError, match="mode 1777") as e:
+        make_store(planted, exclusive=True)
+    assert "chmod" not in str(e.value) and f"--store {planted / 'qwen3vl-encoder-cache'}" in str(e.value)
+    make_store(planted / "qwen3vl-encoder-cache", exclusive=True).close()  # which works
     if os.geteuid() == 0:  # only root can give a directory away
         os.chmod(planted, 0o700)
         os.chown(planted, 12345, -1)
