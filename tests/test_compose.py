@@ -6,7 +6,9 @@ the answer's tokens equal transformers' monolithic Qwen3-VL. Where no engine can
 the reason. What it needs, in order of preference:
   * an engine: DOCKER_HOST or the default socket; else, as root with `dockerd` installed, one started
     here on a private socket (no iptables, no bridge: the stack uses host networking on 127.0.0.1);
-  * `docker compose` (v2);
+  * `docker compose` (v2): Debian 12's docker-compose is 1.29, which rejects the compose files (a
+    top-level `name:`, build secrets); v2 comes from Debian trixie's `docker-compose` package unpacked
+    with `dpkg-deb -x` (COMPOSE_V2_HINT, docs/operations.md);
   * a base image: BASE_IMAGE, or python:3.11-slim-bookworm if present or pullable; else, as root with
     `debootstrap`, a Debian bookworm minbase with python3 imported as qve-base:bookworm.
 
@@ -47,6 +49,11 @@ LOG = Path(os.environ.get("QVE_COMPOSE_LOG", ROOT / "docker" / "compose-test.log
 # Only the stack itself waits for `make compose-test`; the clean-up test below runs in `make test`.
 COMPOSE_TEST = pytest.mark.skipif(os.environ.get("QVE_COMPOSE_TEST") != "1",
                                   reason="the compose stack runs with `make compose-test` (QVE_COMPOSE_TEST=1)")
+# Where `docker compose` v2 comes from on Debian 12 (FACTS: bookworm offers only compose 1.29).
+COMPOSE_V2_HINT = ("Debian 12's docker-compose is 1.29, which rejects the compose files (top-level `name:`, build "
+                   "secrets); take v2 from Debian trixie's docker-compose package: `dpkg-deb -x docker-compose_2.*.deb "
+                   "/tmp/compose && mkdir -p ~/.docker/cli-plugins && cp /tmp/compose/usr/libexec/docker/cli-plugins/"
+                   "docker-compose ~/.docker/cli-plugins/` (docs/operations.md)")
 # dockerd makes these itself whatever its flags say (its plugin directory); removed again if it made them.
 DOCKERD_RUN_DIRS = (Path("/run/docker"), Path("/run/docker/plugins"))
 # Where dockerd finds a containerd already running, it uses that one rather than starting its own.
@@ -206,7 +213,7 @@ def _engine(env: dict, release: contextlib.ExitStack) -> dict:
 def _compose_v2_missing(env: dict) -> str | None:
     """Why `docker compose` v2 cannot run the stack, or None when it can."""
     if subprocess.run(["docker", "compose", "version"], env=env, capture_output=True, timeout=60).returncode != 0:
-        return "`docker compose` (v2) is not installed"
+        return f"`docker compose` (v2) is not installed. {COMPOSE_V2_HINT}"
     return None
 
 
