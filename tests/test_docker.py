@@ -474,3 +474,14 @@ def test_cpu_compose_runs_the_real_cli_on_loopback_with_one_shared_store(clean_e
     for name, port in (("encoder", s.port), ("consumer", con["port"])):
         url = url_in(healthcheck_code([interpolate(a) for a in svc[name]["healthcheck"]["test"][1:]]))
         assert urlsplit(url).port == port and urlsplit(url).path == "/ready"
+
+
+def test_files_named_in_the_docker_files_exist():
+    # Issue 20: Dockerfile.cpu's comments sent readers to docker/compose_test.py, which never existed.
+    # Every repository file named in docker/ (a relative path: absolute ones live inside the image).
+    for f in sorted((ROOT / "docker").glob("*")):
+        if f.is_file() and (f.name.startswith("Dockerfile") or f.suffix == ".yml"):
+            named = re.findall(r"(?<![\w/.-])([\w.-][\w./-]*\.(?:py|yml|sh|md|txt|toml))\b", f.read_text())
+            assert named or f.suffix == ".yml", f"{f.name} names no file at all: the pattern is wrong"
+            missing = [n for n in named if not (ROOT / n).is_file()]
+            assert not missing, f"docker/{f.name} names {missing}, which are not files of the repository"
