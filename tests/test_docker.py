@@ -397,6 +397,19 @@ def test_make_run_installs_only_what_serving_needs_and_make_test_adds_the_dev_ex
 
 
 @needs_make
+def test_make_loadtest_installs_only_the_loadtest_extra_on_the_serving_install():
+    # The dev extras (pytest, schemathesis, scikit-image, scipy) took ~55 s on a fresh clone; the load
+    # tool needs only `rich` and `matplotlib` on top of serving.
+    lines = make_dry_run("loadtest")
+    installs = [line for line in lines if "pip install" in line]
+    assert not any("[dev]" in line for line in lines), installs
+    serve = next(i for i, line in enumerate(lines) if line.endswith("pip install --no-compile -e ."))
+    extra = next(i for i, line in enumerate(lines) if line.endswith('pip install --no-compile -e ".[loadtest]"'))
+    assert serve < extra and lines[extra + 1] == "touch .venv/.installed-loadtest"
+    assert lines[-1].split()[1:] == ["bench/loadtest.py", "--url", "http://127.0.0.1:8080"]
+
+
+@needs_make
 def test_make_install_stamps_follow_pyproject(tmp_path):
     shutil.copy(ROOT / "Makefile", tmp_path)
     (tmp_path / "pyproject.toml").write_text("")
