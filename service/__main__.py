@@ -23,24 +23,29 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import Settings, describe_errors, env_name, unknown_env
+from service.config import Settings, describe_errors, env_name, setting_groups, unknown_env
 from service.errors import StartupError
 
 log = logging.getLogger("service")
 
 
-def _flag_type(annotation):
-    """argparse type for a Settings field annotation."""
-    base = annotation
+def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
+    """argparse's type, choices and metavar for a Settings field. The metavar is short (N, SECONDS, DIR),
+    so that most help texts start on the flag's own line."""
+    base = field.annotation
     if typing.get_origin(base) in (typing.Union, types.UnionType):  # `int | None` -> int
         base = next(a for a in typing.get_args(base) if a is not type(None))
     if typing.get_origin(base) is typing.Literal:
-        return str, list(typing.get_args(base))
+        return str, list(typing.get_args(base)), None
     if typing.get_origin(base) is list:
-        return str, None  # comma-separated; Settings splits it
-    if base in (int, float, str, Path):
-        return base, None
-    return str, None
+        return str, None, "LIST"  # comma-separated; Settings splits it
+    if name.endswith("_s") or name.endswith("_ms"):
+        return base, None, "SECONDS" if name.endswith("_s") else "MS"
+    if base in (int, float):
+        return base, None, "N"
+    if base is Path:
+        return base, None, "DIR"
+    return str, None, name.rsplit("_", 1)[-1].upper()  # store_group -> GROUP
 
 
 def _default_text(field) -> str:
@@ -55,6 +60,19 @@ def _default_text(field) -> str:
     return str(value)
 
 
+def _add_setting(group, name: str) -> None:
+    """The flag of one Settings field, its help saying the default and the QVE_ variable."""
+    field = Settings.model_fields[name]
+    flag = "--" + name.replace("_", "-")
+    help_ = f"{field.description or ''} (default: {_default_text(field)}; env {env_name(name)})".strip()
+    help_ = help_.replace("%", "%%")  # argparse %-formats help strings
+    if field.annotation is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        return
+    type_, choices, metavar = _flag_kind(name, field)
+    group.add_argument(flag, type=type_, choices=choices, help=help_, metavar=metavar)
+
+
 def _local_url() -> str:
     """The server `serve` would start in this environment (QVE_HOST, QVE_PORT), seen from this machine."""
     host = os.environ.get("QVE_HOST", "127.0.0.1")
@@ -66,18 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
                                      "(also `python -m service`)")
     sub = parser.add_subparsers(dest="command", required=True)
+    # NOTE: a short usage line: argparse's own lists all ~40 flags again (a screenful before the first one).
     serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS,
+                           usage="%(prog)s [-h] [--FLAG VALUE ...]",
                            description="Serve the vision tower. Every flag can also be set by the environment "
-                           "variable shown beside it; a flag wins.")
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_ = f"{field.description or ''} (default: {_default_text(field)}; env {env_name(name)})".strip()
-        help_ = help_.replace("%", "%%")  # argparse %-formats help strings
-        if field.annotation is bool:
-            serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-            continue
-        type_, choices = _flag_type(field.annotation)
-        serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
+                           "variable shown beside it; a flag wins. docs/configuration.md lists the same settings.")
+    for title, names in setting_groups():
+        group = serve.add_argument_group(title)
+        for name in names:
+            _add_setting(group, name)
 
     from service.quickstart import EXAMPLE_IMAGE
 

@@ -9,14 +9,12 @@ or changed without the page regenerated is caught. Imports only service.config (
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, default_compile_cache, default_store_dir, env_name
+from service.config import Settings, default_compile_cache, default_store_dir, env_name, setting_groups
 
 COMMAND = ".venv/bin/python -m service.configdoc > docs/configuration.md"
 
@@ -42,22 +40,6 @@ start, naming the closest one.
 `.venv/bin/qwen3vl-encoder serve --help` lists the same settings, with the defaults of the machine it
 runs on. The other commands (`try`, `consume`, `route`) have flags of their own: see their `--help`.
 """
-
-
-def groups() -> list[tuple[str, list[str]]]:
-    """The settings in source order, under the `# heading` comments that group them in Settings' body.
-    A setting above the first heading goes under "other"."""
-    fields = set(Settings.model_fields)
-    out: list[tuple[str, list[str]]] = [("other", [])]
-    for line in inspect.getsource(Settings).splitlines():
-        if (m := re.fullmatch(r"    # (\w[\w ,/-]*)", line)) is not None:
-            out.append((m.group(1), []))
-        elif (m := re.match(r"    (\w+): ", line)) is not None and m.group(1) in fields:
-            out[-1][1].append(m.group(1))
-    # A setting the scan missed (declared in a base class, say) is listed too, under "other".
-    listed = {name for _, names in out for name in names}
-    out[0][1].extend(name for name in Settings.model_fields if name not in listed)
-    return [(title, names) for title, names in out if names]
 
 
 def flag(name: str) -> str:
@@ -118,8 +100,8 @@ def _cell(text: str) -> str:
 def page() -> str:
     """The whole of docs/configuration.md."""
     lines = [_INTRO]
-    for title, names in groups():
-        lines += [f"## {title[0].upper()}{title[1:]}", "", "| flag | variable | default | values | description |",
+    for title, names in setting_groups():
+        lines += [f"## {title}", "", "| flag | variable | default | values | description |",
                   "|---|---|---|---|---|"]
         for name in names:
             description = Settings.model_fields[name].description or ""

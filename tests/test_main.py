@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from service.__main__ import build_parser, main
-from service.config import Settings, default_store_dir, env_name
+from service.config import Settings, default_store_dir, env_name, setting_groups
 from service.procs.preflight import cuda_device_count
 from tests.live import free_port
 from tests.procs.test_supervisor import alive, descendants, wait_for
@@ -40,8 +40,12 @@ def no_qve_env(monkeypatch):
             monkeypatch.delenv(k)
 
 
+def subcommand(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
 def test_serve_help_shows_every_default_and_variable():
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    serve = subcommand("serve")
     actions = {a.option_strings[0]: a for a in serve._actions if a.option_strings and a.option_strings[0] != "-h"}
     text = " ".join(serve.format_help().split())  # argparse wraps lines
     for name, field in Settings.model_fields.items():
@@ -58,6 +62,23 @@ def test_serve_help_shows_every_default_and_variable():
     assert "(default: none; env QVE_API_KEY)" in actions["--api-key"].help
     assert "(default: info; env QVE_LOG_LEVEL)" in actions["--log-level"].help
     assert actions["--log-level"].choices == ["debug", "info", "warning", "error"]
+
+
+def test_serve_flags_come_in_the_groups_of_the_settings_headings():
+    serve = subcommand("serve")
+    shown = [(g.title, tuple(a.dest for a in g._group_actions)) for g in serve._action_groups
+             if g.title not in ("options", "positional arguments")]
+    assert shown == list(setting_groups())  # the same groups as docs/configuration.md's sections
+    titles = [title for title, _ in shown]
+    assert titles == ["Model and device", "Store", "HTTP serving", "Security: API keys and image URLs", "Request limits",
+                      "Batching and admission", "Processes", "Step loop and GPU", "Logging"]  # no "Other": all headed
+    where = {name: title for title, names in shown for name in names}
+    assert sorted(where) == sorted(Settings.model_fields)  # each setting in exactly one group
+    assert (where["store_writers"], where["decode_workers"], where["url_timeout_s"], where["max_image_bytes"]) == \
+        ("Store", "Processes", "Security: API keys and image URLs", "Request limits")
+    text = serve.format_help()
+    assert text.startswith("usage: qwen3vl-encoder serve [-h] [--FLAG VALUE ...]\n")  # not all 40 flags again
+    assert "\nModel and device:\n  --model MODEL " in text and "\nStore:\n  --store DIR " in text
 
 
 def test_bad_values_are_named_as_they_were_given(monkeypatch, capsys):
