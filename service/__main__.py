@@ -23,18 +23,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import Settings, describe_errors, env_name, setting_groups, unknown_env
+from service.config import Settings, describe_errors, env_name, format_size, is_size, setting_groups, unknown_env
 from service.errors import StartupError
 
 log = logging.getLogger("service")
 
 
 def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
-    """argparse's type, choices and metavar for a Settings field. The metavar is short (N, SECONDS, DIR),
+    """argparse's type, choices and metavar for a Settings field. The metavar is short (SIZE, N, SECONDS),
     so that most help texts start on the flag's own line."""
     base = field.annotation
     if typing.get_origin(base) in (typing.Union, types.UnionType):  # `int | None` -> int
         base = next(a for a in typing.get_args(base) if a is not type(None))
+    if is_size(name):
+        return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (config.parse_size)
     if typing.get_origin(base) is typing.Literal:
         return str, list(typing.get_args(base)), None
     if typing.get_origin(base) is list:
@@ -48,9 +50,11 @@ def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
     return str, None, name.rsplit("_", 1)[-1].upper()  # store_group -> GROUP
 
 
-def _default_text(field) -> str:
+def _default_text(name: str) -> str:
     """A setting's default as one would type it."""
-    value = field.get_default(call_default_factory=True)
+    value = Settings.model_fields[name].get_default(call_default_factory=True)
+    if is_size(name):
+        return format_size(value)
     if isinstance(value, bool):
         return "on" if value else "off"
     if value is None or value == []:
@@ -64,7 +68,7 @@ def _add_setting(group, name: str) -> None:
     """The flag of one Settings field, its help saying the default and the QVE_ variable."""
     field = Settings.model_fields[name]
     flag = "--" + name.replace("_", "-")
-    help_ = f"{field.description or ''} (default: {_default_text(field)}; env {env_name(name)})".strip()
+    help_ = f"{field.description or ''} (default: {_default_text(name)}; env {env_name(name)})".strip()
     help_ = help_.replace("%", "%%")  # argparse %-formats help strings
     if field.annotation is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
@@ -88,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS,
                            usage="%(prog)s [-h] [--FLAG VALUE ...]",
                            description="Serve the vision tower. Every flag can also be set by the environment "
-                           "variable shown beside it; a flag wins. docs/configuration.md lists the same settings.")
+                           "variable shown beside it; a flag wins. A SIZE is bytes or a number and a unit "
+                           "(4GiB, 512MiB, 1.5GB). docs/configuration.md lists the same settings.")
     for title, names in setting_groups():
         group = serve.add_argument_group(title)
         for name in names:

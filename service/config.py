@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -180,6 +180,50 @@ def default_api_processes() -> int:
     return max(1, min(8, _usable_cores() // 4))
 
 
+# ---- sizes: `4GiB`, `512MiB`, `1.5GB` or plain bytes, for every byte-count setting ---------------------
+# NOTE: a unit is spelled out: `4G` is refused rather than guessed (docker reads it as GiB, pydantic's ByteSize
+# as gigabits), and a binary unit (KiB, MiB, GiB, TiB) is told from a decimal one (KB, MB, GB, TB).
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE_UNIT_BY_LOWER = {u.lower(): u for u in _SIZE_UNITS}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)", re.IGNORECASE)
+SIZE_HINT = ("bytes, or a number and a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (of 1000), "
+             "e.g. 4GiB or 1.5GB")
+
+
+def parse_size(value: object) -> object:
+    """A size as a user writes it (`4GiB` = 4 * 1024**3, `1.5GB` = 1.5e9, `4096`) -> bytes, rounded down.
+    Anything but such a string is left to the field's int validation, so plain ints in code and tests pass."""
+    if not isinstance(value, str) or re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        return value  # a plain integer, or not text: int validation says what is wrong (`greater than 0`)
+    m = _SIZE_RE.fullmatch(value.strip())
+    unit = _SIZE_UNIT_BY_LOWER.get(m.group(2).lower()) if m else None
+    if unit is None:
+        raise ValueError(f"not a size; give {SIZE_HINT}")
+    whole, _, fraction = m.group(1).partition(".")
+    # In integers, not floats: `1.5GB` is exactly 1500000000.
+    return (int(whole or 0) * 10 ** len(fraction) + int(fraction or 0)) * _SIZE_UNITS[unit] // 10 ** len(fraction)
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that holds them exactly (`4GiB`), else the plain number: how --help
+    and docs/configuration.md show a size; parse_size reads it back to the same value."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n and n % _SIZE_UNITS[unit] == 0:
+            return f"{n // _SIZE_UNITS[unit]}{unit}"
+    return str(n)
+
+
+# A byte-count setting: parse_size first, then int validation (so `gt=0` and the like still apply), and a
+# plain int in the end, whichever way the value came.
+Bytes = Annotated[int, BeforeValidator(parse_size)]
+
+
+def is_size(name: str) -> bool:
+    """Whether the setting `name` is a byte count (annotated `Bytes`): a SIZE flag, its default shown as `4GiB`."""
+    return any(isinstance(m, BeforeValidator) and m.func is parse_size for m in Settings.model_fields[name].metadata)
+
+
 class Settings(BaseSettings):
     """All service settings. Field names are the CLI flags with '-' for '_'. The `# heading` comments in
     this body group them, in `serve --help` and docs/configuration.md alike (setting_groups)."""
@@ -206,8 +250,8 @@ class Settings(BaseSettings):
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
-    store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
-                                      "several --devices, each engine's shard gets an equal part)")
+    store_capacity_bytes: Bytes = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
+                                        "several --devices, each engine's shard gets an equal part)")
     store_group: str | None = Field(None, description="a group that may read the store (e.g. an LM server running as "
                                     "another user): root 0750 and files 0640 instead of 0700 / 0600")
     store_min_residency_s: float = Field(30.0, ge=0, description="an entry answered by /encode is not evicted for this "
@@ -243,10 +287,10 @@ class Settings(BaseSettings):
 
     # request limits
     max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
-    max_request_bytes: int = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
-                                   "refused with 413 before it is read when declared, or as soon as it passes")
-    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
-                                 "before it is decoded")
+    max_request_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
+                                     "refused with 413 before it is read when declared, or as soon as it passes")
+    max_image_bytes: Bytes = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
+                                   "before it is decoded")
     max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
 
@@ -269,8 +313,8 @@ class Settings(BaseSettings):
     decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
                                 "single-process service, threads in each API process; 0 = this process's share of the "
                                 "cores (all of them, or divided among the API processes), 2-8")
-    arena_bytes: int = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
-                             "(decoded images waiting for the engine); full -> 429")
+    arena_bytes: Bytes = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
+                               "(decoded images waiting for the engine); full -> 429")
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
                                        "processes answer 503 before the supervisor exits with status 1")
 
@@ -481,7 +525,9 @@ def describe_errors(error: ValidationError, flags: Mapping[str, object]) -> list
             lines.append(msg)
             continue
         source = "--" + field.replace("_", "-") if field in flags else env_name(field)
+        # A flag's value as it was typed: pydantic's input is what a before-validator made of it (`0GiB` -> 0).
+        given = flags[field] if field in flags else e["input"]
         # A secret (--api-key) is never echoed; neither is a value too long for one line.
-        value = "" if not Settings.model_fields[field].repr or len(str(e["input"])) > 80 else f"={e['input']}"
+        value = "" if not Settings.model_fields[field].repr or len(str(given)) > 80 else f"={given}"
         lines.append(f"{source}{value}: {msg}")
     return lines

@@ -62,6 +62,12 @@ def test_serve_help_shows_every_default_and_variable():
     assert "(default: none; env QVE_API_KEY)" in actions["--api-key"].help
     assert "(default: info; env QVE_LOG_LEVEL)" in actions["--log-level"].help
     assert actions["--log-level"].choices == ["debug", "info", "warning", "error"]
+    # Sizes as one would type them, not 4294967296.
+    assert "(default: 4GiB; env QVE_STORE_CAPACITY_BYTES)" in actions["--store-capacity-bytes"].help
+    assert "(default: 256MiB; env QVE_ARENA_BYTES)" in actions["--arena-bytes"].help
+    assert actions["--max-image-bytes"].metavar == "SIZE" and "(default: 32MiB;" in actions["--max-image-bytes"].help
+    assert "--store-capacity-bytes SIZE" in text and "(default: 64MiB; env QVE_MAX_REQUEST_BYTES)" in text
+    assert "4294967296" not in text
 
 
 def test_serve_flags_come_in_the_groups_of_the_settings_headings():
@@ -70,8 +76,9 @@ def test_serve_flags_come_in_the_groups_of_the_settings_headings():
              if g.title not in ("options", "positional arguments")]
     assert shown == list(setting_groups())  # the same groups as docs/configuration.md's sections
     titles = [title for title, _ in shown]
-    assert titles == ["Model and device", "Store", "HTTP serving", "Security: API keys and image URLs", "Request limits",
-                      "Batching and admission", "Processes", "Step loop and GPU", "Logging"]  # no "Other": all headed
+    assert titles == ["Model and device", "Store", "HTTP serving", "Security: API keys and image URLs",
+                      "Request limits", "Batching and admission", "Processes", "Step loop and GPU",
+                      "Logging"]  # no "Other": every setting is under a heading
     where = {name: title for title, names in shown for name in names}
     assert sorted(where) == sorted(Settings.model_fields)  # each setting in exactly one group
     assert (where["store_writers"], where["decode_workers"], where["url_timeout_s"], where["max_image_bytes"]) == \
