@@ -77,6 +77,14 @@ def _add_setting(group, name: str) -> None:
     group.add_argument(flag, type=type_, choices=choices, help=help_, metavar=metavar)
 
 
+def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """--host, --port and --log-level of a server other than `serve` (whose are settings, with QVE_ variables)."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 only inside a container)")
+    parser.add_argument("--port", type=int, default=port, metavar="N", help="TCP port to listen on")
+    levels = list(typing.get_args(Settings.model_fields["log_level"].annotation))  # as `serve --log-level`
+    parser.add_argument("--log-level", default="info", choices=levels, help="log level")
+
+
 def _local_url() -> str:
     """The server `serve` would start in this environment (QVE_HOST, QVE_PORT), seen from this machine."""
     host = os.environ.get("QVE_HOST", "127.0.0.1")
@@ -105,32 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
                           "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
                       "QVE_PORT describe, as `serve` reads them")
-    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, help="the image to post (JPEG, PNG, WebP, ...)")
-    try_.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a server still starting")
+    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
+                      help="the image to post (JPEG, PNG, WebP, ...)")
+    try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
+                      help="how long to wait for a server still starting")
 
     from service.config import default_store_dir
 
     consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    consume.add_argument("--model", type=Path, required=True, help="Qwen3-VL checkpoint directory (with tokenizer)")
-    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="the encoder service")
-    consume.add_argument("--store", type=Path, default=default_store_dir(), help="the encoder's store root")
+    # NOTE: default=SUPPRESS on a required flag: ArgumentDefaultsHelpFormatter would show `(default: None)`.
+    consume.add_argument("--model", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                         help="Qwen3-VL checkpoint directory with its tokenizer and chat template (required)")
+    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="the encoder service")
+    consume.add_argument("--store", type=Path, default=default_store_dir(), metavar="DIR",
+                         help="the encoder's store root, as mounted here (read-only is enough)")
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    consume.add_argument("--host", default="127.0.0.1")
-    consume.add_argument("--port", type=int, default=8090)
-    consume.add_argument("--max-tokens-limit", type=int, default=1024, help="the most tokens one request may ask for")
-    consume.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                         help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
+    consume.add_argument("--max-tokens-limit", type=int, default=1024, metavar="N",
+                         help="the most tokens one request may ask for")
+    _add_server_flags(consume, port=8090)
 
     route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="this encoder service")
-    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="vLLM running as an EC consumer of the store")
+    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="this encoder service")
+    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
+                       help="vLLM running as an EC consumer of the store")
     route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
                        help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
-    route.add_argument("--host", default="127.0.0.1")
-    route.add_argument("--port", type=int, default=8100)
-    route.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_server_flags(route, port=8100)
     return parser
 
 

@@ -1,6 +1,7 @@
 """The CLI (service/__main__.py) as a user meets it: `serve --help`, QVE_ variables, the one-line
 failures before the model loads, and Ctrl-C / SIGTERM of a real server's whole process group."""
 
+import argparse
 import fcntl
 import json
 import os
@@ -86,6 +87,29 @@ def test_serve_flags_come_in_the_groups_of_the_settings_headings():
     text = serve.format_help()
     assert text.startswith("usage: qwen3vl-encoder serve [-h] [--FLAG VALUE ...]\n")  # not all 40 flags again
     assert "\nModel and device:\n  --model MODEL " in text and "\nStore:\n  --store DIR " in text
+
+
+def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0]
+    assert sorted(commands.choices) == sorted(a.dest for a in commands._choices_actions)  # each command has a help line
+    assert all(a.help for a in commands._choices_actions)
+    for name, command in commands.choices.items():
+        formatter = command._get_formatter()
+        flags = [a for a in command._actions if a.option_strings and a.dest != "help"]
+        assert flags, name
+        for action in flags:
+            flag = f"{name} {action.option_strings[0]}"
+            assert action.help and action.help is not argparse.SUPPRESS, f"{flag} has no help text"
+            help_ = formatter._get_help_string(action)  # as --help shows it, the default appended
+            assert "(required)" in help_ if action.required else "(default: " in help_, f"{flag}: {help_!r}"
+            assert "(default: None)" not in help_, flag
+        text = " ".join(command.format_help().split())
+        assert all(" ".join(a.help.replace("%%", "%").split()[:3]) in text for a in flags), name
+    consume = commands.choices["consume"].format_help()
+    assert re.search(r"--dtype \{auto,float32,bfloat16\}\s+the LM's dtype; auto: bfloat16 on cuda, float32 on", consume)
+    assert re.search(r"--port N\s+TCP port to listen on \(default: 8090\)", consume)
+    assert re.search(r"--host HOST\s+bind address .*\s+\(default: 127.0.0.1\)", consume)
 
 
 def test_bad_values_are_named_as_they_were_given(monkeypatch, capsys):
