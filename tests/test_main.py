@@ -1,6 +1,7 @@
 """The CLI (service/__main__.py) as a user meets it: `serve --help`, QVE_ variables, the one-line
 failures before the model loads, and Ctrl-C / SIGTERM of a real server's whole process group."""
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from service.__main__ import build_parser, main
-from service.config import Settings, default_store_dir, env_name
+from service.config import Settings, default_store_dir, env_name, setting_groups
 from service.procs.preflight import cuda_device_count
 from tests.live import reported_url
 from tests.processes import alive, descendants, wait_for
@@ -41,8 +42,12 @@ def no_qve_env(monkeypatch):
             monkeypatch.delenv(k)
 
 
+def subcommand(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
 def test_serve_help_shows_every_default_and_variable():
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    serve = subcommand("serve")
     actions = {a.option_strings[0]: a for a in serve._actions if a.option_strings and a.option_strings[0] != "-h"}
     text = " ".join(serve.format_help().split())  # argparse wraps lines
     for name, field in Settings.model_fields.items():
@@ -59,6 +64,53 @@ def test_serve_help_shows_every_default_and_variable():
     assert "(default: none; env QVE_API_KEY)" in actions["--api-key"].help
     assert "(default: info; env QVE_LOG_LEVEL)" in actions["--log-level"].help
     assert actions["--log-level"].choices == ["debug", "info", "warning", "error"]
+    # Sizes as one would type them, not 4294967296.
+    assert "(default: 4GiB; env QVE_STORE_CAPACITY_BYTES)" in actions["--store-capacity-bytes"].help
+    assert "(default: 256MiB; env QVE_ARENA_BYTES)" in actions["--arena-bytes"].help
+    assert actions["--max-image-bytes"].metavar == "SIZE" and "(default: 32MiB;" in actions["--max-image-bytes"].help
+    assert "--store-capacity-bytes SIZE" in text and "(default: 64MiB; env QVE_MAX_REQUEST_BYTES)" in text
+    assert "4294967296" not in text
+
+
+def test_serve_flags_come_in_the_groups_of_the_settings_headings():
+    serve = subcommand("serve")
+    shown = [(g.title, tuple(a.dest for a in g._group_actions)) for g in serve._action_groups
+             if g.title not in ("options", "positional arguments")]
+    assert shown == list(setting_groups())  # the same groups as docs/configuration.md's sections
+    titles = [title for title, _ in shown]
+    assert titles == ["Model and device", "Store", "HTTP serving", "Security: API keys and image URLs",
+                      "Request limits", "Batching and admission", "Processes", "Step loop and GPU",
+                      "Logging"]  # no "Other": every setting is under a heading
+    where = {name: title for title, names in shown for name in names}
+    assert sorted(where) == sorted(Settings.model_fields)  # each setting in exactly one group
+    assert (where["store_writers"], where["decode_workers"], where["url_timeout_s"], where["max_image_bytes"]) == \
+        ("Store", "Processes", "Security: API keys and image URLs", "Request limits")
+    text = serve.format_help()
+    assert text.startswith("usage: qwen3vl-encoder serve [-h] [--FLAG VALUE ...]\n")  # not all 40 flags again
+    assert "\nModel and device:\n  --model MODEL " in text and "\nStore:\n  --store DIR " in text
+
+
+def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0]
+    assert sorted(commands.choices) == sorted(a.dest for a in commands._choices_actions)  # each command has a help line
+    assert all(a.help for a in commands._choices_actions)
+    for name, command in commands.choices.items():
+        formatter = command._get_formatter()
+        flags = [a for a in command._actions if a.option_strings and a.dest != "help"]
+        assert flags, name
+        for action in flags:
+            flag = f"{name} {action.option_strings[0]}"
+            assert action.help and action.help is not argparse.SUPPRESS, f"{flag} has no help text"
+            help_ = formatter._get_help_string(action)  # as --help shows it, the default appended
+            assert "(required)" in help_ if action.required else "(default: " in help_, f"{flag}: {help_!r}"
+            assert "(default: None)" not in help_, flag
+        text = " ".join(command.format_help().split())
+        assert all(" ".join(a.help.replace("%%", "%").split()[:3]) in text for a in flags), name
+    consume = commands.choices["consume"].format_help()
+    assert re.search(r"--dtype \{auto,float32,bfloat16\}\s+the LM's dtype; auto: bfloat16 on cuda, float32 on", consume)
+    assert re.search(r"--port N\s+TCP port to listen on \(default: 8090\)", consume)
+    assert re.search(r"--host HOST\s+bind address .*\s+\(default: 127.0.0.1\)", consume)
 
 
 def test_bad_values_are_named_as_they_were_given(monkeypatch, capsys):
