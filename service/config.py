@@ -343,11 +343,13 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
 
-    @field_validator("devices", mode="before")
+    @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", mode="before")
     @classmethod
-    def _split_devices(cls, v):
+    def _split_commas(cls, v):
+        # A list from a flag or a QVE_ variable is comma-separated (`a.example,b.example` is friendlier
+        # than JSON in an env file); the field's type then converts the items (ints for the sides).
         if isinstance(v, str):
-            return [d.strip() for d in v.split(",") if d.strip()]
+            return [x.strip() for x in v.split(",") if x.strip()]
         return v
 
     @field_validator("devices")
@@ -368,27 +370,10 @@ class Settings(BaseSettings):
             raise ValueError("mixes cpu and cuda devices; list only GPUs, or only cpu")
         return v
 
-    @field_validator("api_key", mode="before")
+    @field_validator("allowed_url_hosts")
     @classmethod
-    def _split_keys(cls, v):
-        if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
-        return v
-
-    @field_validator("graph_exact_sides", mode="before")
-    @classmethod
-    def _split_sides(cls, v):
-        if isinstance(v, str):
-            return [int(x) for x in v.split(",") if x.strip()]
-        return v
-
-    @field_validator("allowed_url_hosts", mode="before")
-    @classmethod
-    def _split_hosts(cls, v):
-        # QVE_ALLOWED_URL_HOSTS=a.example,b.example is friendlier than JSON in an env file.
-        if isinstance(v, str):
-            return [h.strip().lower() for h in v.split(",") if h.strip()]
-        return v
+    def _lower_hosts(cls, v: list[str]) -> list[str]:
+        return [h.lower() for h in v]  # host names compare case-insensitively (the allow-list check is exact)
 
     @model_validator(mode="after")
     def _check_pixels(self) -> "Settings":
