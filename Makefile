@@ -12,12 +12,14 @@ URL ?= http://127.0.0.1:8080
 TORCH_SPEC ?= torch==2.13.0
 
 PY := $(VENV)/bin/python
-# Two stamps: serving needs only the project's own dependencies (`make run`, `make try`); the test
-# suite, the load test and the linters add the dev extras (`make test`, what CI runs on a fresh clone).
+# Three stamps: serving needs only the project's own dependencies (`make run`, `make try`); the load
+# test adds just the `loadtest` extra (rich, matplotlib: seconds, where the dev extras take about a
+# minute); the test suite and the linters add the dev extras (`make test`, what CI runs on a fresh clone).
 SERVE_STAMP := $(VENV)/.installed-serve
+LOADTEST_STAMP := $(VENV)/.installed-loadtest
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install install-serve test run serve-tiny try loadtest soak lint docker-build compose-test clean help
+.PHONY: install install-serve test test-fast run serve-tiny try demo loadtest soak lint docker-build compose-test clean help
 
 help:
 	@echo "make install     create $(VENV) and install the project with its dev extras"
@@ -25,8 +27,11 @@ help:
 	@echo "make run         serve the default preset on 127.0.0.1:8080 (ARGS=... for more flags)"
 	@echo "make serve-tiny  serve the tiny preset on the CPU (fast start, for trying the API)"
 	@echo "make try         post a test image to the server at URL=$(URL), print the answer and the file"
-	@echo "make test        run the test suite"
-	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot)"
+	@echo "make demo        the whole pipeline here: a tiny RANDOM checkpoint, encoder + LM consumer, one chat answer"
+	@echo "make test        run the test suite (what CI runs)"
+	@echo "make test-fast   the suite without the tests marked slow (soak, chaos, SIGKILL, real load-test runs)"
+	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot);"
+	@echo "                 on a laptop, against make serve-tiny: make run's 2B preset on 2 CPU cores took 85-120 s for 4 requests"
 	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
@@ -54,6 +59,11 @@ $(SERVE_STAMP): pyproject.toml | $(PY)
 	@echo "==> installed: $(VENV) is ready to serve"
 	touch $@
 
+$(LOADTEST_STAMP): $(SERVE_STAMP) pyproject.toml
+	@echo "==> installing the load test's extra (rich, matplotlib)"
+	$(PY) -m pip install --no-compile -e ".[loadtest]"
+	touch $@
+
 $(DEV_STAMP): $(SERVE_STAMP) pyproject.toml
 	@echo "==> installing the dev extras (test suite, load test)"
 	$(PY) -m pip install --no-compile -e ".[dev]"
@@ -61,6 +71,10 @@ $(DEV_STAMP): $(SERVE_STAMP) pyproject.toml
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: everything but the long system tests (pyproject.toml's `slow` marker says which).
+test-fast: $(DEV_STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 run: $(SERVE_STAMP)
 	@echo "==> serving; flags go in ARGS=\"...\" (every flag, its default and its QVE_ variable: make run ARGS=--help)"
@@ -72,7 +86,10 @@ serve-tiny: $(SERVE_STAMP)
 try: $(SERVE_STAMP)
 	$(PY) -m service try --url $(URL) $(ARGS)
 
-loadtest: $(DEV_STAMP)
+demo: $(SERVE_STAMP)
+	$(PY) -m service demo $(ARGS)
+
+loadtest: $(LOADTEST_STAMP)
 	$(PY) bench/loadtest.py --url $(URL) $(ARGS)
 
 # The soak CI runs (tests/test_soak.py), with its report in $(OUT).

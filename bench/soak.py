@@ -1,7 +1,7 @@
 """Soak test: many distinct images through the load tool while readers read the store; then the
 server's log, health, memory and file descriptors. One JSON report and a short markdown table.
 
-    # start the server itself (on 127.0.0.1, a free port, a fresh store under /dev/shm):
+    # start the server itself (on 127.0.0.1, a port the kernel picks, a fresh store under /dev/shm):
     python bench/soak.py --serve "--model tiny --device cpu --store-capacity-bytes 4000000 \\
         --store-min-residency-s 1" --images 2000 --out-dir soak-out
     # or a server that is already running:
@@ -40,7 +40,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,10 +62,8 @@ LOG_PROBLEMS = re.compile(r"Traceback \(most recent call last\)|CUDA error|cudaE
 
 
 # ---- the server ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The line `serve` logs once its socket is bound (in one process, or its supervisor's), with the port.
+BOUND = re.compile(r"(?:listening on|supervisor \d+:) http://127\.0\.0\.1:(\d+)")
 
 
 def serve_settings(serve_args: list[str]):
@@ -80,13 +77,14 @@ def serve_settings(serve_args: list[str]):
 
 
 class Server:
-    """`python -m service serve ARGS` on 127.0.0.1 (always: later flags win), its output in `log`."""
+    """`python -m service serve ARGS` on 127.0.0.1 and port 0 (always: later flags win), its output in `log`.
+    The kernel picks the port as the server binds it; the port is read from the line the server logs at
+    level info (a --log-level above info in ARGS hides it: the start then times out)."""
 
     def __init__(self, serve_args: list[str], log: Path, ready_timeout_s: float, fault_inject: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = self.url = None
         self.log = log
-        cmd = [sys.executable, "-m", "service", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "service", "serve", *serve_args, "--host", "127.0.0.1", "--port", "0"]
         # This checkout's `service` (PYTHONPATH, not cwd: relative paths in ARGS stay the caller's).
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
@@ -98,8 +96,11 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready; "
                                    f"see {log}")
+            if self.url is None and (bound := BOUND.search(log.read_text(errors="replace"))):
+                self.port = int(bound.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if self.url is not None and httpx.get(self.url + "/ready", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

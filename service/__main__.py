@@ -23,29 +23,38 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import Settings, describe_errors, env_name, unknown_env
+from service.config import Settings, describe_errors, env_name, format_size, is_size, setting_groups, unknown_env
 from service.errors import StartupError
 
 log = logging.getLogger("service")
 
 
-def _flag_type(annotation):
-    """argparse type for a Settings field annotation."""
-    base = annotation
+def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
+    """argparse's type, choices and metavar for a Settings field. The metavar is short (SIZE, N, SECONDS),
+    so that most help texts start on the flag's own line."""
+    base = field.annotation
     if typing.get_origin(base) in (typing.Union, types.UnionType):  # `int | None` -> int
         base = next(a for a in typing.get_args(base) if a is not type(None))
+    if is_size(name):
+        return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (config.parse_size)
     if typing.get_origin(base) is typing.Literal:
-        return str, list(typing.get_args(base))
+        return str, list(typing.get_args(base)), None
     if typing.get_origin(base) is list:
-        return str, None  # comma-separated; Settings splits it
-    if base in (int, float, str, Path):
-        return base, None
-    return str, None
+        return str, None, "LIST"  # comma-separated; Settings splits it
+    if name.endswith("_s") or name.endswith("_ms"):
+        return base, None, "SECONDS" if name.endswith("_s") else "MS"
+    if base in (int, float):
+        return base, None, "N"
+    if base is Path:
+        return base, None, "DIR"
+    return str, None, name.rsplit("_", 1)[-1].upper()  # store_group -> GROUP
 
 
-def _default_text(field) -> str:
+def _default_text(name: str) -> str:
     """A setting's default as one would type it."""
-    value = field.get_default(call_default_factory=True)
+    value = Settings.model_fields[name].get_default(call_default_factory=True)
+    if is_size(name):
+        return format_size(value)
     if isinstance(value, bool):
         return "on" if value else "off"
     if value is None or value == []:
@@ -53,6 +62,27 @@ def _default_text(field) -> str:
     if isinstance(value, list):
         return ",".join(map(str, value))
     return str(value)
+
+
+def _add_setting(group, name: str) -> None:
+    """The flag of one Settings field, its help saying the default and the QVE_ variable."""
+    field = Settings.model_fields[name]
+    flag = "--" + name.replace("_", "-")
+    help_ = f"{field.description or ''} (default: {_default_text(name)}; env {env_name(name)})".strip()
+    help_ = help_.replace("%", "%%")  # argparse %-formats help strings
+    if field.annotation is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        return
+    type_, choices, metavar = _flag_kind(name, field)
+    group.add_argument(flag, type=type_, choices=choices, help=help_, metavar=metavar)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """--host, --port and --log-level of a server other than `serve` (whose are settings, with QVE_ variables)."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 only inside a container)")
+    parser.add_argument("--port", type=int, default=port, metavar="N", help="TCP port to listen on")
+    levels = list(typing.get_args(Settings.model_fields["log_level"].annotation))  # as `serve --log-level`
+    parser.add_argument("--log-level", default="info", choices=levels, help="log level")
 
 
 def _local_url() -> str:
@@ -66,18 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
                                      "(also `python -m service`)")
     sub = parser.add_subparsers(dest="command", required=True)
+    # NOTE: a short usage line: argparse's own lists all ~40 flags again (a screenful before the first one).
     serve = sub.add_parser("serve", help="run the HTTP service", argument_default=argparse.SUPPRESS,
+                           usage="%(prog)s [-h] [--FLAG VALUE ...]",
                            description="Serve the vision tower. Every flag can also be set by the environment "
-                           "variable shown beside it; a flag wins.")
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_ = f"{field.description or ''} (default: {_default_text(field)}; env {env_name(name)})".strip()
-        help_ = help_.replace("%", "%%")  # argparse %-formats help strings
-        if field.annotation is bool:
-            serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-            continue
-        type_, choices = _flag_type(field.annotation)
-        serve.add_argument(flag, type=type_, choices=choices, help=help_, metavar=name.upper() if not choices else None)
+                           "variable shown beside it; a flag wins. A SIZE is bytes or a number and a unit "
+                           "(4GiB, 512MiB, 1.5GB). docs/configuration.md lists the same settings.")
+    for title, names in setting_groups():
+        group = serve.add_argument_group(title)
+        for name in names:
+            _add_setting(group, name)
 
     from service.quickstart import EXAMPLE_IMAGE
 
@@ -85,32 +113,44 @@ def build_parser() -> argparse.ArgumentParser:
                           "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
                       "QVE_PORT describe, as `serve` reads them")
-    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, help="the image to post (JPEG, PNG, WebP, ...)")
-    try_.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a server still starting")
+    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
+                      help="the image to post (JPEG, PNG, WebP, ...)")
+    try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
+                      help="how long to wait for a server still starting")
 
     from service.config import default_store_dir
 
     consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    consume.add_argument("--model", type=Path, required=True, help="Qwen3-VL checkpoint directory (with tokenizer)")
-    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="the encoder service")
-    consume.add_argument("--store", type=Path, default=default_store_dir(), help="the encoder's store root")
+    # NOTE: default=SUPPRESS on a required flag: ArgumentDefaultsHelpFormatter would show `(default: None)`.
+    consume.add_argument("--model", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                         help="Qwen3-VL checkpoint directory with its tokenizer and chat template (required)")
+    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="the encoder service")
+    consume.add_argument("--store", type=Path, default=default_store_dir(), metavar="DIR",
+                         help="the encoder's store root, as mounted here (read-only is enough)")
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    consume.add_argument("--host", default="127.0.0.1")
-    consume.add_argument("--port", type=int, default=8090)
-    consume.add_argument("--max-tokens-limit", type=int, default=1024, help="the most tokens one request may ask for")
-    consume.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                         help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
+    consume.add_argument("--max-tokens-limit", type=int, default=1024, metavar="N",
+                         help="the most tokens one request may ask for")
+    _add_server_flags(consume, port=8090)
+
+    demo = sub.add_parser("demo", help="the whole pipeline on this machine: a tiny RANDOM checkpoint, the encoder "
+                          "and the LM consumer on it, one chat answer (nothing is downloaded)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint, store and logs here "
+                      "(default: a temporary folder, removed at the end)")
+    demo.add_argument("--keep", action="store_true", help="do not remove the temporary folder")
+    demo.add_argument("--timeout-s", type=float, default=300.0, help="how long each server may take to be ready")
 
     route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", help="this encoder service")
-    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="vLLM running as an EC consumer of the store")
+    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="this encoder service")
+    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
+                       help="vLLM running as an EC consumer of the store")
     route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
                        help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
-    route.add_argument("--host", default="127.0.0.1")
-    route.add_argument("--port", type=int, default=8100)
-    route.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_server_flags(route, port=8100)
     return parser
 
 
@@ -129,6 +169,16 @@ def _main(argv: list[str] | None) -> int:
         from service.quickstart import try_it
 
         return try_it(**args)
+    if command == "demo":
+        from service.demo import demo
+
+        return demo(args["workdir"], args["keep"], args["timeout_s"])
+    if command == "consume" and not (args["model"] / "config.json").is_file():
+        # Before torch is imported (seconds): a preset name or a wrong path fails at once.
+        print(f"cannot start: --model {args['model']} is not a Qwen3-VL checkpoint directory (no config.json); the "
+              "LM side needs a real checkpoint with its tokenizer. `qwen3vl-encoder demo` writes a tiny random "
+              "one and runs the whole pipeline on it", file=sys.stderr)
+        return 2
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

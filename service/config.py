@@ -12,13 +12,16 @@ each part needs is derived from it once, as a frozen options object of its own: 
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -177,12 +180,57 @@ def default_api_processes() -> int:
     return max(1, min(8, _usable_cores() // 4))
 
 
+# ---- sizes: `4GiB`, `512MiB`, `1.5GB` or plain bytes, for every byte-count setting ---------------------
+# NOTE: a unit is spelled out: `4G` is refused rather than guessed (docker reads it as GiB, pydantic's ByteSize
+# as gigabits), and a binary unit (KiB, MiB, GiB, TiB) is told from a decimal one (KB, MB, GB, TB).
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE_UNIT_BY_LOWER = {u.lower(): u for u in _SIZE_UNITS}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)", re.IGNORECASE)
+SIZE_HINT = ("bytes, or a number and a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (of 1000), "
+             "e.g. 4GiB or 1.5GB")
+
+
+def parse_size(value: object) -> object:
+    """A size as a user writes it (`4GiB` = 4 * 1024**3, `1.5GB` = 1.5e9, `4096`) -> bytes, rounded down.
+    Anything but such a string is left to the field's int validation, so plain ints in code and tests pass."""
+    if not isinstance(value, str) or re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        return value  # a plain integer, or not text: int validation says what is wrong (`greater than 0`)
+    m = _SIZE_RE.fullmatch(value.strip())
+    unit = _SIZE_UNIT_BY_LOWER.get(m.group(2).lower()) if m else None
+    if unit is None:
+        raise ValueError(f"not a size; give {SIZE_HINT}")
+    whole, _, fraction = m.group(1).partition(".")
+    # In integers, not floats: `1.5GB` is exactly 1500000000.
+    return (int(whole or 0) * 10 ** len(fraction) + int(fraction or 0)) * _SIZE_UNITS[unit] // 10 ** len(fraction)
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that holds them exactly (`4GiB`), else the plain number: how --help
+    and docs/configuration.md show a size; parse_size reads it back to the same value."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n and n % _SIZE_UNITS[unit] == 0:
+            return f"{n // _SIZE_UNITS[unit]}{unit}"
+    return str(n)
+
+
+# A byte-count setting: parse_size first, then int validation (so `gt=0` and the like still apply), and a
+# plain int in the end, whichever way the value came.
+Bytes = Annotated[int, BeforeValidator(parse_size)]
+
+
+def is_size(name: str) -> bool:
+    """Whether the setting `name` is a byte count (annotated `Bytes`): a SIZE flag, its default shown as `4GiB`."""
+    return any(isinstance(m, BeforeValidator) and m.func is parse_size for m in Settings.model_fields[name].metadata)
+
+
 class Settings(BaseSettings):
-    """All service settings. Field names are the CLI flags with '-' for '_'."""
+    """All service settings. Field names are the CLI flags with '-' for '_'. The `# heading` comments in
+    this body group them, in `serve --help` and docs/configuration.md alike (setting_groups)."""
 
     model_config = SettingsConfigDict(env_prefix="QVE_", extra="forbid")
 
-    # model
+    # model and device
     model: str = Field("qwen3-vl-2b", description="preset name or local Hugging Face checkpoint directory")
     device: str = Field("auto", description="cpu, cuda, cuda:N, or auto (cuda when available)")
     devices: Annotated[list[str], NoDecode] = Field(
@@ -202,27 +250,19 @@ class Settings(BaseSettings):
 
     # store
     store: Path = Field(default_factory=default_store_dir, description="embedding store root")
-    store_capacity_bytes: int = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
-                                      "several --devices, each engine's shard gets an equal part)")
+    store_capacity_bytes: Bytes = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
+                                        "several --devices, each engine's shard gets an equal part)")
     store_group: str | None = Field(None, description="a group that may read the store (e.g. an LM server running as "
                                     "another user): root 0750 and files 0640 instead of 0700 / 0600")
     store_min_residency_s: float = Field(30.0, ge=0, description="an entry answered by /encode is not evicted for this "
                                          "long (a consumer was told it is there); a store full of such entries "
                                          "answers 503 + Retry-After")
+    store_writers: int = Field(4, gt=0, description="threads writing embeddings to the store (each write is a "
+                               "memcpy into the store's filesystem with the GIL released)")
 
-    # HTTP
+    # HTTP serving
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
-    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
-                                                    description="require `Authorization: Bearer <key>` on /encode "
-                                                    "(comma-separated: several keys, e.g. while rotating)")
-    api_key_metrics: bool = Field(True, description="with --api-key, require it on /metrics too")
-    allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
-    url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
-                                 "for each read)")
-    allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
-                                              "private or link-local addresses (off: such fetches are refused)")
-    max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
                                     "headers) may take to arrive, from the connection's start or the request's first "
                                     "byte; then 408 and the connection closed (slowloris clients cannot hold "
@@ -233,19 +273,28 @@ class Settings(BaseSettings):
                                 "(longer than common client pools keep theirs, so a client rarely reuses a closed one)")
     max_connections: int = Field(2048, gt=0, description="open connections plus requests in progress per HTTP "
                                  "process; beyond it new requests get 503 (the process keeps file descriptors to spare)")
-    max_request_bytes: int = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
-                                   "refused with 413 before it is read when declared, or as soon as it passes")
 
-    # images
-    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
-                                 "before it is decoded")
+    # security: API keys and image URLs
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
+                                                    description="require `Authorization: Bearer <key>` on /encode "
+                                                    "(comma-separated: several keys, e.g. while rotating)")
+    api_key_metrics: bool = Field(True, description="with --api-key, require it on /metrics too")
+    allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
+    allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
+                                              "private or link-local addresses (off: such fetches are refused)")
+    url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
+                                 "for each read)")
+
+    # request limits
+    max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
+    max_request_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
+                                     "refused with 413 before it is read when declared, or as soon as it passes")
+    max_image_bytes: Bytes = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
+                                   "before it is decoded")
     max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
-    decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
-                                "single-process service, threads in each API process; 0 = this process's share of the "
-                                "cores (all of them, or divided among the API processes), 2-8")
 
-    # batching
+    # batching and admission
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
     max_batch_images: int = Field(64, gt=0, description="most images in one step")
     max_wait_ms: float = Field(5.0, ge=0, description="while the device is busy, the next step waits at most this "
@@ -261,12 +310,15 @@ class Settings(BaseSettings):
                                       "one process does everything; unset = the default for this machine: on a GPU "
                                       "(--device cuda..., or auto with one present) or with several --devices, a "
                                       "quarter of the usable cores (1-8), on the CPU 0")
-    arena_bytes: int = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
-                             "(decoded images waiting for the engine); full -> 429")
+    decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
+                                "single-process service, threads in each API process; 0 = this process's share of the "
+                                "cores (all of them, or divided among the API processes), 2-8")
+    arena_bytes: Bytes = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
+                               "(decoded images waiting for the engine); full -> 429")
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
                                        "processes answer 503 before the supervisor exits with status 1")
 
-    # step loop
+    # step loop and GPU
     pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
     warmup: bool = Field(True, description="run one step before /ready says ready")
     cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
@@ -276,8 +328,6 @@ class Settings(BaseSettings):
         default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 equal images get "
         "an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps pad to the "
         "nearest bucket)")
-    store_writers: int = Field(4, gt=0, description="threads writing embeddings to the store (each write is a "
-                               "memcpy into the store's filesystem with the GIL released)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
@@ -293,11 +343,13 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
 
-    @field_validator("devices", mode="before")
+    @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", mode="before")
     @classmethod
-    def _split_devices(cls, v):
+    def _split_commas(cls, v):
+        # A list from a flag or a QVE_ variable is comma-separated (`a.example,b.example` is friendlier
+        # than JSON in an env file); the field's type then converts the items (ints for the sides).
         if isinstance(v, str):
-            return [d.strip() for d in v.split(",") if d.strip()]
+            return [x.strip() for x in v.split(",") if x.strip()]
         return v
 
     @field_validator("devices")
@@ -318,27 +370,10 @@ class Settings(BaseSettings):
             raise ValueError("mixes cpu and cuda devices; list only GPUs, or only cpu")
         return v
 
-    @field_validator("api_key", mode="before")
+    @field_validator("allowed_url_hosts")
     @classmethod
-    def _split_keys(cls, v):
-        if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
-        return v
-
-    @field_validator("graph_exact_sides", mode="before")
-    @classmethod
-    def _split_sides(cls, v):
-        if isinstance(v, str):
-            return [int(x) for x in v.split(",") if x.strip()]
-        return v
-
-    @field_validator("allowed_url_hosts", mode="before")
-    @classmethod
-    def _split_hosts(cls, v):
-        # QVE_ALLOWED_URL_HOSTS=a.example,b.example is friendlier than JSON in an env file.
-        if isinstance(v, str):
-            return [h.strip().lower() for h in v.split(",") if h.strip()]
-        return v
+    def _lower_hosts(cls, v: list[str]) -> list[str]:
+        return [h.lower() for h in v]  # host names compare case-insensitively (the allow-list check is exact)
 
     @model_validator(mode="after")
     def _check_pixels(self) -> "Settings":
@@ -413,6 +448,25 @@ class Settings(BaseSettings):
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
 
 
+# ---- how the settings are grouped: `serve --help` and docs/configuration.md ----------------------------
+@functools.cache
+def setting_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The settings in source order, under the `# heading` comments that group them in Settings' body:
+    the one place the grouping is written, read by `serve --help` (argument groups) and by
+    service/configdoc.py (sections). A setting above the first heading goes under "Other"."""
+    fields = set(Settings.model_fields)
+    out: list[tuple[str, list[str]]] = [("Other", [])]
+    for line in inspect.getsource(Settings).splitlines():
+        if (m := re.fullmatch(r"    # (\w[\w ,:/()-]*)", line)) is not None:
+            out.append((m.group(1)[0].upper() + m.group(1)[1:], []))  # `# model and device` -> "Model and device"
+        elif (m := re.match(r"    (\w+): ", line)) is not None and m.group(1) in fields:
+            out[-1][1].append(m.group(1))
+    # A setting the scan missed (declared in a base class, say) is listed too, under "Other".
+    listed = {name for _, names in out for name in names}
+    out[0][1].extend(name for name in Settings.model_fields if name not in listed)
+    return tuple((title, tuple(names)) for title, names in out if names)
+
+
 # ---- where a setting comes from: the QVE_ environment ---------------------------------------------
 ENV_PREFIX = "QVE_"
 # prometheus_client's multiprocess directory (metrics.py; set in each API process by procs/api_process.py).
@@ -456,7 +510,9 @@ def describe_errors(error: ValidationError, flags: Mapping[str, object]) -> list
             lines.append(msg)
             continue
         source = "--" + field.replace("_", "-") if field in flags else env_name(field)
+        # A flag's value as it was typed: pydantic's input is what a before-validator made of it (`0GiB` -> 0).
+        given = flags[field] if field in flags else e["input"]
         # A secret (--api-key) is never echoed; neither is a value too long for one line.
-        value = "" if not Settings.model_fields[field].repr or len(str(e["input"])) > 80 else f"={e['input']}"
+        value = "" if not Settings.model_fields[field].repr or len(str(given)) > 80 else f"={given}"
         lines.append(f"{source}{value}: {msg}")
     return lines

@@ -9,14 +9,13 @@ or changed without the page regenerated is caught. Imports only service.config (
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, default_compile_cache, default_store_dir, env_name
+from service.config import (Settings, default_compile_cache, default_store_dir, env_name, format_size, is_size,
+                            setting_groups)
 
 COMMAND = ".venv/bin/python -m service.configdoc > docs/configuration.md"
 
@@ -35,7 +34,9 @@ _INTRO = f"""\
 Every setting of `qwen3vl-encoder serve` is a flag and an environment variable with the `QVE_` prefix
 (`--max-batch-tokens 8192` or `QVE_MAX_BATCH_TOKENS=8192`); a flag wins over the variable. A list is
 comma-separated (`--devices cuda:0,cuda:1`); an on/off setting is `--name` / `--no-name` as a flag and
-`true` / `false` as a variable. An invalid value stops the service before the model loads, naming the
+`true` / `false` as a variable. A size is bytes or a number and a unit, as a flag and as a variable alike
+(`--store-capacity-bytes 8GiB`, `QVE_MAX_IMAGE_BYTES=1.5MB`): KiB, MiB, GiB, TiB are powers of 1024, KB, MB,
+GB, TB powers of 1000. An invalid value stops the service before the model loads, naming the
 flag or variable and what is allowed; a `QVE_` variable that is no setting (a typo) is warned about at
 start, naming the closest one.
 
@@ -44,33 +45,10 @@ runs on. The other commands (`try`, `consume`, `route`) have flags of their own:
 """
 
 
-def groups() -> list[tuple[str, list[str]]]:
-    """The settings in source order, under the `# heading` comments that group them in Settings' body.
-    A setting above the first heading goes under "other"."""
-    fields = set(Settings.model_fields)
-    out: list[tuple[str, list[str]]] = [("other", [])]
-    for line in inspect.getsource(Settings).splitlines():
-        if (m := re.fullmatch(r"    # (\w[\w ,/-]*)", line)) is not None:
-            out.append((m.group(1), []))
-        elif (m := re.match(r"    (\w+): ", line)) is not None and m.group(1) in fields:
-            out[-1][1].append(m.group(1))
-    # A setting the scan missed (declared in a base class, say) is listed too, under "other".
-    listed = {name for _, names in out for name in names}
-    out[0][1].extend(name for name in Settings.model_fields if name not in listed)
-    return [(title, names) for title, names in out if names]
-
-
 def flag(name: str) -> str:
     field = Settings.model_fields[name]
     f = "--" + name.replace("_", "-")
     return f"`{f}` / `--no-{f[2:]}`" if field.annotation is bool else f"`{f}`"
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2)):
-        if n >= scale and n % scale == 0:
-            return f" ({n // scale} {unit})"
-    return ""
 
 
 def default(name: str) -> str:
@@ -87,8 +65,8 @@ def default(name: str) -> str:
         return "on" if value else "off"
     if isinstance(value, list):
         return f"`{','.join(map(str, value))}`"
-    if isinstance(value, int) and name.endswith("_bytes"):
-        return f"`{value}`{_size(value)}"
+    if is_size(name):
+        return f"`{format_size(value)}`"
     return f"`{value}`"
 
 
@@ -102,7 +80,8 @@ def values(name: str) -> str:
         return "one of " + ", ".join(f"`{a}`" for a in typing.get_args(kind))
     if typing.get_origin(kind) is list:
         return "comma-separated " + ("integers" if typing.get_args(kind) == (int,) else "list")
-    text = {bool: "on/off", int: "integer", float: "number", str: "text", Path: "path"}.get(kind, kind.__name__)
+    kinds = {bool: "on/off", int: "integer", float: "number", str: "text", Path: "path"}
+    text = "size" if is_size(name) else kinds.get(kind, kind.__name__)  # a size: `4GiB` or bytes (the intro says)
     bounds = {attr: getattr(c, attr) for c in field.metadata for attr in ("gt", "ge", "lt", "le")
               if getattr(c, attr, None) is not None}
     if "ge" in bounds and "le" in bounds:
@@ -118,8 +97,8 @@ def _cell(text: str) -> str:
 def page() -> str:
     """The whole of docs/configuration.md."""
     lines = [_INTRO]
-    for title, names in groups():
-        lines += [f"## {title[0].upper()}{title[1:]}", "", "| flag | variable | default | values | description |",
+    for title, names in setting_groups():
+        lines += [f"## {title}", "", "| flag | variable | default | values | description |",
                   "|---|---|---|---|---|"]
         for name in names:
             description = Settings.model_fields[name].description or ""

@@ -1,11 +1,18 @@
+import io
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image, ImageOps
+from transformers import Qwen3VLForConditionalGeneration
 
-from tests.checkpoints import make_full_checkpoint
+from tests import imagedata as data
+from tests.checkpoints import PilProcessor, make_full_checkpoint
+from tests.processes import IMAGES
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # Processes the tests start, directly or through the service: servers, decode workers, the forkserver.
@@ -16,6 +23,26 @@ _OURS = ("-m service", "multiprocessing.forkserver", "multiprocessing.resource_t
 def tiny_checkpoint(tmp_path_factory):
     """A tiny full Qwen3-VL checkpoint (text + vision, sharded, custom pixel limits) saved by transformers."""
     return make_full_checkpoint(tmp_path_factory.mktemp("tiny-qwen3vl"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_checkpoint):
+    """transformers' processor + vision tower on the tiny checkpoint for every image of
+    tests/processes.IMAGES: name -> (grid_thw, [tokens, 48*3]). One session-wide: the one-process and the
+    supervised server tests compare with the same values."""
+    blobs = [data.valid_images()[n] for n in IMAGES]
+    pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in blobs]
+    inputs = PilProcessor.from_pretrained(tiny_checkpoint)(images=pil, return_tensors="pt")
+    visual = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).model.visual.eval()
+    with torch.no_grad():
+        out = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    full = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+    refs, offset = {}, 0
+    for name, grid in zip(IMAGES, inputs["image_grid_thw"].tolist()):
+        n = grid[0] * grid[1] * grid[2] // 4
+        refs[name] = (grid, full[offset : offset + n])
+        offset += n
+    return refs
 
 
 def _start_ticks(pid: str) -> int | None:
@@ -75,6 +102,11 @@ def _leftovers(since_ticks: int) -> list[str]:
 
 
 def pytest_sessionstart(session):
+    # The servers the tests start must get Ctrl-C as under a terminal. A run started as a background job
+    # of a non-interactive shell (`pytest ... &`) has SIGINT ignored, and its children inherit that: the
+    # Ctrl-C tests' servers then drain on SIGINT, re-raise it into SIG_IGN and exit 0 instead of 130.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.platform.startswith("linux"):
         session.config._qve_start_ticks = _start_ticks(str(os.getpid()))
 

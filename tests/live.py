@@ -8,6 +8,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,20 +81,24 @@ def local_host(rt):
     return rt.engines.clients[0].transport.host
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def refused_port():
+    """Yields a loopback port that refuses connections while the block runs: bound and never listening,
+    so no other process can take it meanwhile (a port found free and released could be taken)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def live_server(settings, model, ready_timeout: float = 60.0):
     """Yields (base_url, app); the app's runtime is `app.state.rt`."""
     app = local_app(settings, model)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                           **server_options(settings)))
-    thread = threading.Thread(target=server.run, daemon=True)
+    # NOTE: bound here on port 0 and handed to uvicorn: the port is ours from the start.
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **server_options(settings)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout
@@ -112,32 +117,57 @@ def live_server(settings, model, ready_timeout: float = 60.0):
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
+
+
+# The line each server command logs once its socket is bound, with the port the kernel gave it:
+# `serve` in one process ("listening on http://HOST:PORT; ..."), its supervisor ("supervisor PID:
+# http://HOST:PORT, ..."), `consume` and `route` (uvicorn's "Uvicorn running on http://HOST:PORT (...)",
+# which names the bound port since uvicorn 0.21; the project needs >= 0.29).
+BOUND = re.compile(r"(?:listening on|supervisor \d+:|Uvicorn running on) http://([^\s:/]+):(\d+)")
+
+
+def reported_url(log: Path) -> str | None:
+    """The URL a server process logged when it bound its socket, or None before it has."""
+    m = BOUND.search(log.read_text(errors="replace")) if log.exists() else None
+    return m and f"http://{m.group(1)}:{m.group(2)}"
 
 
 class ServiceProcess:
-    """`python -m service ARGS` as its own process on a loopback port; waits for /ready. Always stop() it
-    (in a finally): a test must leave no process behind."""
+    """`python -m service ARGS --port 0` as its own process: the kernel picks a free port as the server
+    binds it, and the port is read from the line the server logs (`reported_url`); then waits until
+    `ready_path` answers 200 (`wait=False`: call wait_ready() later, e.g. to start two servers at once).
+    Always stop() it (in a finally): a test must leave no process behind."""
 
     ROOT = Path(__file__).resolve().parents[1]
 
-    def __init__(self, args: list[str], port: int, log: Path, ready_timeout: float = 120.0):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", *args], cwd=self.ROOT, stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + ready_timeout
+    def __init__(self, args: list[str], log: Path, ready_timeout: float = 120.0, ready_path: str = "/ready",
+                 wait: bool = True):
+        self.log, self.url, self.port, self.ready_path, self.command = log, None, None, ready_path, args[0]
+        # NOTE: "--port 0" last: argparse takes the last value, so no caller's port can win over it.
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", *args, "--port", "0"], cwd=self.ROOT,
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if wait:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = 120.0, bound_only: bool = False) -> None:
+        """Until the server has reported its port and (unless `bound_only`) answers 200 at ready_path."""
+        deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited early:\n{log.read_text()}")
+                raise RuntimeError(f"{self.command} exited early:\n{self.log.read_text()}")
+            if self.url is None and (url := reported_url(self.log)) is not None:
+                self.url, self.port = url, int(url.rsplit(":", 1)[1])
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    break
+                if self.url is not None and (bound_only or httpx.get(self.url + self.ready_path,
+                                                                     timeout=1).status_code == 200):
+                    return
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"{args[0]} not ready:\n{log.read_text()}")
+                raise TimeoutError(f"{self.command} not ready:\n{self.log.read_text()}")
             time.sleep(0.1)
 
     def stop(self, timeout=60) -> bool:

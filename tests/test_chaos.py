@@ -22,10 +22,11 @@ import pytest
 
 from service.store.format import FILE_NAME, read_embeddings
 from tests import imagedata as data
-from tests.live import ServiceProcess, free_port, json_body, metric
-from tests.procs.test_supervisor import alive, descendants, ready_info, wait_for
+from tests.live import ServiceProcess, json_body, metric
+from tests.processes import alive, descendants, ready_info, wait_for
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)"),
+              pytest.mark.slow]  # five SIGKILLs and four server starts under load: minutes
 
 
 _RUNNING: list[Load] = []  # every Load started, for _stop_loads
@@ -80,10 +81,9 @@ class Load:
 
 
 def _server(store: Path, *extra: str) -> ServiceProcess:
-    port = free_port()
+    log = store.parent / f"server-{len(list(store.parent.glob('server-*.log')))}.log"  # one per restart
     return ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(store), "--host", "127.0.0.1",
-                           "--port", str(port), "--decode-workers", "2", "--max-wait-ms", "2", *extra], port,
-                          store.parent / f"server-{port}.log")
+                           "--decode-workers", "2", "--max-wait-ms", "2", *extra], log)
 
 
 def _check_store(server: ServiceProcess, store: Path, answered: dict[str, bytes], why: str) -> None:

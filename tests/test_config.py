@@ -141,3 +141,62 @@ def test_api_processes_default_fits_the_machine(monkeypatch):
     assert _from_cli("--device", "auto").api_process_count() == 8
     gpu_present["/dev/nvidiactl"] = False
     assert _from_cli("--device", "auto").api_process_count() == 0
+
+
+# ---- sizes: `4GiB`, `1.5GB` or bytes ------------------------------------------------------------------
+SIZE_SETTINGS = ["store_capacity_bytes", "max_request_bytes", "max_image_bytes", "arena_bytes"]
+
+
+def test_every_byte_count_setting_is_a_size():
+    from service.config import is_size
+
+    assert [name for name in Settings.model_fields if is_size(name)] == SIZE_SETTINGS
+    # A byte count added later as a plain int would take no `4GiB`: name it *_bytes and annotate it Bytes.
+    assert [name for name in Settings.model_fields if name.endswith("_bytes")] == SIZE_SETTINGS
+
+
+def test_a_size_flag_or_variable_takes_binary_and_decimal_units(monkeypatch):
+    s = _from_cli("--store-capacity-bytes", "4GiB", "--max-request-bytes", "1.5GB", "--max-image-bytes", " 3 mib ")
+    assert s.store_capacity_bytes == 4 * 1024**3 and type(s.store_capacity_bytes) is int
+    assert s.max_request_bytes == 1_500_000_000  # exactly: parsed in integers, not floats
+    assert s.max_image_bytes == 3 * 1024**2  # units are case-insensitive, spaces allowed
+    monkeypatch.setenv("QVE_ARENA_BYTES", "512MiB")
+    monkeypatch.setenv("QVE_STORE_CAPACITY_BYTES", "1.5GB")
+    s = Settings()
+    assert (s.arena_bytes, s.store_capacity_bytes) == (512 * 1024**2, 1_500_000_000)
+    assert _from_cli("--store-capacity-bytes", "2TB").store_capacity_bytes == 2 * 10**12  # the flag wins
+    # Plain bytes keep working, as text (flags, variables) and as ints (code, tests).
+    assert _from_cli("--arena-bytes", "4096").arena_bytes == 4096
+    assert Settings(max_image_bytes=1000, arena_bytes=2**20).store_options().capacity_bytes == 1_500_000_000
+    assert Settings(max_image_bytes=1000).image_limits.max_image_bytes == 1000
+    assert _from_cli("--max-image-bytes", ".5KiB").max_image_bytes == 512
+    assert _from_cli("--max-image-bytes", "1.1KB").max_image_bytes == 1100
+
+
+@pytest.mark.parametrize("flag, value", [("--store-capacity-bytes", "4XB"), ("--arena-bytes", "4G"),
+                                         ("--max-image-bytes", "GiB"), ("--max-request-bytes", "1.5"),
+                                         ("--max-request-bytes", "4GiB of RAM")])
+def test_a_bad_size_is_refused_in_one_line_naming_the_units(capsys, flag, value):
+    assert main(["serve", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"invalid settings: {flag}={value}: not a size; give bytes, or a number and a unit: KiB, MiB, "
+                   "GiB, TiB (powers of 1024) or KB, MB, GB, TB (of 1000), e.g. 4GiB or 1.5GB\n")
+
+
+def test_a_bad_size_variable_and_a_zero_size_are_named(monkeypatch, capsys):
+    monkeypatch.setenv("QVE_ARENA_BYTES", "lots")
+    assert main(["serve", "--store-capacity-bytes", "0GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "QVE_ARENA_BYTES=lots: not a size; give bytes" in err
+    assert "--store-capacity-bytes=0GiB: Input should be greater than 0" in err  # the field's own bound
+
+
+def test_sizes_are_shown_in_the_largest_exact_unit_and_read_back_alike():
+    from service.config import format_size, parse_size
+
+    assert [format_size(n) for n in (4 * 1024**3, 64 * 1024**2, 1536, 3 * 1024**4, 1_500_000_000, 0)] == \
+        ["4GiB", "64MiB", "1536", "3TiB", "1500000000", "0"]
+    for name in SIZE_SETTINGS:
+        default = Settings.model_fields[name].default
+        assert parse_size(format_size(default)) == default, name

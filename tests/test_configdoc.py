@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from service import configdoc
-from service.config import Settings, env_name
+from service.config import Settings, env_name, setting_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"
@@ -43,3 +43,9 @@ def test_the_page_does_not_depend_on_the_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     assert configdoc.page() == before
     assert str(tmp_path) not in before
+
+
+def test_the_sections_are_the_settings_headings_as_serve_help_groups_them():
+    headings = [line.removeprefix("## ") for line in configdoc.page().splitlines() if line.startswith("## ")]
+    assert headings == [title for title, _ in setting_groups()]
+    assert headings[0] == "Model and device" and "Security: API keys and image URLs" in headings

@@ -397,6 +397,19 @@ def test_make_run_installs_only_what_serving_needs_and_make_test_adds_the_dev_ex
 
 
 @needs_make
+def test_make_loadtest_installs_only_the_loadtest_extra_on_the_serving_install():
+    # The dev extras (pytest, schemathesis, scikit-image, scipy) took ~55 s on a fresh clone; the load
+    # tool needs only `rich` and `matplotlib` on top of serving.
+    lines = make_dry_run("loadtest")
+    installs = [line for line in lines if "pip install" in line]
+    assert not any("[dev]" in line for line in lines), installs
+    serve = next(i for i, line in enumerate(lines) if line.endswith("pip install --no-compile -e ."))
+    extra = next(i for i, line in enumerate(lines) if line.endswith('pip install --no-compile -e ".[loadtest]"'))
+    assert serve < extra and lines[extra + 1] == "touch .venv/.installed-loadtest"
+    assert lines[-1].split()[1:] == ["bench/loadtest.py", "--url", "http://127.0.0.1:8080"]
+
+
+@needs_make
 def test_make_install_stamps_follow_pyproject(tmp_path):
     shutil.copy(ROOT / "Makefile", tmp_path)
     (tmp_path / "pyproject.toml").write_text("")
@@ -474,3 +487,14 @@ def test_cpu_compose_runs_the_real_cli_on_loopback_with_one_shared_store(clean_e
     for name, port in (("encoder", s.port), ("consumer", con["port"])):
         url = url_in(healthcheck_code([interpolate(a) for a in svc[name]["healthcheck"]["test"][1:]]))
         assert urlsplit(url).port == port and urlsplit(url).path == "/ready"
+
+
+def test_files_named_in_the_docker_files_exist():
+    # Issue 20: Dockerfile.cpu's comments sent readers to docker/compose_test.py, which never existed.
+    # Every repository file named in docker/ (a relative path: absolute ones live inside the image).
+    for f in sorted((ROOT / "docker").glob("*")):
+        if f.is_file() and (f.name.startswith("Dockerfile") or f.suffix == ".yml"):
+            named = re.findall(r"(?<![\w/.-])([\w.-][\w./-]*\.(?:py|yml|sh|md|txt|toml))\b", f.read_text())
+            assert named or f.suffix == ".yml", f"{f.name} names no file at all: the pattern is wrong"
+            missing = [n for n in named if not (ROOT / n).is_file()]
+            assert not missing, f"docker/{f.name} names {missing}, which are not files of the repository"

@@ -40,3 +40,9 @@ def test_no_path_of_a_development_machine(page):
     text = page.read_text()
     for pattern in (r"/work/", r"\.\./shared", r"/root/", r"/home/\w", r"/Users/\w"):
         assert not re.search(pattern, text), f"{page.name} names a path outside the repository ({pattern})"
+
+
+def test_the_readme_stays_a_page_for_a_user():
+    """At most 12 KiB: what a user needs first; the rest lives in docs/ (issue 19)."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 12 * 1024, f"README.md is {size} bytes; move detail to docs/"

@@ -1,6 +1,6 @@
 """The import structure: packages in layers, every import pointing down, no cycle between modules.
 
-    cli      service.__main__, service.quickstart, service.configdoc
+    cli      service.__main__, service.quickstart, service.configdoc, service.demo
     procs    lm     (processes: supervisor, engine / API processes, single process | the LM side)
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
 ]
 BASE = {"service.errors", "service.config", "service.presets", "service.metrics"}
-CLI = {"service.__main__", "service.quickstart", "service.configdoc"}
+CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 
 
 def _modules() -> dict[str, Path]:

@@ -28,7 +28,8 @@ from PIL import Image
 
 from service.config import Settings
 from service.engine.loader import load_model
-from tests.live import RawHTTPServer, free_port, live_server
+from tests.live import RawHTTPServer, live_server, refused_port
+from tests.processes import alive, descendants
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent
@@ -344,11 +345,12 @@ def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
 
 # ---- pre-flight -----------------------------------------------------------------------------------------
 def test_unreachable_server_is_one_clear_line_and_exit_2(lt, capsys, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     out = tmp_path / "r.json"
-    t0 = time.monotonic()
-    assert lt.main(["--url", url, "--out", str(out)]) == 2
-    assert time.monotonic() - t0 < 10  # fails fast, no load started
+    with refused_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        assert lt.main(["--url", url, "--out", str(out)]) == 2
+        assert time.monotonic() - t0 < 10  # fails fast, no load started
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of NaNs
     lines = captured.err.strip().splitlines()
@@ -499,6 +501,95 @@ def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
     assert png == out.with_suffix(".png") and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as img:
         assert img.format == "PNG" and img.size == (900, 900)
+    # The same figure from this real report: one time axis, the totals in the title, the overall rate
+    # images / wall time.
+    import matplotlib.pyplot as plt
+
+    fig = lt.plot_figure(report, "real run")
+    try:
+        got = _plot_properties(fig)
+        assert got["xlim_rate"] == got["xlim_lat"] == (0.0, s["wall_s"])
+        assert got["overall"].get_ydata()[0] == pytest.approx(12 / s["wall_s"], rel=1e-12)
+        assert got["title"].splitlines()[1].startswith(
+            f"12 images in 12 requests, {s['wall_s']:.2f} s: {12 / s['wall_s']:.3g} img/s overall; p50 ")
+        assert got["title"].endswith("; errors 0")
+        assert sum(b.get_height() * b.get_width() for b in got["bars"]) == pytest.approx(12, rel=1e-2)
+    finally:
+        plt.close(fig)
+
+
+def _plot_report(lt, results, wall_s: float) -> dict:
+    """The parts of a report the plot reads, built as build_report builds them (strict JSON)."""
+    from dataclasses import asdict
+
+    return lt.strict_json({"summary": asdict(lt.summarize(results, wall_s)), "timeseries": lt.timeseries(results, wall_s)})
+
+
+def _plot_properties(fig) -> dict:
+    """What the throughput and latency panels show, read back from the figure."""
+    import matplotlib.patches
+
+    ax_rate, ax_lat = fig.axes[0], fig.axes[1]
+    bars = [b for b in ax_rate.patches if isinstance(b, matplotlib.patches.Rectangle)]
+    (overall,) = [line for line in ax_rate.get_lines() if line.get_linestyle() == "--"]
+    lines = {line.get_label(): line for line in ax_lat.get_lines()}
+    return {"xlim_rate": ax_rate.get_xlim(), "xlim_lat": ax_lat.get_xlim(), "bars": bars, "overall": overall,
+            "p50": lines["p50"], "p99": lines["p99"], "title": fig._suptitle.get_text(),
+            "legend": [t.get_text() for t in ax_rate.get_legend().get_texts()]}
+
+
+def test_plot_of_a_sparse_slow_run_one_time_axis_totals_and_rates_that_agree(lt):
+    """The issue's run, rebuilt: 4 slow requests (the 2B preset on two cores) answered at ~85 s and at
+    120 s, and one 429. Before, the latency panel autoscaled to the two bins with answers while the
+    throughput panel spanned the run, p99 covered p50 (one answer per bin: equal), and a bin's burst
+    (2 images in a 1.2 s bin) was the only rate on the plot, 50 times the run's 0.033 img/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    R = lt.Result
+    results = [R(200, 84.9, 1, t_end=84.9), R(200, 85.2, 1, t_end=85.2), R(200, 85.6, 1, t_end=85.6),
+               R(429, 0.01, 1, t_end=3.0, error="overloaded"), R(200, 119.9, 1, t_end=119.9)]
+    report = _plot_report(lt, results, 120.0)
+    fig = lt.plot_figure(report, "preset:qwen3-vl-2b on cpu")
+    try:
+        got = _plot_properties(fig)
+        # One time axis, the whole run, on both panels.
+        assert got["xlim_rate"] == got["xlim_lat"] == (0.0, 120.0)
+        # The overall rate is images / wall time (the summary's figure), drawn and named in the legend.
+        assert list(got["overall"].get_ydata()) == [4 / 120.0] * 2
+        assert "overall: 4 images / 120.00 s = 0.0333 img/s" in got["legend"]
+        assert any(label.startswith("per 1.2 s bin") for label in got["legend"])  # 120 s / 100 bins
+        # The bars are per bin: they tile [0, 120] s, the burst is 2 images in one 1.2 s bin, and their
+        # time-weighted mean is the overall rate (the two figures agree by construction).
+        bars = got["bars"]
+        assert bars[0].get_x() == 0.0 and bars[-1].get_x() + bars[-1].get_width() == pytest.approx(120.0)
+        assert max(b.get_height() for b in bars) == pytest.approx(2 / 1.2)
+        assert sum(b.get_height() * b.get_width() for b in bars) / 120.0 == pytest.approx(4 / 120.0)
+        # The totals are in the title: images, requests, wall time, the overall rate, p50/p99, errors.
+        title = got["title"].splitlines()
+        assert title[0] == "preset:qwen3-vl-2b on cpu"
+        assert title[1] == ("4 images in 5 requests, 120.00 s: 0.0333 img/s overall; p50 85400 ms, p99 118871 ms; "
+                            "errors 1 (429 overloaded: 1)")
+        # p50 is drawn over p99 and in another style, so where they are equal (one answer in a bin) p50
+        # still shows: the bin at 85.2 s holds one answer, 84.9 s.
+        p50, p99 = got["p50"], got["p99"]
+        assert p50.get_zorder() > p99.get_zorder() and p99.get_markerfacecolor() == "none"
+        k = next(i for i, x in enumerate(p50.get_xdata()) if x == pytest.approx(85.2 - 0.6))
+        assert p50.get_ydata()[k] == p99.get_ydata()[k] == pytest.approx(84900.0)
+    finally:
+        plt.close(fig)
+
+
+def test_plot_of_an_empty_run_still_draws(lt, tmp_path):
+    # No answers at all (every request refused): no rate, no latency, a title that says so.
+    report = _plot_report(lt, [lt.Result(503, 0.1, 1, t_end=0.4, error="not_ready")], 0.5)
+    assert lt.write_plot(tmp_path / "p.png", report, "t") == str(tmp_path / "p.png")
+    assert lt.plot_totals(report["summary"]) == ("0 images in 1 request, 0.50 s: 0 img/s overall; p50 -, p99 -; "
+                                                 "errors 1 (503 not_ready: 1)")
+    # Interrupted before the clients started: no time series at all.
+    assert lt.write_plot(tmp_path / "q.png", _plot_report(lt, [], 0.0), "t") == str(tmp_path / "q.png")
 
 
 def test_without_matplotlib_no_plot_is_written(lt, tmp_path, monkeypatch):
@@ -527,6 +618,7 @@ def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
     assert set(lag) == {"p50", "p99", "max"} and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
 
 
+@pytest.mark.slow  # two client processes (spawned, each importing the tool) and a reference tower
 def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
     out = tmp_path / "p.json"
     with _serve(tmp_path, tiny_model) as (url, app):
@@ -618,28 +710,7 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
     assert "replayed    6: 4 ok, 0 missing, 2 wrong" in printed and f"wrong: {keys[0]}" in printed
 
 
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.slow  # the tool as its own process groups, under load until interrupted
 @pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
                          ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
 def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):
@@ -659,7 +730,7 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the load never got going"
                 time.sleep(0.1)
-            children = _descendants(proc.pid)
+            children = descendants(proc.pid)
             assert len(children) >= processes  # image builders (and client processes)
             if to_group:
                 os.killpg(proc.pid, signal.SIGINT)
@@ -684,8 +755,8 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
     assert s["wall_s"] > 0 and s["images_per_s"] > 0
     # Nothing the tool started outlives it.
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.store.format import read_embeddings
-from tests.live import ServiceProcess, free_port
+from tests.live import ServiceProcess, refused_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent  # the project's venv: `.venv/bin` in the README
@@ -25,9 +25,9 @@ def env(**extra) -> dict:
 
 
 def test_try_without_a_server_says_so_in_one_line():
-    port = free_port()
-    r = subprocess.run([sys.executable, "-m", "service", "try", "--url", f"http://127.0.0.1:{port}"], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=60)
+    with refused_port() as port:
+        r = subprocess.run([sys.executable, "-m", "service", "try", "--url", f"http://127.0.0.1:{port}"], cwd=ROOT,
+                           env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [f"error: no server at http://127.0.0.1:{port} (connection refused); start one "
                                      "with `make run` or `.venv/bin/qwen3vl-encoder serve`"]
@@ -80,9 +80,8 @@ def parse_try(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quickstart")
-    port = free_port()
     server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp / "store"),
-                             "--port", str(port), "--decode-workers", "1"], port, tmp / "server.log")
+                             "--decode-workers", "1"], tmp / "server.log")
     try:
         yield server, tmp / "store"
     finally:

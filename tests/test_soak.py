@@ -48,6 +48,7 @@ def soak(monkeypatch):
         sys.modules.pop(name, None)
 
 
+@pytest.mark.slow  # a minute alone on two cores: 2,000 images through a real server
 @pytest.mark.timeout(400)
 def test_cpu_soak_2000_distinct_images_with_constant_eviction_and_readers(soak, tmp_path):
     store, out = tmp_path / "store", tmp_path / "soak"

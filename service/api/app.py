@@ -19,22 +19,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import encode as encoding
 from service.api.docs import mount_docs
 from service.api.encode import Answer
 from service.api.parse import parse_inputs
 from service.api.runtime import Runtime
-from service.api.schemas import EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
+from service.api.schemas import EXAMPLE_REQUEST, EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
 from service.config import Settings
-from service.api.server import error_response
+from service.api.server import error_response, install_error_handlers
 from service.errors import (
-    MethodNotAllowed,
-    NotFound,
     Overloaded,
     RequestTimeout,
-    Relayed,
     RequestTooLarge,
     ServiceError,
     Unauthorized,
@@ -121,21 +117,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
     mount_docs(app)  # /docs from the package, not a CDN
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        # Routing errors in the service's one error shape, not FastAPI's {"detail": ...}.
-        if err.status_code == 404:
-            answer = error_response(NotFound(f"no such endpoint: {request.method} {request.url.path}; see /docs"))
-        elif err.status_code == 405:
-            answer = error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
-        else:
-            answer = error_response(Relayed(err.status_code, "http_error", str(err.detail)))
-        answer.headers.update(err.headers or {})  # e.g. a 405's Allow
-        return answer
-
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, err: ServiceError):
-        return error_response(err)
+    install_error_handlers(app)
 
     keys = [k.encode() for k in settings.api_key]
 
@@ -161,7 +143,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
             raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
 
     @app.post("/encode", response_model=EncodeResponse, responses=_ERROR_RESPONSES, openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
+        "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}, "example": EXAMPLE_REQUEST},
         "multipart/form-data": {"schema": {"type": "object", "properties": {
             "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
             "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})

@@ -22,6 +22,13 @@ class EncodeRequest(BaseModel):
     images: list[ImagePart] = Field(min_length=1)
 
 
+# A request that works as it is (the /docs page prefills it): one 32x32 gradient PNG as a data URL, which
+# the service upscales to Qwen3-VL's smallest size.
+EXAMPLE_PNG = ("iVBORw0KGgoAAAANSUhEUgAAACAAAAAgCAIAAAD8GO2jAAAAOElEQVR42u3NwQkAQAgDwRMC0f7L9WMVgXvsNDAl6SXJdjaYmWzQ3QQEB"
+               "AQEBAQEBAQ/BLW70eAAP6MGSFF7+P4AAAAASUVORK5CYII=")
+EXAMPLE_REQUEST = {"images": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + EXAMPLE_PNG}}]}
+
+
 class EncodedItem(BaseModel):
     key: str
     num_tokens: int

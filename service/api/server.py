@@ -8,6 +8,7 @@ import logging
 import signal
 
 import uvicorn
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service import errors
@@ -48,3 +49,23 @@ def error_response(err: ServiceError) -> Response:
     """The HTTP answer to `err` (errors.response builds its status, headers and body)."""
     status, headers, body = errors.response(err)
     return Response(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app) -> None:
+    """Every error `app` (a FastAPI app of this project) answers in the one error shape: its ServiceErrors,
+    and routing's own (404, 405, ...) instead of FastAPI's {"detail": ...}."""
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        if err.status_code == 404:
+            answer = error_response(errors.NotFound(f"no such endpoint: {request.method} {request.url.path}; "
+                                                    "see /docs"))
+        elif err.status_code == 405:
+            answer = error_response(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        else:
+            answer = error_response(errors.Relayed(err.status_code, "http_error", str(err.detail)))
+        answer.headers.update(err.headers or {})  # e.g. a 405's Allow
+        return answer
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request, err: ServiceError):
+        return error_response(err)

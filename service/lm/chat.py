@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from service.lm.client import apost
 from service.api.schemas import ImagePart
-from service.api.server import error_response
+from service.api.server import error_response, install_error_handlers
 from service.errors import (
     BadGateway,
     BadRequest,
@@ -240,6 +240,8 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
     app = FastAPI(title="Qwen3-VL LM consumer", version="0.1.0",
                   description="Answers chat requests from image embeddings the encoder service stored.")
     app.state.chat = chat
+    started = int(time.time())
+    install_error_handlers(app)
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
@@ -261,6 +263,12 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
     @app.get("/ready")
     async def ready():
         return {"ready": True, "model": lm.name, "encoder": cfg.encoder_url, "store": str(cfg.store)}
+
+    @app.get("/v1/models")
+    async def models():
+        """OpenAI's model list (clients ask it first): the one model this consumer serves."""
+        return {"object": "list", "data": [{"id": lm.name, "object": "model", "created": started,
+                                            "owned_by": "qwen3vl-encoder"}]}
 
     return app
 

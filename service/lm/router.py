@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from service.lm.client import apost
-from service.api.server import error_response
+from service.api.server import error_response, install_error_handlers
 from service.errors import BadGateway, BadRequest
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def vllm_request(chat: dict, items: list[dict], mode: ImageParts) -> dict:
 
 def create_router_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="Qwen3-VL encoder -> vLLM router", version="0.1.0")
+    install_error_handlers(app)
     app.state.encoder = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.timeout_s)
     app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
 

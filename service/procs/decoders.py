@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 
 from service.api.runtime import Decoded
 from service.config import ImageLimits, PreprocessParams
@@ -43,9 +44,11 @@ def _geometry(prep: PreparedImage) -> Geometry:
 class PoolDecoder:
     """Decode processes for a single-process service; the pixels come back as an array (pickled once)."""
 
-    def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S):
-        self.workers, self.limits, self.stall_s = workers, limits, stall_s
-        self._decode_done = time.monotonic()  # when a decode last finished (a pool that finishes none is stuck)
+    def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock` times the stall watch (tests inject a fake one)."""
+        self.workers, self.limits, self.stall_s, self._clock = workers, limits, stall_s, clock
+        self._decode_done = clock()  # when a decode last finished (a pool that finishes none is stuck)
         self.pool = self._new_pool()
         self.ready = False
 
@@ -57,14 +60,14 @@ class PoolDecoder:
         pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
                                                       initializer=exit_with, initargs=(os.getpid(),))
         # The pool is up once a worker has answered: until then its decodes are not on the stall clock.
-        self._started = (pool, time.monotonic(), pool.submit(os.getpid))
+        self._started = (pool, self._clock(), pool.submit(os.getpid))
         self._up_at: float | None = None
-        self._started[2].add_done_callback(lambda _f: setattr(self, "_up_at", time.monotonic()))
+        self._started[2].add_done_callback(lambda _f: setattr(self, "_up_at", self._clock()))
         return pool
 
     def _stalled(self, pool, waiting_since: float) -> bool:
         """Whether `pool` counts as stuck for a decode waiting since `waiting_since`."""
-        now = time.monotonic()
+        now = self._clock()
         tracked, created, _ = self._started
         if tracked is not pool:  # (a pool this decoder did not start: on the clock at once)
             up = 0.0
@@ -91,7 +94,7 @@ class PoolDecoder:
         meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and the images
         waiting on the old one are answered 503."""
         pool = self.pool
-        waiting_since = time.monotonic()
+        waiting_since = self._clock()
         try:  # (a pool already broken raises here, at submit)
             fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, params, self.limits, header)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
@@ -106,7 +109,7 @@ class PoolDecoder:
                         pool.shutdown(wait=False, cancel_futures=True)
                     raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
                                       retry_after_s=1)
-            self._decode_done = time.monotonic()  # any outcome, a refused image too: the pool is alive
+            self._decode_done = self._clock()  # any outcome, a refused image too: the pool is alive
             prep = fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
             if self.pool is pool:

@@ -283,10 +283,13 @@ class EmbeddingStore:
                 f"the store root {self.root} belongs to uid {st.st_uid}, not to this service (uid {os.geteuid()}): "
                 "another user could have planted entries in it; choose a --store this service creates")
         if st.st_mode & 0o022:
+            # A sticky shared directory (/dev/shm, /tmp) is everyone's: chmod-ing it would break it for every
+            # other user and program, so the way out is a folder of the service's own inside it.
+            fix = (f"give the service a folder of its own in it, e.g. --store {self.root / 'qwen3vl-encoder-cache'}"
+                   if st.st_mode & stat.S_ISVTX else f"run `chmod {dir_mode:o} {self.root}` or choose another --store")
             raise StoreOwnershipError(
                 f"the store root {self.root} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}): they could plant entries that /encode would answer; "
-                f"run `chmod {dir_mode:o} {self.root}` or choose another --store")
+                f"(mode {stat.S_IMODE(st.st_mode):04o}): they could plant entries that /encode would answer; {fix}")
         fd = os.open(self.root / lock_name, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

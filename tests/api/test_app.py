@@ -650,3 +650,16 @@ def test_admission_before_decode_a_full_queue_refuses_images_before_decoding_the
         assert bad.status_code == 422
         assert local_host(rt).batcher.reserved() == 0
         assert httpx.post(url + "/encode", json=json_body(large), timeout=60).status_code == 200  # alone: admitted
+
+
+def test_the_docs_page_prefills_a_request_that_works_as_it_is(tmp_path, tiny_model):
+    """Swagger UI's "Try it out" sends the document's example body: it must be a real request (a
+    `"url": "string"` placeholder answers 400)."""
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        for doc in ("/openapi.json", "/docs/openapi-3.0.json"):
+            body = httpx.get(url + doc).json()["paths"]["/encode"]["post"]["requestBody"]["content"]
+            example = body["application/json"]["example"]
+            r = httpx.post(url + "/encode", json=example, timeout=60)
+            assert r.status_code == 200, (doc, r.text)
+            (item,) = r.json()["items"]
+            assert item["num_tokens"] > 0 and item["key"].startswith("sha256+")

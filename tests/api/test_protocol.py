@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import select
 import socket
 import threading
 import time
@@ -16,9 +18,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.protocol import header_timeout_protocol
-from tests.live import free_port
 
-TIMEOUT = 0.6
+TIMEOUT = 0.6  # the head timeout under test: seconds of real time, as the server counts them
 
 
 async def _app(scope, receive, send):
@@ -40,21 +41,23 @@ async def _app(scope, receive, send):
 
 @contextlib.contextmanager
 def _serve(base, limit: int | None = None):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+    # NOTE: bound here on port 0 and handed to uvicorn: the port is ours from the start.
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(_app, log_level="error", lifespan="off",
                                            http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
                                            limit_concurrency=limit))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
-    while not server.started:
+    while not server.started:  # serving: a connection's head timer starts when it is accepted
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield ("127.0.0.1", port)
+        yield sock.getsockname()
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def _read_until_closed(c: socket.socket) -> bytes:
@@ -62,6 +65,28 @@ def _read_until_closed(c: socket.socket) -> bytes:
     while chunk := c.recv(65536):
         out += chunk
     return out
+
+
+def _read_response(c: socket.socket) -> bytes:
+    """One whole response on a kept-alive connection: the head, then the body's Content-Length bytes (one
+    recv may return part of it, and what it left would be read as the next answer). The socket's timeout
+    bounds each wait."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        assert (chunk := c.recv(65536)), f"closed before the head was complete: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+    while len(body) < length:
+        assert (chunk := c.recv(65536)), f"closed before the body was complete: {data!r}"
+        body += chunk
+    assert len(body) == length, f"more than one answer: {data!r}"
+    return head + b"\r\n\r\n" + body
+
+
+def _quiet_for(c: socket.socket, seconds: float) -> bool:
+    """True if the server neither answers nor closes the connection for `seconds`."""
+    return not select.select([c], [], [], seconds)[0]
 
 
 @pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
@@ -87,9 +112,10 @@ def test_trickling_bytes_does_not_extend_the_deadline(addr):
         t0 = time.monotonic()
         head = b"GET /x HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 100
         try:
-            for byte in head:  # one byte every 50 ms: 5 s for the whole head, were it allowed
+            for byte in head:  # one byte every 50 ms (5 s for the whole head, were it allowed) until an answer
                 c.sendall(bytes([byte]))
-                time.sleep(0.05)
+                if not _quiet_for(c, 0.05):
+                    break
         except OSError:  # the server closed the connection meanwhile
             pass
         answer = _read_until_closed(c)
@@ -109,22 +135,25 @@ def test_complete_heads_are_not_limited_slow_answers_and_slow_bodies_included(ad
     with socket.create_connection(addr, timeout=10) as c:
         # A slow answer (twice the head timeout) on a complete head: answered.
         c.sendall(b"GET /x?sleep=%g HTTP/1.1\r\nHost: t\r\n\r\n" % (2 * TIMEOUT))
-        assert c.recv(65536).startswith(b"HTTP/1.1 200 ")
-        # A body that takes longer than the head timeout to arrive (the body timeout is the app's business).
+        answer = _read_response(c)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"bytes": 0}'), answer
+        # A body that takes longer than the head timeout to arrive (the body timeout is the app's business):
+        # while it is incomplete the server neither answers nor closes, for a head timeout after each part.
         c.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nab")
-        time.sleep(TIMEOUT)
+        assert _quiet_for(c, TIMEOUT)
         c.sendall(b"cd")
-        time.sleep(TIMEOUT)
+        assert _quiet_for(c, TIMEOUT)
         c.sendall(b"ef")
-        answer = c.recv(65536)
+        answer = _read_response(c)
         assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"bytes": 6}'), answer
+        # Idle between requests longer than the head timeout: the keep-alive timeout's business, not this one.
+        assert _quiet_for(c, TIMEOUT * 1.5)
         # The same keep-alive connection, a next head that stalls: 408 within the bound of its first byte.
-        time.sleep(TIMEOUT * 1.5)  # idle between requests: the keep-alive timeout's business, not this one
         t0 = time.monotonic()
         c.sendall(b"GET /x HTTP/1.1\r\n")
         answer = _read_until_closed(c)
         assert answer.startswith(b"HTTP/1.1 408 "), answer
-        assert time.monotonic() - t0 < TIMEOUT + 3
+        assert TIMEOUT * 0.9 <= time.monotonic() - t0 < TIMEOUT + 3
 
 
 def test_malformed_requests_get_400_in_the_json_error_shape(addr):

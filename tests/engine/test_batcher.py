@@ -54,6 +54,16 @@ def run_in_thread(fn, *args):
     return get
 
 
+def wait_until_blocked(b: Batcher, threads: int = 1, timeout: float = 5.0) -> None:
+    """Until `threads` threads wait on the batcher's condition (blocked inside next_batch): what the test
+    does next must be what wakes them, not something they find on entry. CPython's Condition keeps its
+    waiters in `_waiters`."""
+    deadline = time.monotonic() + timeout
+    while len(b._cond._waiters) < threads:
+        assert time.monotonic() < deadline, "the consumer never blocked in next_batch"
+        time.sleep(0.001)
+
+
 # ---- closing rules ----------------------------------------------------------------------------------
 def test_token_budget_closes_batch():
     clock = FakeClock()
@@ -123,7 +133,7 @@ def test_next_batch_real_wait_does_not_return_early():
     t0 = time.monotonic()
     b.submit("a", None, 10)
     get = run_in_thread(b.next_batch, 5.0)
-    time.sleep(0.02)
+    wait_until_blocked(b)  # waiting for max_wait, with "a" alone
     b.submit("b", None, 10)
     batch = get()
     elapsed = time.monotonic() - t0
@@ -135,7 +145,7 @@ def test_blocked_next_batch_wakes_on_arrival():
     # max_wait is huge: only the notify from submit can end the wait in time.
     b = make(max_batch_tokens=100, max_wait_s=60.0, clock=time.monotonic)
     get = run_in_thread(b.next_batch, 10.0)
-    time.sleep(0.05)  # let the consumer block on an empty queue
+    wait_until_blocked(b)  # on an empty queue
     t0 = time.monotonic()
     b.submit("a", None, 60)
     b.submit("b", None, 60)  # "a" + "b" > budget: the batch [a] closes now
@@ -169,7 +179,7 @@ def test_wake_ends_a_wait_when_the_device_goes_idle():
     device = {"busy": True}
     b.submit("a", None, 10)
     get = run_in_thread(b.next_batch, 10.0, lambda: device["busy"])
-    time.sleep(0.05)
+    wait_until_blocked(b)  # "a" waits for company while the device is busy
     device["busy"] = False
     t0 = time.monotonic()
     b.wake()
@@ -438,7 +448,7 @@ def test_close_drains_queue_then_returns_none_and_rejects_submits():
 def test_close_wakes_blocked_consumer():
     b = make(clock=time.monotonic)
     get = run_in_thread(b.next_batch, None)
-    time.sleep(0.05)
+    wait_until_blocked(b)
     b.close()
     assert get() is None
 

@@ -15,7 +15,7 @@ from service.lm.chat import ChatConfig, LanguageModel, create_chat_app
 from service.store.directory import EmbeddingStore
 from tests import imagedata as data
 from tests.checkpoints import SPECIAL_TOKENS
-from tests.live import ServiceProcess, free_port
+from tests.live import ServiceProcess
 from tests.lm_reference import MAX_TOKENS
 from tests.lm_reference import chat_messages as _messages
 from tests.lm_reference import monolithic as _monolithic
@@ -23,17 +23,19 @@ from tests.lm_reference import monolithic as _monolithic
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_checkpoint):
-    """The encoder and the LM consumer as their own processes, sharing one store."""
+    """The encoder and the LM consumer as their own processes, sharing one store. Both load their models at
+    once: the consumer needs only the encoder's URL to start (it calls the encoder per request)."""
     tmp = tmp_path_factory.mktemp("stack")
     store = tmp / "store"
-    port = free_port()
     encoder = ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32",
-                              "--store", str(store), "--port", str(port), "--decode-workers", "1"], port, tmp / "enc.log")
+                              "--store", str(store), "--decode-workers", "1"], tmp / "enc.log", wait=False)
     try:
-        cport = free_port()
+        encoder.wait_ready(bound_only=True)  # bound before its model loads
         consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", encoder.url,
-                                   "--store", str(store), "--port", str(cport)], cport, tmp / "lm.log")
+                                   "--store", str(store)], tmp / "lm.log", wait=False)
         try:
+            encoder.wait_ready()
+            consumer.wait_ready()
             yield encoder, consumer
         finally:
             assert consumer.stop()
@@ -41,6 +43,7 @@ def stack(tmp_path_factory, tiny_checkpoint):
         assert encoder.stop()
 
 
+@pytest.mark.slow  # the stack: a real encoder and a real LM consumer process
 @pytest.mark.parametrize("names", [["astronaut.png"], ["chelsea.png", "coffee.png"]], ids=["one image", "two images"])
 def test_chat_through_the_store_equals_monolithic_generation(stack, tiny_checkpoint, names):
     encoder, consumer = stack
@@ -62,6 +65,7 @@ def test_chat_through_the_store_equals_monolithic_generation(stack, tiny_checkpo
     assert body["object"] == "chat.completion"
 
 
+@pytest.mark.slow  # the stack, as above
 def test_encoder_errors_and_bad_requests_come_back_as_clear_4xx(stack):
     _, consumer = stack
     post = lambda body: httpx.post(consumer.url + "/v1/chat/completions", json=body, timeout=60)  # noqa: E731
@@ -133,3 +137,19 @@ def test_an_entry_of_another_model_is_refused_not_truncated(tmp_path, lm):
     r = _run(app, {"messages": _messages([b"png"], "describe"), "max_tokens": 2})
     assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch"
     assert "(16, 48)" in r.json()["error"]["message"]
+
+
+def test_models_lists_the_one_model_in_openais_shape_and_unknown_paths_answer_json(tmp_path, lm):
+    """OpenAI clients ask /v1/models first (and a 404 must still be the service's error shape)."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://lm.test") as c:
+            return await c.get("/v1/models"), await c.get("/v1/nope")
+
+    models, missing = asyncio.run(go())
+    assert models.status_code == 200
+    body = models.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [lm.name]
+    assert body["data"][0]["object"] == "model" and isinstance(body["data"][0]["created"], int)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

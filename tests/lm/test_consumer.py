@@ -17,7 +17,7 @@ from service.engine.loader import load_model
 from service.media.preprocess import grid_for, smart_resize
 from service.store.format import StoredEmbeddings, read_embeddings
 from tests import imagedata as data
-from tests.live import free_port, live_server
+from tests.live import live_server, refused_port
 
 LINE_RE = re.compile(
     r"^(?P<name>\S+): key=(?P<key>\S+) grid_thw=\((?P<t>\d+), (?P<h>\d+), (?P<w>\d+)\) "
@@ -154,15 +154,16 @@ def test_refused_image_exits_1_and_the_others_still_run(server, tmp_path, capsys
 
 # ---- exit status 2 ---------------------------------------------------------------------------------
 def test_unreachable_service_exits_2(tmp_path, capsys):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert consumer.main(["--url", url, "--store", str(tmp_path), "--timeout", "5"]) == 2
+    with refused_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        assert consumer.main(["--url", url, "--store", str(tmp_path), "--timeout", "5"]) == 2
     out = capsys.readouterr()
     assert f"cannot reach the encoder service at {url}" in out.err and out.out == ""
 
 
 def test_not_ready_in_time_exits_2(tmp_path, capsys):
-    url = f"http://127.0.0.1:{free_port()}"
-    assert consumer.main(["--url", url, "--store", str(tmp_path), "--wait-ready", "0.3"]) == 2
+    with refused_port() as port:
+        assert consumer.main(["--url", f"http://127.0.0.1:{port}", "--store", str(tmp_path), "--wait-ready", "0.3"]) == 2
     assert "was not ready within 0.3 s" in capsys.readouterr().err
 
 

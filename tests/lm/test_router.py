@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from service.lm.router import RouterConfig, create_router_app, vllm_request
-from tests.live import data_url
+from tests.live import ServiceProcess, data_url
 
 
 # ---- vLLM's content parts, as vllm/entrypoints/chat_utils.py declares them (TypedDicts there) ---------
@@ -142,3 +142,15 @@ def test_router_passes_encoder_errors_and_text_only_requests_through():
     assert r.status_code == 200 and seen["encode"] == [] and seen["vllm"] == [text_only]
     r, _ = _route("raw", b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+
+
+def test_route_started_on_port_0_logs_the_port_it_was_given_and_answers_there(tmp_path):
+    # `route --port 0`: the kernel picks the port when the router binds it, and the router's log names it
+    # (what tests/live.py reads to reach it), so nothing can take the port between a pick and the bind.
+    router = ServiceProcess(["route", "--encoder-url", "http://127.0.0.1:9", "--vllm-url", "http://127.0.0.1:9"],
+                            tmp_path / "route.log", ready_path="/health")
+    try:
+        assert router.port > 0 and router.url == f"http://127.0.0.1:{router.port}"
+        assert httpx.get(router.url + "/health", timeout=10).json() == {"status": "ok"}
+    finally:
+        assert router.stop()

@@ -52,3 +52,32 @@ def test_an_api_process_decodes_into_its_arena_cell_and_gives_the_cell_back_if_t
         assert arena.used == 0
     finally:
         asyncio.run(decoder.shutdown())
+
+
+def test_a_new_decode_pool_is_on_the_stall_clock_only_once_a_worker_of_it_answered():
+    """Issue 20: on a loaded machine a replacement pool was judged stuck before its first worker had
+    started (the forkserver took seconds), so the retry that should succeed got a second 503."""
+    import concurrent.futures
+
+    from service.procs import decoders
+
+    clock = [1000.0]
+    decoder = decoders.PoolDecoder(1, Settings().image_limits, stall_s=1.5, clock=lambda: clock[0])
+    try:
+        pool, created, started = decoder._started
+        started.result(timeout=60)  # (a real worker answered; the clock above did not move meanwhile)
+        unstarted = concurrent.futures.Future()
+        decoder._started, decoder._up_at = (pool, created, unstarted), None  # as if its worker had not answered
+        clock[0] += 60  # a minute with no decode finished, but the pool has not started: not stuck
+        assert not decoder._stalled(pool, waiting_since=created)
+        clock[0] += decoders.POOL_START_LIMIT_S  # one that never starts is stuck in the end
+        assert decoder._stalled(pool, waiting_since=created)
+        decoder._up_at = clock[0]  # now up: the stall clock runs from here
+        assert not decoder._stalled(pool, waiting_since=created)
+        clock[0] += 1.0
+        assert not decoder._stalled(pool, waiting_since=created)
+        clock[0] += 1.0  # 2 s since it came up, none finished
+        assert decoder._stalled(pool, waiting_since=created)
+        assert decoder._stalled(object(), waiting_since=created - 10)  # a pool it did not start: clock at once
+    finally:
+        asyncio.run(decoder.shutdown())

@@ -15,58 +15,18 @@ from service.procs.arena import leaked_segments
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.live import json_body, metric, server_timing
-from tests.test_server import IMAGES, Server, reference, two_image_client  # noqa: F401  (reference: a fixture)
+from tests.processes import (IMAGES, CheckpointServer, alive, descendants, ready_info, stalled_heads_are_cut_off,
+                             two_image_client, wait_for)
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def ready_info(server, timeout: float = 60.0) -> dict:
-    """/ready of whichever API process answers, once it is ready (another one may still be connecting
-    to the engine when the first says 200)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.get(server.url + "/ready", timeout=5, headers={"Connection": "close"})
-        if r.status_code == 200 or time.monotonic() > deadline:
-            return r.json()
-        time.sleep(0.05)
+# slow: each test starts a supervisor with two API processes and one or two engines (tens of seconds on two
+# cores, the first one thousands of requests), and four of them SIGKILL one of its processes.
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)"),
+              pytest.mark.slow]
 
 
 def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tmp_path, tiny_checkpoint, reference):
     store = tmp_path / "store"
-    server = Server(tiny_checkpoint, store, "--api-processes", "2", "--max-wait-ms", "20")
+    server = CheckpointServer(tiny_checkpoint, store, "--api-processes", "2", "--max-wait-ms", "20")
     sup = server.proc.pid
     try:
         assert server.listening_addresses() == {"0100007F"}  # the supervisor's socket: 127.0.0.1 only
@@ -105,8 +65,10 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
             assert metric(text, "qve_encode_latency_seconds_count") == 32
             assert metric(text, "qve_arena_bytes_in_use") == 0  # every cell given back
 
-        # Many small requests: afterwards no arena cell is still held.
-        n = int(os.environ.get("QVE_TEST_SUPERVISOR_REQUESTS", "1000"))
+        # Many small requests: afterwards no arena cell is still held. 500 by default (each of the 16 clients'
+        # cells freed and reused ~30 times; a cell kept by any one request shows at the end), 10,000 in the
+        # run recorded in bench/results/2026-11-30-cpu-supervisor/ (QVE_TEST_SUPERVISOR_REQUESTS).
+        n = int(os.environ.get("QVE_TEST_SUPERVISOR_REQUESTS", "500"))
         tiny = [data.encode(data.textured_rgb(64, 64, seed=10_000 + i), "PNG") for i in range(n)]
         with ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(lambda b: httpx.post(server.url + "/encode", json=json_body(b), timeout=120).status_code,
@@ -153,7 +115,7 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
 
 
 def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, tiny_checkpoint):
-    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
     try:
         info = ready_info(server)
         victim, engine = info["api_pid"], info["engine_pid"]
@@ -184,7 +146,8 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
 
 
 def test_sigkill_of_the_engine_turns_health_503_and_the_supervisor_exits_1(tmp_path, tiny_checkpoint):
-    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2", "--engine-exit-grace-s", "5")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--api-processes", "2",
+                              "--engine-exit-grace-s", "5")
     try:
         engine = ready_info(server)["engine_pid"]
         os.kill(engine, signal.SIGKILL)
@@ -200,7 +163,7 @@ def test_sigkill_of_the_engine_turns_health_503_and_the_supervisor_exits_1(tmp_p
 
 
 def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint):
-    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
     sup = server.proc.pid
     children = descendants(sup)
     assert len(children) >= 3  # engine + 2 API processes (+ multiprocessing's resource tracker)
@@ -211,9 +174,8 @@ def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint):
 
 
 def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_checkpoint):
-    from tests.test_server import stalled_heads_are_cut_off
-
-    server = Server(tiny_checkpoint, tmp_path / "store", "--api-processes", "2", "--header-timeout-s", "1")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--api-processes", "2",
+                              "--header-timeout-s", "1")
     try:
         # Both API processes ready first: the "meanwhile" request may reach either (on a loaded machine
         # one still starting answered it 503 once).
@@ -244,7 +206,8 @@ def test_two_devices_two_engines_share_the_store_by_key_and_match_transformers(t
     from service.store.format import shard_of
 
     store = tmp_path / "store"
-    server = Server(tiny_checkpoint, store, "--devices", "cpu,cpu", "--api-processes", "2", "--max-wait-ms", "20")
+    server = CheckpointServer(tiny_checkpoint, store, "--devices", "cpu,cpu", "--api-processes", "2",
+                              "--max-wait-ms", "20")
     sup = server.proc.pid
     try:
         pids: set[int] = set()
@@ -301,7 +264,8 @@ def test_two_devices_two_engines_share_the_store_by_key_and_match_transformers(t
 
 
 def test_sigkill_of_one_of_two_engines_turns_health_503_and_the_supervisor_exits_1(tmp_path, tiny_checkpoint):
-    server = Server(tiny_checkpoint, tmp_path / "store", "--devices", "cpu,cpu", "--engine-exit-grace-s", "5")
+    server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--devices", "cpu,cpu",
+                              "--engine-exit-grace-s", "5")
     sup = server.proc.pid
     try:
         engines = ready_info(server, 90)["engines"]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from service.errors import InvalidKey
 from service.store.format import StoredItem
 from service.store.format import FILE_NAME, StoreFormatError, read_embeddings, validate_key
-from tests.store.test_directory import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
+from tests.store.storedata import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
 
 
 # ---- reading -------------------------------------------------------------------------------------
