@@ -153,3 +153,14 @@ def test_readme_make_try_runs_the_same_command(tiny_server):
     answer = parse_try(r.stdout)
     assert answer["key"].startswith("sha256+") and answer["cached"] in ("true", "false")
     assert Path(answer["file"]).is_file() and re.fullmatch(r"\[\d+, 144\] float32 .*", answer["shape"])
+
+
+def test_the_readme_curl_says_why_when_it_fails():
+    """Issue 20: `curl -s` printed nothing at all when the server was not there. The README's curl now
+    says so and exits non-zero (and, with --fail-with-body, a 4xx prints its JSON error and fails too)."""
+    (curl,) = [c for c in commands(quick_start_block()) if c.startswith("curl ")]
+    if shutil.which("curl") is None:
+        pytest.skip("no curl here")
+    with refused_port() as port:
+        r = run_as_written(curl, port)
+    assert r.returncode != 0 and "curl: (7)" in r.stderr, (r.returncode, r.stderr)
