@@ -36,18 +36,24 @@ from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
 from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
+from service.store.mooncake import MooncakeStore
 from service.store.format import StoredItem, validate_key
 
 log = logging.getLogger(__name__)
 
 
-def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
-    """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
+def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)):
+    """The store of one engine: a directory (shard (i, n) of n engines gets 1/n of --store-capacity-bytes),
+    or Mooncake Store (one pool whatever the shard; the pool's master evicts)."""
+    dtype = str(model.dtype).replace("torch.", "")
+    if options.mooncake is not None:
+        return MooncakeStore(str(options.root), options.mooncake, model_id=model.model_id,
+                             out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
+                             dtype=dtype, min_residency_s=options.min_residency_s, salt=key_salt(model))
     return EmbeddingStore(
         options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=options.min_residency_s,
-        exclusive=True, group=options.group, shard=shard,
+        dtype=dtype, min_residency_s=options.min_residency_s, exclusive=True, group=options.group, shard=shard,
     )
 
 

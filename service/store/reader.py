@@ -1,0 +1,53 @@
+"""The consumer's side of the store, whichever backend holds it: `open_reader(store)` for a directory
+(`/dev/shm/...`, vLLM's ECExampleConnector layout) or Mooncake Store (`mooncake://MASTER:PORT`,
+service/store/mooncake.py). An LM server (the bundled consumer, vLLM through lm/vllm_connector.py)
+reads each key's embeddings with `read`, and asks `exists` where it only needs to know.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from service.config import MOONCAKE_SCHEME
+from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_embeddings
+from service.store.mooncake import MooncakeReader
+
+
+class Reader(Protocol):
+    def read(self, key: str, store_key: str | None = None) -> StoredEmbeddings:
+        """The key's embeddings; KeyError if it is not in the store (never written, evicted, or its host
+        lost), StoreFormatError for an entry that is not a whole one of this format. `store_key`: the
+        /encode item's, where it has one (a Mooncake key names its namespace)."""
+
+    def exists(self, key: str, store_key: str | None = None) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class DirectoryReader:
+    """A store directory on this machine (read-only is enough)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def read(self, key: str, store_key: str | None = None) -> StoredEmbeddings:
+        return read_embeddings(self.root, key)
+
+    def exists(self, key: str, store_key: str | None = None) -> bool:
+        return (_key_dir(self.root, key) / FILE_NAME).is_file()
+
+    def close(self) -> None:
+        pass
+
+
+def is_mooncake(store: str | Path) -> bool:
+    return str(store).startswith(MOONCAKE_SCHEME)
+
+
+def open_reader(store: str | Path, **mooncake) -> Reader:
+    """A reader of `store`: a directory path, or `mooncake://MASTER_HOST:RPC_PORT` (then `mooncake` holds
+    the client options of service/store/mooncake.py's MooncakeReader)."""
+    if is_mooncake(store):
+        return MooncakeReader.open(str(store), **mooncake)
+    return DirectoryReader(Path(store))
