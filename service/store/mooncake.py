@@ -52,6 +52,7 @@ DTYPE_CODES = {"float32": 0, "float16": 11, "bfloat16": 12}  # vLLM 0.33's codes
 OBJECT_NOT_FOUND = -704
 NO_SPACE = (-200, -201, -202)  # NO_AVAILABLE_HANDLE and the allocation failures
 REFORM_S = 60.0  # after the master was seen down, "no room" means its hosts have not registered again yet
+TRANSFER_FAIL = -800  # a transfer to or from a peer's segment failed (e.g. that host is lost)
 
 
 def default_namespace(model_id: str, dtype: str, salt: str) -> str:
@@ -187,6 +188,12 @@ class MooncakeStore:
     def _meta(self, key: str) -> dict | None:
         raw = self.client.get(meta_key(self.namespace, key))
         if not raw:
+            # NOTE: it exists (lookup asked) but cannot be read: its host is lost, and existence answers stay
+            # stale until the master's client TTL. Removed now (force: past the lease lookup took), so that
+            # the re-encode's put is a fresh one, not an update in place in the lost segment, which fails
+            # after a second of retries.
+            self.client.remove(meta_key(self.namespace, key), True)
+            self.client.remove(value_key(self.namespace, key), True)
             return None
         try:
             meta = json.loads(bytes(raw))
@@ -227,9 +234,9 @@ class MooncakeStore:
                            "nbytes": len(data), "content_sha256": pending.content_sha256}).encode()
         # NOTE: upsert, not put: a put onto an existing key keeps the old object (a re-encode after a
         # lost host, or an entry of another model under this key, must replace it).
-        rc = self.client.upsert_parts(vkey, header, data, config=self._config)
+        rc = self._upsert(vkey, header, data)
         if rc == 0:
-            rc = self.client.upsert(mkey, meta, self._config)
+            rc = self._upsert(mkey, meta)
             if rc != 0:
                 self.client.remove(vkey, True)  # (best effort) no value without its companion
         if rc != 0:
@@ -240,6 +247,20 @@ class MooncakeStore:
         return StoredItem(key=pending.key, path=None, store_key=vkey, num_tokens=n, grid_thw=pending.grid,
                           shape=(n, width), dtype=pending.dtype, nbytes=HEADER.size + len(data),
                           content_sha256=pending.content_sha256)
+
+    def _upsert(self, key: str, *parts) -> int:
+        """Upsert `parts` as one object under `key`; Mooncake's return code.
+
+        NOTE: an upsert of a value of the same size onto a key whose replica lies in a lost host's segment
+        writes in place and fails with TRANSFER_FAIL, or OBJECT_NOT_FOUND when the master drops the lost
+        segment's objects meanwhile (measured on 0.3.13: re-encodes of a lost host's entries answered 503).
+        Lookups remove such entries first (_meta); for a key that no lookup saw, the stale object is
+        removed here (force: past any lease) and the put made once more."""
+        rc = self.client.upsert_parts(key, *parts, config=self._config)
+        if rc in (TRANSFER_FAIL, OBJECT_NOT_FOUND):
+            self.client.remove(key, True)
+            rc = self.client.upsert_parts(key, *parts, config=self._config)
+        return rc
 
     def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
         return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256),
