@@ -58,7 +58,7 @@ def main() -> int:
     from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions
     from service.store.directory import EmbeddingStore
     from service.store.mooncake import MooncakeStore
-    from tests.mooncake_pool import Master
+    from tests.mooncake_pool import LOOPBACK, Master
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -70,7 +70,8 @@ def main() -> int:
     mb = ec.numel() * ec.element_size() / 1e6
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="qve-bench-store-", dir=shm))
-    master = Master(work / "master.log")
+    binary = Path(sys.executable).parent / "mooncake_master"  # (the mooncake extra's, beside this Python)
+    master = Master(binary, LOOPBACK, work / "master.log", lease_ttl_ms=30_000)
     seg = int(args.entries * mb * 1e6 * (args.rounds + 1) * 1.3)  # all rounds' entries, with room under the watermark
     pooled = MooncakeStore(master.url, MooncakeOptions(master=master.url.removeprefix("mooncake://"),
                                                        local_host="127.0.0.1", segment_bytes=seg,

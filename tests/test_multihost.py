@@ -28,6 +28,7 @@ import torch
 from tests import imagedata as data
 from tests.live import ServiceProcess, json_body, metric
 from tests.lm_reference import MAX_TOKENS, chat_messages, monolithic
+from tests.mooncake_pool import Master
 from tests.netns import Host, Hosts
 from tests.processes import IMAGES, wait_for
 
@@ -36,62 +37,6 @@ pytestmark = pytest.mark.slow  # every test here needs the pool of four real pro
 SEGMENT = "64MiB"  # per encoder host: ample for the tiny checkpoint's entries (~20 KB each)
 # In a namespace of its own each process may take a fixed port (the namespace is empty); on loopback the
 # master's ports are found free (it has no port-0 mode) and the servers bind port 0 and report theirs.
-MASTER_PORTS = (50051, 9003)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Master:
-    """`mooncake_master` on its host; `url` is what --store takes. stop() and start() simulate the loss of
-    the master and its return at the same address (with none of its metadata: it keeps none on disk)."""
-
-    def __init__(self, binary: Path, host: Host, log: Path):
-        self.binary, self.host, self.log = binary, host, log
-        self.port, self.metrics_port = MASTER_PORTS if host.netns else (_free_port(), _free_port())
-        self.url = f"mooncake://{host.address}:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        # A lease TTL of 5 s, as FACTS.md's loopback runs: entries are read within it here.
-        self.proc = subprocess.Popen(
-            [*self.host.prefix, str(self.binary), f"--rpc_address={self.host.address}", f"--rpc_port={self.port}",
-             f"--metrics_host={self.host.address}", f"--metrics_port={self.metrics_port}",
-             "--default_kv_lease_ttl=5000"],
-            stdout=self.log.open("a"), stderr=subprocess.STDOUT)
-
-        def listening() -> bool:
-            assert self.proc.poll() is None, f"mooncake_master exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                socket.create_connection((self.host.address, self.port), timeout=1).close()
-                return True
-            except OSError:
-                return False
-
-        try:
-            wait_for(listening, 30, "mooncake_master listening")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def segments(self) -> list[str]:
-        """The segments mounted in the pool, as the master names them (each its host's advertised host:port)."""
-        r = httpx.get(f"http://{self.host.address}:{self.metrics_port}/get_all_segments", timeout=10)
-        assert r.status_code == 200, r.text
-        return [line.strip() for line in r.text.splitlines() if line.strip()]
 
 
 class Pool:

@@ -18,16 +18,16 @@ from service.store.directory import EmbeddingStore
 from service.store.format import read_embeddings
 from service.store.mooncake import MooncakeStore, connect, meta_key, value_key
 from service.store.reader import open_reader
-from tests.mooncake_pool import Master, mooncake_or_skip
+from tests.mooncake_pool import LOOPBACK, Master
 
 OUT_HIDDEN, LEVELS = 8, 3
 WIDTH = OUT_HIDDEN * (1 + LEVELS)
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    mooncake_or_skip()
-    m = Master(tmp_path_factory.mktemp("mooncake") / "master.log")
+def master(tmp_path_factory, mooncake_master_binary):
+    # A lease of 30 s: entries here are read long after they were written.
+    m = Master(mooncake_master_binary, LOOPBACK, tmp_path_factory.mktemp("mooncake") / "master.log", lease_ttl_ms=30_000)
     try:
         yield m
     finally:
@@ -136,5 +136,6 @@ def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_
     assert store.lookup("before") is None  # the old master's metadata went with it: a miss, encoded again
 
 
-def test_the_master_and_this_hosts_client_listen_on_loopback(master):
-    assert master.listens_only_on_loopback()
+def test_the_master_listens_on_loopback_only(master):
+    mine = [s for s in LOOPBACK.listening() if "mooncake_master" in s.processes]
+    assert mine and all(s.address == "127.0.0.1" for s in mine), mine
