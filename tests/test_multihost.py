@@ -180,6 +180,17 @@ def test_an_image_encoded_on_host_a_is_answered_cached_on_host_b_without_encodin
     assert _grew(b0, _counters(b)) == {"steps": 0, "encoded": 0, "cached": 1}  # no step ran on b for it
 
 
+def test_try_names_a_pool_entry_by_its_store_key(pool):
+    """`qwen3vl-encoder try` against an encoder on Mooncake: the entry is a key in the pool, not a file."""
+    a = pool.encoder("a")
+    done = subprocess.run([sys.executable, "-m", "service", "try", "--url", a.url], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    (entry,) = [line for line in done.stdout.splitlines() if line.startswith("  entry ")]
+    key = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("  key "))
+    assert f"@id:{key}  (in the Mooncake pool at {pool.master.url})" in entry and "  file " not in done.stdout
+
+
 def test_a_uuid_bound_on_host_a_is_a_conflict_on_host_b(pool):
     a, b = pool.encoder("a"), pool.encoder("b")
     r = _post(a, _fresh(2), uuids=["multihost-uuid"])
