@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="this encoder service")
+    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL[,URL...]",
+                       help="the encoder service; several, comma-separated (hosts of one Mooncake pool): each image "
+                       "goes to the host its hash picks, so identical images in flight meet on one host")
     route.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
                        help="vLLM running as an EC consumer of the store")
     route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],

@@ -6,11 +6,13 @@ reads each key's embeddings with `read`, and asks `exists` where it only needs t
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from service.config import MOONCAKE_SCHEME
-from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache, read_embeddings
+from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache
+from service.store.format import read_embeddings as format_read_embeddings
 from service.store.mooncake import MooncakeReader
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ class DirectoryReader:
         self.root = Path(root)
 
     def read(self, key: str, store_key: str | None = None) -> StoredEmbeddings:
-        return read_embeddings(self.root, key)
+        return format_read_embeddings(self.root, key)
 
     def read_ec_cache(self, key: str, store_key: str | None = None) -> torch.Tensor:
         return read_ec_cache(self.root, key)
@@ -61,3 +63,19 @@ def open_reader(store: str | Path, **mooncake) -> Reader:
     if is_mooncake(store):
         return MooncakeReader.open(str(store), **mooncake)
     return DirectoryReader(Path(store))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_reader(store: str, namespace: str | None, local_host: str) -> Reader:
+    return open_reader(store, namespace=namespace, local_host=local_host) if is_mooncake(store) else open_reader(store)
+
+
+def read_embeddings(store: str | Path, key: str, *, store_key: str | None = None, namespace: str | None = None,
+                    local_host: str = "127.0.0.1") -> StoredEmbeddings:
+    """One key's embeddings from either backend, for scripts and consumers that read now and then: a
+    directory (format.read_embeddings) or `mooncake://MASTER:PORT` (by the /encode item's `store_key`, or
+    by `key` in `namespace`). Its Mooncake client is kept for the next call; an LM server that reads per
+    request holds its own reader (`open_reader`)."""
+    if not is_mooncake(store):
+        return format_read_embeddings(Path(store), key)
+    return _cached_reader(str(store), namespace, local_host).read(key, store_key)

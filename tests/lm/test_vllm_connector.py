@@ -27,7 +27,7 @@ from service.store.format import FILE_NAME
 from tests import imagedata as data
 from tests.live import ServiceProcess, json_body
 from tests.lm.vllm_side import VllmSide
-from tests.mooncake_pool import Master, mooncake_or_skip
+from tests.mooncake_pool import LOOPBACK, Master
 from tests.processes import wait_for
 from tests.vllm_env import vllm_env
 
@@ -136,11 +136,10 @@ def test_directory_entries_load_bit_for_bit_even_evicted_right_after_vllms_check
         assert encoder.stop(), encoder.log.read_text()[-3000:]
 
 
-def test_mooncake_entries_load_bit_for_bit_as_vllm_reads_them(vllm, tmp_path):
-    mooncake_or_skip()
+def test_mooncake_entries_load_bit_for_bit_as_vllm_reads_them(vllm, tmp_path, mooncake_master_binary):
     sched, worker = vllm
     namespace = "vllm-connector-test"
-    master = Master(tmp_path / "master.log")
+    master = Master(mooncake_master_binary, LOOPBACK, tmp_path / "master.log", lease_ttl_ms=30_000)
     encoder = None
     try:
         encoder = ServiceProcess([*TINY, "--store", master.url, "--mooncake-segment-bytes", "256MiB",
