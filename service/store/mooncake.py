@@ -331,6 +331,14 @@ class MooncakeReader:
         return StoredEmbeddings(main=parts[0], deepstack=parts[1:], grid_thw=tuple(meta["grid_thw"]),
                                 metadata={k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()})
 
+    def read_ec_cache(self, key: str, store_key: str | None = None) -> torch.Tensor:
+        """The value's whole [num_tokens, hidden] tensor as vLLM reads it (the value alone: its header says
+        dtype and shape; the companion is what `exists` checked). KeyError if it is not in the pool."""
+        value = self.client.get(self._keys(key, store_key)[0])
+        if not value:
+            raise KeyError(key)
+        return parse_value(value)
+
     def close(self) -> None:
         self.client.close()
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.config import MOONCAKE_SCHEME
-from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir
+from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache
 from service.store.format import read_embeddings as format_read_embeddings
 from service.store.mooncake import MooncakeReader
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Reader(Protocol):
@@ -21,6 +24,10 @@ class Reader(Protocol):
         """The key's embeddings; KeyError if it is not in the store (never written, evicted, or its host
         lost), StoreFormatError for an entry that is not a whole one of this format. `store_key`: the
         /encode item's, where it has one (a Mooncake key names its namespace)."""
+
+    def read_ec_cache(self, key: str, store_key: str | None = None) -> torch.Tensor:
+        """The key's whole tensor, [num_tokens, out_hidden * (1 + deepstack_levels)] (main, then each
+        deepstack tap), as stored: what vLLM's encoder cache holds. Raises as `read` does."""
 
     def exists(self, key: str, store_key: str | None = None) -> bool: ...
 
@@ -35,6 +42,9 @@ class DirectoryReader:
 
     def read(self, key: str, store_key: str | None = None) -> StoredEmbeddings:
         return format_read_embeddings(self.root, key)
+
+    def read_ec_cache(self, key: str, store_key: str | None = None) -> torch.Tensor:
+        return read_ec_cache(self.root, key)
 
     def exists(self, key: str, store_key: str | None = None) -> bool:
         return (_key_dir(self.root, key) / FILE_NAME).is_file()
