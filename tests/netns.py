@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _NAME = re.compile(r"^qve(\d+)(?:-.+|br|v\d+)$")  # ours: namespaces qve<pid>-<host>, links qve<pid>br, qve<pid>v<i>
 SUPERNET = ipaddress.ip_network("10.222.0.0/16")
@@ -55,6 +56,8 @@ class Host:
 
     def listening(self) -> list[Listener]:
         """The TCP sockets listening on this host (in its namespace; on loopback, the whole machine's)."""
+        if self.netns is None and shutil.which("ss") is None:
+            return proc_listeners()  # (a machine without iproute2: a GPU machine's image)
         out = _run([*self.prefix, "ss", "-tlnpH"]).stdout
         found = []
         for line in out.splitlines():
@@ -63,6 +66,36 @@ class Host:
             addr, _, port = local.rpartition(":")
             found.append(Listener(addr.split("%")[0], int(port), tuple(re.findall(r'\("([^"]+)"', line))))
         return found
+
+
+def proc_listeners() -> list[Listener]:
+    """What `ss -tlnp` tells, read from /proc: each LISTEN socket of /proc/net/tcp{,6}, named by the
+    processes holding it (their comm; those of other users need root, as with ss)."""
+    holders: dict[str, list[str]] = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            comm = (fd_dir.parent / "comm").read_text().strip()
+            for fd in fd_dir.iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    holders.setdefault(target[8:-1], []).append(comm)
+        except OSError:  # (gone meanwhile, or not ours to read)
+            continue
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A":  # LISTEN
+                continue
+            hex_addr, hex_port = cols[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # (the kernel prints each 32-bit word in host order: little-endian here)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = str(ipaddress.ip_address(raw))
+            found.append(Listener(f"[{addr}]" if v6 else addr, int(hex_port, 16), tuple(holders.get(cols[9], ()))))
+    return found
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:

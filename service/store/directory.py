@@ -170,6 +170,8 @@ class EmbeddingStore:
     the capacity (engine/host.py build_store: capacity / n); the filesystem's free space is split the same way.
     """
 
+    remote = False  # a lookup is a stat and a header read here: the engine host asks in place
+
     def __init__(
         self,
         root: Path,

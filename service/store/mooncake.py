@@ -124,6 +124,8 @@ class MooncakeStore:
     abort), with the values in vLLM's layout. Thread-safe (the writer's threads put in parallel; the
     client is Mooncake's, which is)."""
 
+    remote = True  # a lookup is an RPC to the master: the engine host asks off its thread (engine/lookups.py)
+
     def __init__(self, url: str, options: MooncakeOptions, *, model_id: str, out_hidden_size: int,
                  deepstack_levels: int, dtype: str, min_residency_s: float, salt: str):
         self.root = url  # what /ready names as the store
@@ -166,15 +168,26 @@ class MooncakeStore:
 
     # ---- lookups --------------------------------------------------------------------------------------
     def lookup(self, key: str) -> StoredItem | None:
-        """The stored item for `key` if it is a hit for this model, read from its companion (a failed read:
-        a lost host, an evicted entry: None, and the image is encoded again)."""
-        validate_key(key)
-        here = self.client.is_exist(meta_key(self.namespace, key))
-        if here < 0:  # the master does not answer: neither a hit nor a miss (a miss would be encoded for nothing)
+        return self.lookup_many([key])[0]
+
+    def lookup_many(self, keys: list[str]) -> list[StoredItem | None]:
+        """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
+        a lost host, an evicted entry: None, and the image is encoded again). One batch_is_exist for all
+        the keys (most lookups are misses: one round trip to the master); a hit's companion and its value's
+        lease cost two more. StoreUnavailable if the master does not answer."""
+        for key in keys:
+            validate_key(key)
+        here = self.client.batch_is_exist([meta_key(self.namespace, key) for key in keys])
+        if len(here) != len(keys) or any(h < 0 for h in here):
+            # the master does not answer: neither a hit nor a miss (a miss would be encoded for nothing)
             self._outage_at = time.monotonic()
-            raise StoreUnavailable(f"the Mooncake master at {self.options.master} does not answer (error {here}); "
+            rc = min(here, default=-1)
+            raise StoreUnavailable(f"the Mooncake master at {self.options.master} does not answer (error {rc}); "
                                    "retry shortly")
-        meta = self._meta(key) if here == 1 else None
+        return [self._hit(key) if h == 1 else None for key, h in zip(keys, here, strict=True)]
+
+    def _hit(self, key: str) -> StoredItem | None:
+        meta = self._meta(key)
         if meta is None:
             return None
         vkey = value_key(self.namespace, key)

@@ -6,6 +6,7 @@ a stopped master is a clear 503 and the store serves again when it returns."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import time
 
@@ -19,6 +20,7 @@ from service.store.format import read_embeddings
 from service.store.mooncake import MooncakeStore, connect, meta_key, value_key
 from service.store.reader import open_reader
 from tests.mooncake_pool import LOOPBACK, Master
+from tests.netns import proc_listeners
 
 OUT_HIDDEN, LEVELS = 8, 3
 WIDTH = OUT_HIDDEN * (1 + LEVELS)
@@ -136,6 +138,12 @@ def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_
     assert store.lookup("before") is None  # the old master's metadata went with it: a miss, encoded again
 
 
-def test_the_master_listens_on_loopback_only(master):
-    mine = [s for s in LOOPBACK.listening() if "mooncake_master" in s.processes]
+@pytest.mark.parametrize("reader", ["ss", "proc"])
+def test_the_master_listens_on_loopback_only(master, reader):
+    # (read by `ss`, and from /proc as on a machine without iproute2: the two must agree)
+    if reader == "ss" and shutil.which("ss") is None:
+        pytest.skip("no `ss` on this machine (iproute2): the /proc reading checks it")
+    listening = LOOPBACK.listening() if reader == "ss" else proc_listeners()
+    mine = [s for s in listening if "mooncake_master" in s.processes]
     assert mine and all(s.address == "127.0.0.1" for s in mine), mine
+    assert master.port in {s.port for s in mine}
