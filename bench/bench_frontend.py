@@ -302,9 +302,9 @@ def main() -> int:
             port = 18300 + mi
             store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
             name = str(mode) if kind == "directory" else f"{mode}@{kind}"
-            master = mooncake_master(args, f"{name}#{mi + 1}") if kind == "mooncake" else None
-            proc = serve(args, mode, port, master.url if master else store / "s",
-                         args.out / f"server_mode{name}#{mi + 1}.log")
+            tag = f"{mode}-{kind}-run{mi + 1}"  # (file names of letters, digits and dashes: they travel back)
+            master = mooncake_master(args, tag) if kind == "mooncake" else None
+            proc = serve(args, mode, port, master.url if master else store / "s", args.out / f"server_mode{tag}.log")
             try:
                 r = {"idle": idle(port, blobs_idle)}
                 print(f"{name}: idle {r['idle']}", flush=True)
