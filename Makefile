@@ -35,7 +35,8 @@ help:
 	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
-	@echo "make compose-test  build the CPU image, run docker/docker-compose.cpu.yml, check a chat answer"
+	@echo "make compose-test  build the CPU images, run docker/docker-compose.cpu.yml and docker-compose.mooncake.yml,"
+	@echo "                 check their chat answers (QVE_COMPOSE_V2_FETCH=1: fetch compose v2 for the run)"
 
 install: $(DEV_STAMP)
 
@@ -104,7 +105,7 @@ lint: $(DEV_STAMP)
 docker-build:
 	docker build -f docker/Dockerfile -t qwen3vl-encoder:local .
 
-# The CPU stack in a real Docker engine (tests/test_compose.py says what it needs, and why it skips).
+# The CPU stacks in a real Docker engine (tests/test_compose.py says what it needs, and why it skips).
 compose-test: $(DEV_STAMP)
 	QVE_COMPOSE_TEST=1 $(PY) -m pytest -q -rs -s tests/test_compose.py $(ARGS)
 

@@ -26,13 +26,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--a", type=Path, required=True, help="the baseline tree (a checkout of the earlier commit)")
+    ap.add_argument("--a", type=Path, help="the baseline tree (a checkout of the earlier commit)")
     ap.add_argument("--b", type=Path, default=ROOT, help="the tree under test")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="4")
     ap.add_argument("--images", type=int, default=4096)
     ap.add_argument("--step-loop", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--summarize", type=Path, help="only recompute the medians and the table of this "
+                    "ab_frontend.json (a run cut short by a time limit), into --out")
     args = ap.parse_args()
+    if args.summarize:
+        res = json.loads(args.summarize.read_text())
+        summarize(res, args.modes)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ab_frontend.json").write_text(json.dumps(res, indent=2))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     caches = {k: Path(tempfile.mkdtemp(prefix=f"qve-ab-{k}-cc-")) for k in trees}
@@ -66,24 +74,35 @@ def main() -> int:
             res["step_loop_img_s"] = tower["loop"][0]["img_s"]
             res["step_loop_first_pass_img_s"] = tower["loop_first_pass_img_s"]
 
-    figures = {"idle_p50_ms": ("idle", "p50_ms"), "x1_img_s": ("x1", "img_s"), "x8_img_s": ("x8", "img_s")}
-    res["median"] = {}
-    for mode in args.modes.split(","):
-        for k in trees:
-            vals = {f: [run["modes"][mode][a][b] for run in res["runs"][k] if mode in run["modes"]]
-                    for f, (a, b) in figures.items()}
-            res["median"].setdefault(mode, {})[k] = {f: statistics.median(v) if v else None for f, v in vals.items()}
-            res["median"][mode][k]["all"] = vals
+    summarize(res, args.modes)
     save()
-    print(f"\n{res['date']}  A = {trees['a']}  B = {trees['b']}  {args.rounds} rounds, medians; "
-          f"step loop {res.get('step_loop_img_s')} img/s")
-    print("mode | figure | A | B | B / A")
-    for mode, m in res["median"].items():
-        for f in figures:
-            a, b = m["a"][f], m["b"][f]
-            print(f"{mode} | {f} | {a} | {b} | {b / a:.3f}" if a and b else f"{mode} | {f} | {a} | {b} | -")
     return 0
 
+
+FIGURES = {"idle_p50_ms": ("idle", "p50_ms"), "x1_img_s": ("x1", "img_s"), "x8_img_s": ("x8", "img_s")}
+
+
+def summarize(res: dict, modes: str) -> None:
+    """Medians per tree, and B / A per round (each B against the A run just before it), into res; a table
+    on stdout. Rounds cut short (a time limit) count with what they have."""
+    res["median"], res["paired"] = {}, {}
+    for mode in modes.split(","):
+        for k in ("a", "b"):
+            vals = {f: [run["modes"][mode][a][b] for run in res["runs"][k] if mode in run["modes"]]
+                    for f, (a, b) in FIGURES.items()}
+            res["median"].setdefault(mode, {})[k] = {f: round(statistics.median(v), 3) if v else None for f, v in vals.items()}
+            res["median"][mode][k]["all"] = vals
+        pairs = [(a["modes"][mode], b["modes"][mode]) for a, b in zip(res["runs"]["a"], res["runs"]["b"])
+                 if mode in a["modes"] and mode in b["modes"]]
+        res["paired"][mode] = {f: [round(rb[x][y] / ra[x][y], 3) for ra, rb in pairs] for f, (x, y) in FIGURES.items()}
+    print(f"\n{res['date']}  A = {res['trees']['a']}  B = {res['trees']['b']}  medians; "
+          f"step loop {res.get('step_loop_img_s')} img/s")
+    print("mode | figure | A | B | B / A | B / A per round")
+    for mode, m in res["median"].items():
+        for f in FIGURES:
+            a, b = m["a"][f], m["b"][f]
+            ratio = f"{b / a:.3f}" if a and b else "-"
+            print(f"{mode} | {f} | {a} | {b} | {ratio} | {res['paired'][mode][f]}")
 
 if __name__ == "__main__":
     sys.exit(main())

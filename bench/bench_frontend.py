@@ -1,6 +1,7 @@
 """The HTTP front end against the step loop (issue 7), in one run on one machine:
 
     python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8,8x2] [--images 4096]
+                                   [--stores directory,mooncake]
 
 1. baseline: the step loop with pre-decoded 448px images (`bench_tower.py --sections loop`, own process)
 2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes,
@@ -10,7 +11,9 @@
             phase of the server's Server-Timing header (parse, keys, admit, decode, encode, total)
      x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
      x8     the same with 8 images per request, --clients x --conc8 connections
-   and stop it.
+   and stop it. With --stores, each mode runs once per store backend, in the order given: `directory` (a
+   fresh directory in /dev/shm) and `mooncake` (a fresh mooncake_master on loopback, the server's segment
+   --store-bytes, Mooncake's TCP transport; issue 21: HTTP img/s against the directory in one run).
 Every image is distinct (no cache hits): pixels are a random gradient plus noise, JPEG quality 90
 (~50 KB, like a photo). Request bodies are built before the clock starts; the client processes send
 them over raw keep-alive HTTP/1.1 connections (a few microseconds each), so the server, not the load
@@ -159,16 +162,19 @@ def parse_mode(mode: str) -> tuple[int, int]:
     return int(api), int(engines or 1)
 
 
-def serve(args, mode: str, port: int, store: Path, log: Path) -> subprocess.Popen:
+def serve(args, mode: str, port: int, store: Path | str, log: Path) -> subprocess.Popen:
     api, engines = parse_mode(mode)
     cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--device", args.device,
            "--store", str(store), "--port", str(port), "--store-capacity-bytes", str(args.store_bytes),
            "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(api),
            "--compile-cache", str(args.compile_cache)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if str(store).startswith("mooncake://"):
+        cmd += ["--mooncake-local-host", "127.0.0.1", "--mooncake-segment-bytes", str(args.store_bytes)]
+        env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # (else Mooncake advertises the first non-loopback interface)
     if engines > 1:
         cmd += ["--devices", ",".join(f"{args.device}:{i}" for i in range(engines))]
-    proc = subprocess.Popen(cmd, cwd=args.tree, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, cwd=args.tree, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     import http.client
 
     deadline = time.time() + 300
@@ -183,6 +189,21 @@ def serve(args, mode: str, port: int, store: Path, log: Path) -> subprocess.Pope
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"server (mode {mode}) not ready:\n{log.read_text()[-3000:]}")
+
+
+def mooncake_master(args, name: str):
+    """A fresh mooncake_master on loopback for one server (tests/mooncake_pool.py's), its log in --out."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT))
+    from tests.mooncake_pool import LOOPBACK, Master
+
+    # (the binary ships inside the wheel's package; the console script beside it may not be on PATH)
+    spec = importlib.util.find_spec("mooncake")
+    binary = Path(list(spec.submodule_search_locations)[0]) / "mooncake_master" if spec else None
+    if binary is None or not binary.exists():
+        binary = Path(shutil.which("mooncake_master") or "mooncake_master")
+    return Master(binary, LOOPBACK, args.out / f"mooncake_master_{name}.log")
 
 
 def profile(args, server_pid: int, phase: str) -> list:
@@ -228,7 +249,10 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4, help="load-generator processes")
     ap.add_argument("--conc1", type=int, default=48, help="connections per client, 1 image per request")
     ap.add_argument("--conc8", type=int, default=8, help="connections per client, 8 images per request")
-    ap.add_argument("--store-bytes", type=int, default=12 * 1024**3)
+    ap.add_argument("--store-bytes", type=int, default=12 * 1024**3, help="the store's capacity (a directory) or "
+                    "the server's Mooncake segment")
+    ap.add_argument("--stores", default="directory", help="comma-separated backends each mode runs on, in turn: "
+                    "directory, mooncake (needs Mooncake's client and mooncake_master: the `mooncake` extra)")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
                     "(another commit's tree, for an A/B in one run: bench/ab_frontend.py); the client is this one")
@@ -265,7 +289,9 @@ def main() -> int:
 
     n = args.images
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 2)) as pool:
-        for mi, mode in enumerate(args.modes.split(",")):
+        last_directory: dict[str, dict] = {}
+        runs = [(mode, kind) for mode in args.modes.split(",") for kind in args.stores.split(",")]
+        for mi, (mode, kind) in enumerate(runs):
             base = 1_000_000 * (mi + 1)
             blobs_idle = pool.map(jpeg_448, range(base, base + 110))
             blobs1 = pool.map(jpeg_448, range(base + 1000, base + 1000 + n))
@@ -275,26 +301,33 @@ def main() -> int:
             res["jpeg_kb_mean"] = round(sum(map(len, blobs1)) / len(blobs1) / 1024, 1)
             port = 18300 + mi
             store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-            proc = serve(args, mode, port, store / "s", args.out / f"server_mode{mode}.log")
+            name = str(mode) if kind == "directory" else f"{mode}@{kind}"
+            tag = f"{mode}-{kind}-run{mi + 1}"  # (file names of letters, digits and dashes: they travel back)
+            master = mooncake_master(args, tag) if kind == "mooncake" else None
+            proc = serve(args, mode, port, master.url if master else store / "s", args.out / f"server_mode{tag}.log")
             try:
                 r = {"idle": idle(port, blobs_idle)}
-                print(f"mode {mode}: idle {r['idle']}", flush=True)
+                print(f"{name}: idle {r['idle']}", flush=True)
                 s0 = step_counters(port)
                 spies = profile(args, proc.pid, f"mode{mode}_x1")
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
                 summarize(spies)
                 s1 = step_counters(port)
                 r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)
-                print(f"mode {mode}: 1 img/request {r['x1']}", flush=True)
+                print(f"{name}: 1 img/request {r['x1']}", flush=True)
                 spies = profile(args, proc.pid, f"mode{mode}_x8")
                 r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
                 summarize(spies)
                 s2 = step_counters(port)
                 r["x8"]["images_per_step"] = round((s2[1] - s1[1]) / max(1, s2[0] - s1[0]), 1)
-                print(f"mode {mode}: 8 img/request {r['x8']}", flush=True)
+                print(f"{name}: 8 img/request {r['x8']}", flush=True)
+                r["store"] = kind
+                if kind == "directory":
+                    last_directory[mode] = r
+                elif mode in last_directory:  # this backend against the directory run of this mode before it
+                    r["vs_directory"] = {k: round(r[k]["img_s"] / last_directory[mode][k]["img_s"], 3) for k in ("x1", "x8")}
                 # A mode given twice (--modes 4,4: two passes in one run) keeps both: "4", then "4#2".
-                name = str(mode) if str(mode) not in res["modes"] else f"{mode}#{mi + 1}"
-                res["modes"][name] = r
+                res["modes"][name if name not in res["modes"] else f"{name}#{mi + 1}"] = r
                 save()
             finally:
                 proc.terminate()
@@ -303,6 +336,8 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                 shutil.rmtree(store, ignore_errors=True)
+                if master:
+                    master.stop()
 
     loop = res.get("step_loop_img_s")
     print(f"\n{res['date']}  {res['gpu']}  {res['cpus']} CPUs  preset {args.preset}  step loop {loop} img/s")
@@ -311,6 +346,9 @@ def main() -> int:
         pct = lambda v: f"{100 * v / loop:.0f}%" if loop else "-"  # noqa: E731
         print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | "
               f"{r['x8']['img_s']:>8} ({pct(r['x8']['img_s'])})")
+    for name, r in res["modes"].items():
+        if "vs_directory" in r:
+            print(f"{name}: img/s {r['vs_directory']} of the directory run before it")
     save()
     return 0
 

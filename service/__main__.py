@@ -33,8 +33,11 @@ def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
     """argparse's type, choices and metavar for a Settings field. The metavar is short (SIZE, N, SECONDS),
     so that most help texts start on the flag's own line."""
     base = field.annotation
-    if typing.get_origin(base) in (typing.Union, types.UnionType):  # `int | None` -> int
-        base = next(a for a in typing.get_args(base) if a is not type(None))
+    if typing.get_origin(base) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(base) if a is not type(None)]  # `int | None` -> int
+        if set(args) == {Path, str}:  # a path or a URL (--store): Settings tells which
+            return str, None, "DIR|URL"
+        base = args[0]
     if is_size(name):
         return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (config.parse_size)
     if typing.get_origin(base) is typing.Literal:
@@ -126,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--model", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
                          help="Qwen3-VL checkpoint directory with its tokenizer and chat template (required)")
     consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="the encoder service")
-    consume.add_argument("--store", type=Path, default=default_store_dir(), metavar="DIR",
-                         help="the encoder's store root, as mounted here (read-only is enough)")
+    consume.add_argument("--store", default=str(default_store_dir()), metavar="DIR|URL",
+                         help="the encoder's store: its root as mounted here (read-only is enough), or "
+                         "mooncake://MASTER_HOST:RPC_PORT (the encoder's pool)")
+    consume.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
+                         help="with a mooncake:// store: the address the pool's hosts reach this one at")
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                          help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -145,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="this encoder service")
+    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL[,URL...]",
+                       help="the encoder service; several, comma-separated (hosts of one Mooncake pool): each image "
+                       "goes to the host its hash picks, so identical images in flight meet on one host")
     route.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
                        help="vLLM running as an EC consumer of the store")
     route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
@@ -179,6 +187,15 @@ def _main(argv: list[str] | None) -> int:
               "LM side needs a real checkpoint with its tokenizer. `qwen3vl-encoder demo` writes a tiny random "
               "one and runs the whole pipeline on it", file=sys.stderr)
         return 2
+    if command == "consume" and str(args["store"]).startswith("mooncake://"):
+        from service.errors import StartupError
+        from service.procs.preflight import check_mooncake
+
+        try:
+            check_mooncake(args["store"])  # a wrong address fails now, not after the LM has loaded
+        except (StartupError, ValueError) as e:
+            print(f"cannot start: {e}", file=sys.stderr)
+            return 2
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

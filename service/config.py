@@ -134,11 +134,40 @@ class RunnerOptions:
     faults: FaultInjection = FaultInjection()  # none, unless a test asks (FaultInjection.from_env)
 
 
+MOONCAKE_SCHEME = "mooncake://"
+# A Mooncake client's local transfer buffer: staging for one step's puts and a consumer's reads (an
+# entry of a 1080p image at 32B-preset width is about 24 MB).
+MOONCAKE_BUFFER_BYTES = 64 * 1024**2
+_MOONCAKE_RE = re.compile(r"^mooncake://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\d{1,5})$")
+
+
+def parse_mooncake(url: str) -> str:
+    """`mooncake://HOST:PORT` -> "HOST:PORT" (the master's RPC address); ValueError with the fix otherwise."""
+    m = _MOONCAKE_RE.match(url)
+    if m is None or not 0 < int(m[2]) < 65536:
+        raise ValueError(f"{url!r} is not a Mooncake master address: write mooncake://MASTER_HOST:RPC_PORT "
+                         "(the master's --rpc_address and --rpc_port)")
+    return f"{m[1]}:{m[2]}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeOptions:
+    """One Mooncake client (store/mooncake.py), from --store mooncake://... and the --mooncake-* settings."""
+
+    master: str  # HOST:PORT of mooncake_master's RPC
+    local_host: str  # the address the pool's peers reach this host at
+    segment_bytes: int  # what this host adds to the pool; 0: a client only (its puts land in others' segments)
+    buffer_bytes: int  # the client's local transfer buffer
+    protocol: str  # "tcp" | "rdma"
+    namespace: str | None  # None: this service's own (store/mooncake.py's default_namespace)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreOptions:
     """What an engine's embedding store and its writer need (Settings.store_options)."""
 
-    root: Path
+    root: Path | str  # the directory, or the mooncake:// URL (then `mooncake` says how to join the pool)
+    mooncake: MooncakeOptions | None
     capacity_bytes: int  # of the whole store: with n engines, each one's shard gets capacity_bytes // n
     group: str | None  # a group that may read the store, or None (the service's user alone)
     min_residency_s: float  # an answered entry is not evicted for this long
@@ -249,7 +278,10 @@ class Settings(BaseSettings):
                                    "side must resize alike")
 
     # store
-    store: Path = Field(default_factory=default_store_dir, description="embedding store root")
+    store: Path | str = Field(default_factory=default_store_dir, description="where embeddings go: a directory "
+                              "(the root, in vLLM's ECExampleConnector layout; LM servers on this machine read "
+                              "it), or mooncake://MASTER_HOST:RPC_PORT (Mooncake Store: LM servers on any host of "
+                              "the pool read it; docs/multihost.md)")
     store_capacity_bytes: Bytes = Field(4 * 1024**3, gt=0, description="LRU-evict above this many bytes (with "
                                         "several --devices, each engine's shard gets an equal part)")
     store_group: str | None = Field(None, description="a group that may read the store (e.g. an LM server running as "
@@ -259,6 +291,17 @@ class Settings(BaseSettings):
                                          "answers 503 + Retry-After")
     store_writers: int = Field(4, gt=0, description="threads writing embeddings to the store (each write is a "
                                "memcpy into the store's filesystem with the GIL released)")
+    mooncake_local_host: str = Field("127.0.0.1", description="with --store mooncake://...: the address the pool's "
+                                     "other hosts reach this one at (its segment and transfers)")
+    mooncake_segment_bytes: Bytes = Field(1024**3, ge=0, description="with --store mooncake://...: the memory this "
+                                          "host adds to the pool for entries; 0 = a client only (its entries land in "
+                                          "other hosts' segments)")
+    mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="with --store mooncake://...: the transfer "
+                                                      "protocol between the pool's hosts")
+    mooncake_namespace: str | None = Field(None, description="with --store mooncake://...: the key namespace; "
+                                           "default this service's own (vLLM's v3 form, from the model and its "
+                                           "preprocessing); set it to the namespace a vLLM deployment computes to "
+                                           "share entries with it")
 
     # HTTP serving
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
@@ -342,6 +385,19 @@ class Settings(BaseSettings):
         if v == "auto" or _named_device(v):
             return v
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _check_store(cls, v):
+        # A mooncake:// URL stays a string (a Path would fold its '//'); anything else is a directory.
+        if isinstance(v, str) and v.startswith(MOONCAKE_SCHEME):
+            parse_mooncake(v)
+            return v
+        return Path(v) if isinstance(v, str) else v
+
+    @property
+    def store_is_mooncake(self) -> bool:
+        return isinstance(self.store, str)
 
     @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", mode="before")
     @classmethod
@@ -432,8 +488,14 @@ class Settings(BaseSettings):
                              limits=self.batch_limits(), warmup=self.warmup)
 
     def store_options(self) -> StoreOptions:
-        return StoreOptions(root=self.store, capacity_bytes=self.store_capacity_bytes, group=self.store_group,
-                            min_residency_s=self.store_min_residency_s, writers=self.store_writers)
+        mooncake = None
+        if self.store_is_mooncake:
+            mooncake = MooncakeOptions(master=parse_mooncake(self.store), local_host=self.mooncake_local_host,
+                                       segment_bytes=self.mooncake_segment_bytes, buffer_bytes=MOONCAKE_BUFFER_BYTES,
+                                       protocol=self.mooncake_protocol, namespace=self.mooncake_namespace)
+        return StoreOptions(root=self.store, mooncake=mooncake, capacity_bytes=self.store_capacity_bytes,
+                            group=self.store_group, min_residency_s=self.store_min_residency_s,
+                            writers=self.store_writers)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

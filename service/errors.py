@@ -7,7 +7,7 @@ answers are built.
      │   │  RequestTooLarge, RequestTimeout
      │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
      │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
-     │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, EngineMismatch
+     │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, StoreUnavailable, EngineMismatch
      │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424): the LM side's
      │   └─ Relayed: another service's answer passed on with its own status
      └─ StartupError          a start-up check failed: one line, exit status 2 (never an HTTP answer)
@@ -150,6 +150,14 @@ class StoreFull(Unavailable):
     about to read them); nothing may be evicted yet. Transient: 503 + Retry-After."""
 
     code = "store_full"
+
+
+class StoreUnavailable(Unavailable):
+    """The store cannot be reached now (Mooncake Store's master or a peer host): transient, 503 +
+    Retry-After; /health and /ready say so until it answers again."""
+
+    code = "store_unavailable"
+    retry_after_s = 1
 
 
 class EngineMismatch(Unavailable):

@@ -84,11 +84,17 @@ def try_it(url: str, image: Path, wait_s: float) -> int:
         return _fail(f"POST {url}/encode answered HTTP {r.status_code}, {reason}{hint}")
     (item,) = r.json()["items"]
     store = info.get("store")
-    where = Path(store, item["path"]) if store else item["path"]
+    if item.get("store_key") is not None:  # Mooncake Store: a key in the pool, not a file
+        where = f"{item['store_key']}  (in the Mooncake pool at {store})"
+    else:
+        where = Path(store, item["path"]) if store else item["path"]
     print(f"POST {url}/encode {image.name} ({len(data)} bytes) -> 200")
     print(f"  model   {info.get('model')} on {info.get('device')} ({info.get('dtype')})")
     print(f"  key     {item['key']}")
     print(f"  shape   {item['shape']} {item['dtype']} ({item['num_tokens']} tokens, grid_thw {item['grid_thw']})")
     print(f"  cached  {str(item['cached']).lower()}")
-    print(f"  file    {where}" + ("" if not store or Path(where).is_file() else "  (on the server's machine)"))
+    if item.get("store_key") is not None:
+        print(f"  entry   {where}")
+    else:
+        print(f"  file    {where}" + ("" if not store or Path(where).is_file() else "  (on the server's machine)"))
     return 0

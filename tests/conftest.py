@@ -1,6 +1,8 @@
 import io
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,38 @@ def reference(tiny_checkpoint):
         refs[name] = (grid, full[offset : offset + n])
         offset += n
     return refs
+
+
+def _mooncake_import_error() -> str:
+    """'' when Mooncake's client imports here, else the import's last line. In a child process: a failed
+    import of an extension module would stay failed in this one after the libraries are installed."""
+    done = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=120)
+    return "" if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"status {done.returncode}"])[-1]
+
+
+@pytest.fixture(scope="session")
+def mooncake_master_binary() -> Path:
+    """`mooncake_master`, once Mooncake's client imports here; otherwise the test is skipped saying why.
+    The wheel's library links libibverbs even for TCP, which a fresh Debian machine lacks: there, as root
+    with apt-get, Debian's libibverbs1 and ibverbs-providers are installed first (after an apt-get update
+    if the install fails without one), once per session."""
+    why = _mooncake_import_error()
+    if "libibverbs" in why and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "libibverbs1", "ibverbs-providers"]
+        if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900)
+            subprocess.run(install, env=env, capture_output=True, timeout=900)
+        why = _mooncake_import_error()
+    if why:
+        pytest.skip(f"Mooncake's client does not import here ({why}): pip install 'qwen3vl-encoder-service[mooncake]'"
+                    " and, on Debian, apt-get install libibverbs1 ibverbs-providers")
+    found = Path(sys.executable).parent / "mooncake_master"
+    if not found.exists():
+        found = Path(shutil.which("mooncake_master") or found)
+    if not found.exists():
+        pytest.skip("Mooncake's client imports, but its mooncake_master is not on PATH nor beside this Python")
+    return found
 
 
 def _start_ticks(pid: str) -> int | None:

@@ -137,15 +137,16 @@ class ServiceProcess:
     """`python -m service ARGS --port 0` as its own process: the kernel picks a free port as the server
     binds it, and the port is read from the line the server logs (`reported_url`); then waits until
     `ready_path` answers 200 (`wait=False`: call wait_ready() later, e.g. to start two servers at once).
-    Always stop() it (in a finally): a test must leave no process behind."""
+    Always stop() it (in a finally): a test must leave no process behind. `prefix`: a command that runs
+    the server, e.g. `ip netns exec NS` (it must exec it: the server keeps the Popen's pid, for signals)."""
 
     ROOT = Path(__file__).resolve().parents[1]
 
     def __init__(self, args: list[str], log: Path, ready_timeout: float = 120.0, ready_path: str = "/ready",
-                 wait: bool = True):
+                 wait: bool = True, prefix: list[str] = ()):
         self.log, self.url, self.port, self.ready_path, self.command = log, None, None, ready_path, args[0]
         # NOTE: "--port 0" last: argparse takes the last value, so no caller's port can win over it.
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", *args, "--port", "0"], cwd=self.ROOT,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "service", *args, "--port", "0"], cwd=self.ROOT,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if wait:

@@ -1,5 +1,6 @@
 """transformers' monolithic Qwen3-VL as the reference for the LM side: the same chat, pixels in, one
-model, greedy. Shared by the consumer's process test and the compose-stack test."""
+model, greedy. Shared by the consumer's process tests (a directory store, Mooncake across hosts) and the
+compose-stack test."""
 
 from __future__ import annotations
 

@@ -1,23 +1,33 @@
-"""The CPU compose stack in a real Docker engine (`make compose-test`; skipped in the plain test run).
+"""The compose stacks in a real Docker engine (`make compose-test`; skipped in the plain test run).
 
-Builds docker/Dockerfile.cpu, brings up docker/docker-compose.cpu.yml (encoder + LM consumer sharing a
-tmpfs store) on a tiny checkpoint, sends a chat request with a photograph to the consumer, and checks
-the answer's tokens equal transformers' monolithic Qwen3-VL. Where no engine can run it is skipped with
-the reason. What it needs, in order of preference:
+Builds docker/Dockerfile.cpu (the plain CPU image, and MOONCAKE=1's) and, on a tiny checkpoint, brings up
+  * docker/docker-compose.cpu.yml (encoder + LM consumer sharing a tmpfs store, host networking on
+    127.0.0.1): a chat request with a photograph to the consumer answers transformers' monolithic
+    Qwen3-VL's greedy tokens;
+  * docker/docker-compose.mooncake.yml (a Mooncake master, encoder-a, encoder-b and the LM consumer, each
+    its own container on a private bridge network): both encoders' segments are in the pool, the
+    photograph encoded on encoder-a is `cached: true` with the same `store_key` on encoder-b, and the
+    consumer (asking encoder-b, reading encoder-a's segment) answers transformers' tokens too.
+Where no engine can run it is skipped with the reason. What it needs, in order of preference:
   * an engine: DOCKER_HOST or the default socket; else, as root with `dockerd` installed, one started
-    here on a private socket (no iptables, no bridge: the stack uses host networking on 127.0.0.1);
+    here on a private socket (no iptables, no default bridge: the CPU stack uses host networking on
+    127.0.0.1; the Mooncake stack's own bridge network and its published loopback ports work without);
   * `docker compose` (v2): Debian 12's docker-compose is 1.29, which rejects the compose files (a
     top-level `name:`, build secrets); v2 comes from Debian trixie's `docker-compose` package unpacked
-    with `dpkg-deb -x` (COMPOSE_V2_HINT, docs/operations.md);
+    with `dpkg-deb -x` (COMPOSE_V2_HINT, docs/operations.md), or, with QVE_COMPOSE_V2_FETCH=1 as root,
+    is fetched that way for the run alone;
   * a base image: BASE_IMAGE, or python:3.11-slim-bookworm if present or pullable; else, as root with
     `debootstrap`, a Debian bookworm minbase with python3 imported as qve-base:bookworm.
+Both stacks run in one engine (the module's `compose_env`), so the second build reuses the first's layers.
 
-Everything the test creates is released in one place, the test's ExitStack, whatever ends it (a pass,
-a failure, a skip): each resource registers its release there before it is created or started. An
-engine started here lives in two fresh folders (/tmp/qve-dockerd-*: socket, state, containerd, config;
+Everything the tests create is released by an ExitStack, whatever ends them (a pass, a failure, a
+skip): the engine, the base image's root, the copied wheel and a fetched compose v2 by
+`_compose_engine`'s after the module's last test, each stack (its containers, network, volumes) by its
+test's own; each resource registers its release there before it is created or started. An engine
+started here lives in two fresh folders (/tmp/qve-dockerd-*: socket, state, containerd, config;
 /var/lib/qve-compose-test-*: images, on disk rather than a tmpfs /tmp), has its containers removed, is
 stopped with the containerd it started, and both folders are deleted; the next run starts from scratch.
-In an engine that was already running only the compose project is taken down (its images stay there).
+In an engine that was already running only the compose projects are taken down (their images stay).
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -33,17 +45,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
+from service.config import Settings
 from tests import imagedata as data
 from tests.checkpoints import make_full_checkpoint
+from tests.live import data_url
 from tests.lm_reference import MAX_TOKENS, chat_messages as _messages, monolithic as _monolithic
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSE = ROOT / "docker" / "docker-compose.cpu.yml"
+COMPOSE_CPU = ROOT / "docker" / "docker-compose.cpu.yml"
+COMPOSE_MOONCAKE = ROOT / "docker" / "docker-compose.mooncake.yml"
 LOG = Path(os.environ.get("QVE_COMPOSE_LOG", ROOT / "docker" / "compose-test.log"))
 
 # Only the stack itself waits for `make compose-test`; the clean-up test below runs in `make test`.
@@ -53,23 +71,37 @@ COMPOSE_TEST = pytest.mark.skipif(os.environ.get("QVE_COMPOSE_TEST") != "1",
 COMPOSE_V2_HINT = ("Debian 12's docker-compose is 1.29, which rejects the compose files (top-level `name:`, build "
                    "secrets); take v2 from Debian trixie's docker-compose package: `dpkg-deb -x docker-compose_2.*.deb "
                    "/tmp/compose && mkdir -p ~/.docker/cli-plugins && cp /tmp/compose/usr/libexec/docker/cli-plugins/"
-                   "docker-compose ~/.docker/cli-plugins/` (docs/operations.md)")
+                   "docker-compose ~/.docker/cli-plugins/`, or, as root with apt, QVE_COMPOSE_V2_FETCH=1 make "
+                   "compose-test fetches it for the run alone (docs/operations.md)")
 # dockerd makes these itself whatever its flags say (its plugin directory); removed again if it made them.
 DOCKERD_RUN_DIRS = (Path("/run/docker"), Path("/run/docker/plugins"))
 # Where dockerd finds a containerd already running, it uses that one rather than starting its own.
 SYSTEM_CONTAINERD = Path("/run/containerd/containerd.sock")
 
 
+_LOGS_BEGUN: set[Path] = set()
+
+
 def _log(msg: str) -> None:
+    """Into LOG and onto stdout. One log per session: its first line replaces what an earlier run left, and
+    says when this one began (each stack's lines end with its own time)."""
+    if LOG not in _LOGS_BEGUN:
+        _LOGS_BEGUN.add(LOG)
+        LOG.write_text(f"# tests/test_compose.py, begun {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC "
+                       f"on {os.cpu_count()} CPU cores\n")
     with LOG.open("a") as f:
         f.write(msg.rstrip() + "\n")
     print(msg, flush=True)
 
 
-def _run(cmd: list[str], env: dict, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
-    _log(f"$ {' '.join(cmd)}")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    _log((r.stdout + r.stderr)[-20000:])
+def _run(cmd: list[str], env: dict, timeout: float, check: bool = True, quiet: bool = False,
+         cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run `cmd` (from the repository root), it and its output in the log (`quiet`: only the command, for
+    output the caller logs what it needs of)."""
+    _log(f"$ {shlex.join(cmd)}")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if not quiet or r.returncode != 0:
+        _log((r.stdout + r.stderr)[-20000:])
     if check and r.returncode != 0:
         raise AssertionError(f"{cmd[:3]} exited {r.returncode}; see {LOG}")
     return r
@@ -217,6 +249,31 @@ def _compose_v2_missing(env: dict) -> str | None:
     return None
 
 
+def _fetch_compose_v2(env: dict, release: contextlib.ExitStack) -> dict:
+    """QVE_COMPOSE_V2_FETCH=1: Debian trixie's docker-compose package (v2) fetched and unpacked into a
+    folder of this run (/tmp/qve-compose-v2-*), used by this run's docker only (DOCKER_CONFIG): the
+    system's packages, apt's own lists and caches and ~/.docker stay as they are; the folder is deleted at
+    the end. env unchanged where it cannot be done (not root, no apt-get): the skip then says how."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        return env
+    work = Path(tempfile.mkdtemp(prefix="qve-compose-v2-"))
+    release.callback(_remove, work)
+    (work / "lists" / "partial").mkdir(parents=True)
+    (work / "debs").mkdir()
+    (work / "sources.list").write_text("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+                                       "http://deb.debian.org/debian trixie main\n")
+    apt = ["apt-get", "-q", "-o", f"Dir::Etc::SourceList={work / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null",
+           "-o", f"Dir::State::Lists={work / 'lists'}", "-o", f"Dir::Cache={work / 'cache'}"]
+    _run([*apt, "update"], env, timeout=600)
+    _run([*apt, "download", "docker-compose"], env, timeout=600, cwd=work / "debs")
+    (deb,) = (work / "debs").glob("docker-compose_*.deb")
+    _run(["dpkg-deb", "-x", str(deb), str(work / "unpacked")], env, timeout=300)
+    plugins = work / "config" / "cli-plugins"
+    plugins.mkdir(parents=True)
+    shutil.copy(work / "unpacked" / "usr" / "libexec" / "docker" / "cli-plugins" / "docker-compose", plugins)
+    return {**env, "DOCKER_CONFIG": str(work / "config")}
+
+
 def _base_image(env: dict, release: contextlib.ExitStack) -> str:
     if os.environ.get("BASE_IMAGE"):
         return os.environ["BASE_IMAGE"]
@@ -244,9 +301,9 @@ def _base_image(env: dict, release: contextlib.ExitStack) -> str:
 def _unused_ports(n: int) -> list[int]:
     """`n` distinct loopback ports nothing listens on now (all held while they are picked).
     NOTE: the one place the tests pick ports and release them (the others bind port 0 and read the port
-    the server reports): the compose file names its ports before anything starts (the encoder's --port,
-    the consumer's --encoder-url, both healthchecks), with host networking. A port taken meanwhile fails
-    `up` with "address already in use" in the log."""
+    the server reports): a compose file names its host ports before anything starts (the CPU stack's
+    --port, --encoder-url and healthchecks, with host networking; the Mooncake stack's published ports).
+    A port taken meanwhile fails `up` with "address already in use" in the log."""
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
@@ -254,52 +311,158 @@ def _unused_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-@COMPOSE_TEST
-def test_compose_stack_answers_like_monolithic_transformers(tmp_path):
-    LOG.write_text("")
+@contextlib.contextmanager
+def _compose_engine(workdir: Path) -> Iterator[dict]:
+    """The environment both stacks run in: an engine answering (one started here where none is reachable),
+    `docker compose` v2, a base image (BASE_IMAGE), the tiny checkpoint (MODEL_DIR) and the local CPU torch
+    wheel where one lies here; or pytest.skip with the reason. Everything it creates is released on leaving
+    (the ExitStack), however it is left: each resource registers its release there before it exists."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QVE_")}
-    # The one place where what this test creates is released (last created, first released), however
-    # the test ends; every resource below is registered here before it exists.
+    t0 = time.monotonic()
     with contextlib.ExitStack() as release:
         env = _engine(env, release)
         missing = _compose_v2_missing(env)
+        if missing and os.environ.get("QVE_COMPOSE_V2_FETCH") == "1":
+            env = _fetch_compose_v2(env, release)
+            missing = _compose_v2_missing(env)
         if missing:
             pytest.skip(missing)
-        model = make_full_checkpoint(tmp_path / "model")
-        for p in [tmp_path, *model.rglob("*"), model]:  # the containers run as uid 10001
+        model = make_full_checkpoint(workdir / "model")
+        for p in [*model.rglob("*"), model]:  # the containers run as uid 10001
             p.chmod(p.stat().st_mode | stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0))
         wheels = sorted(Path("/opt/wheels").glob("torch-2.13.0*cp311*.whl")) if Path("/opt/wheels").is_dir() else []
         for w in wheels:  # PyTorch's CPU index may be unreachable; a local CPU wheel then serves
             copy = ROOT / "docker" / "wheels" / w.name
             release.callback(copy.unlink, missing_ok=True)
             shutil.copy(w, copy)
-        enc_port, lm_port = _unused_ports(2)
-        env.update(MODEL_DIR=str(model), ENCODER_PORT=str(enc_port), LM_PORT=str(lm_port),
-                   BASE_IMAGE=_base_image(env, release), COMPOSE_PROJECT_NAME=f"qve-test-{enc_port}")
+        env.update(MODEL_DIR=str(model), BASE_IMAGE=_base_image(env, release))
         if wheels:
             env["TORCH_INDEX_URL"] = ""
         if Path("/etc/ssl/certs/ca-certificates.crt").is_file():
             env["CA_BUNDLE"] = "/etc/ssl/certs/ca-certificates.crt"
-        compose = ["docker", "compose", "-f", str(COMPOSE)]
-        release.callback(_run, [*compose, "down", "-v"], env, timeout=300, check=False)
-        release.callback(_run, [*compose, "logs", "--no-color"], env, timeout=120, check=False)
-        t0 = time.monotonic()
-        _run([*compose, "build"], env, timeout=1800)
-        _log(f"# build: {time.monotonic() - t0:.0f} s")
-        t0 = time.monotonic()
-        _run([*compose, "up", "-d", "--wait", "--wait-timeout", "600"], env, timeout=700)
-        _log(f"# up and healthy: {time.monotonic() - t0:.0f} s")
-        _run([*compose, "ps"], env, timeout=60)
-        blobs = [data.photo("astronaut.png", max_side=400)]
-        r = httpx.post(f"http://127.0.0.1:{lm_port}/v1/chat/completions", timeout=300,
-                       json={"messages": _messages(blobs, "describe the image"), "max_tokens": MAX_TOKENS,
-                             "return_token_ids": True})
-        _log(f"# chat answer {r.status_code}: {r.text[:2000]}")
-        assert r.status_code == 200, r.text
-        _, expected = _monolithic(model, blobs, "describe the image")
-        _log(f"# transformers monolithic tokens: {expected}")
-        assert r.json()["choices"][0]["token_ids"] == expected
-        _log("# PASS: the compose stack's answer equals transformers' monolithic generation")
+        _log(f"# engine, compose v2, base image {env['BASE_IMAGE']} and checkpoint ready: {time.monotonic() - t0:.0f} s")
+        yield env
+
+
+@pytest.fixture(scope="module")
+def compose_env(tmp_path_factory):
+    """One engine for both stacks: the second build reuses the first one's layers (base image, torch, the
+    dependencies), which were most of a build here. Released after the module's last test."""
+    with _compose_engine(tmp_path_factory.mktemp("compose")) as env:
+        yield env
+
+
+def _stack_up(compose_file: Path, env: dict, release: contextlib.ExitStack, **variables: int) -> list[str]:
+    """Build `compose_file`'s images and start its stack, every service healthy, as a project named after
+    the file and its lowest port; its logs (into LOG) and `down -v` are registered in `release` first. Returns the
+    `docker compose` command that names the stack; `variables` (its ports) are added to `env`."""
+    env.update({k: str(v) for k, v in variables.items()},
+               COMPOSE_PROJECT_NAME=f"qve-{compose_file.stem.rpartition('.')[2]}-{min(variables.values())}")
+    compose = ["docker", "compose", "--ansi", "never", "-f", str(compose_file)]  # (a log without escapes)
+    release.callback(_run, [*compose, "down", "-v"], env, timeout=300, check=False)
+    release.callback(_run, [*compose, "logs", "--no-color"], env, timeout=120, check=False)
+    t0 = time.monotonic()
+    _run([*compose, "build"], env, timeout=1800)
+    _log(f"# build: {time.monotonic() - t0:.0f} s")
+    t0 = time.monotonic()
+    _run([*compose, "up", "-d", "--wait", "--wait-timeout", "600"], env, timeout=700)
+    _log(f"# up and healthy: {time.monotonic() - t0:.0f} s")
+    _run([*compose, "ps"], env, timeout=60)
+    return compose
+
+
+def _chat_answers_like_monolithic(lm_port: int, model: Path) -> None:
+    """A chat request with a photograph to the consumer on `lm_port`: its greedy tokens are transformers'."""
+    blobs = [_photo()]
+    r = httpx.post(f"http://127.0.0.1:{lm_port}/v1/chat/completions", timeout=300,
+                   json={"messages": _messages(blobs, "describe the image"), "max_tokens": MAX_TOKENS,
+                         "return_token_ids": True})
+    _log(f"# chat answer {r.status_code}: {r.text[:2000]}")
+    assert r.status_code == 200, r.text
+    _, expected = _monolithic(model, blobs, "describe the image")
+    _log(f"# transformers monolithic tokens: {expected}")
+    assert r.json()["choices"][0]["token_ids"] == expected
+
+
+def _photo() -> bytes:
+    return data.photo("astronaut.png", max_side=400)
+
+
+@COMPOSE_TEST
+def test_compose_stack_answers_like_monolithic_transformers(compose_env):
+    t0 = time.monotonic()
+    _log("# ---- docker/docker-compose.cpu.yml: the encoder and the LM consumer, one tmpfs store")
+    env = dict(compose_env)
+    # What the stack creates is released here (last created, first released), however the test ends.
+    with contextlib.ExitStack() as release:
+        enc_port, lm_port = _unused_ports(2)
+        _stack_up(COMPOSE_CPU, env, release, ENCODER_PORT=enc_port, LM_PORT=lm_port)
+        _chat_answers_like_monolithic(lm_port, Path(env["MODEL_DIR"]))
+        _log(f"# PASS: the compose stack's answer equals transformers' monolithic generation "
+             f"({time.monotonic() - t0:.0f} s, the stack's build included)")
+
+
+def _service_settings(compose_file: Path, service: str) -> Settings:
+    """What `serve` reads from a service's command in `compose_file` (its defaults interpolated)."""
+    from service.__main__ import build_parser
+
+    argv = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(a)) for a in yaml.safe_load(compose_file.read_text())
+            ["services"][service]["command"]]
+    flags = vars(build_parser().parse_args(argv))
+    assert flags.pop("command") == "serve"
+    return Settings(**flags)
+
+
+def _pool_metrics(compose: list[str], env: dict) -> dict[str, float]:
+    """The Mooncake master's own gauges (its /metrics, on its loopback: read inside its container), and its
+    one-line summary into the log."""
+    code = ("import urllib.request as u; g = lambda p: u.urlopen('http://127.0.0.1:9003' + p, timeout=4).read()"
+            ".decode(); print(g('/metrics/summary').split(' | Requests')[0]); print(g('/metrics'))")
+    out = _run([*compose, "exec", "-T", "master", "python", "-c", code], env, timeout=60, quiet=True).stdout
+    _log(f"# pool: {out.splitlines()[0]}")
+    return {k: float(v) for k, _, v in (line.partition(" ") for line in out.splitlines()) if k.startswith("master_")}
+
+
+def _encode(port: int, blob: bytes) -> dict:
+    r = httpx.post(f"http://127.0.0.1:{port}/encode", timeout=300,
+                   json={"images": [{"type": "image_url", "image_url": {"url": data_url(blob)}}]})
+    _log(f"# /encode on 127.0.0.1:{port}: {r.status_code} {r.text[:1000]}")
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["items"]
+    return item
+
+
+def _sample(port: int, sample: str) -> float:
+    """One sample of an encoder's /metrics, e.g. `qve_images_total{outcome="encoded"}` (0 where it has
+    none: a labelled counter appears once it is first counted)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(sample + " "))
+
+
+@COMPOSE_TEST
+def test_mooncake_stack_shares_entries_across_encoders_and_answers_like_monolithic_transformers(compose_env):
+    t0 = time.monotonic()
+    _log("# ---- docker/docker-compose.mooncake.yml: a Mooncake master, encoder-a, encoder-b, the LM consumer")
+    env = dict(compose_env)
+    with contextlib.ExitStack() as release:
+        a_port, b_port, lm_port = _unused_ports(3)
+        compose = _stack_up(COMPOSE_MOONCAKE, env, release, ENCODER_A_PORT=a_port, ENCODER_B_PORT=b_port,
+                            LM_PORT=lm_port)
+        # Both encoders joined the pool: its capacity is their two segments.
+        segments = [_service_settings(COMPOSE_MOONCAKE, s).mooncake_segment_bytes for s in ("encoder-a", "encoder-b")]
+        assert _pool_metrics(compose, env)["master_total_capacity_bytes"] == sum(segments)
+        # The photograph, encoded on encoder-a, is a hit on encoder-b, which encodes nothing.
+        first = _encode(a_port, _photo())
+        assert first["cached"] is False and first["store_key"].endswith("@id:" + first["key"])
+        again = _encode(b_port, _photo())
+        assert again["cached"] is True and again["store_key"] == first["store_key"]
+        assert _pool_metrics(compose, env)["master_key_count"] >= 2  # the value and its companion
+        # The consumer asks encoder-b (another hit) and reads the entry from encoder-a's segment.
+        _chat_answers_like_monolithic(lm_port, Path(env["MODEL_DIR"]))
+        assert _sample(b_port, 'qve_images_total{outcome="encoded"}') == 0
+        assert _sample(b_port, 'qve_images_total{outcome="cached"}') == 2
+        _log(f"# PASS: the Mooncake stack's entries are shared across encoders and its answer equals "
+             f"transformers' monolithic generation ({time.monotonic() - t0:.0f} s, the stack's build included)")
 
 
 _INSTALL_TRIED: dict[str, str] = {}  # (once per session) what installing docker.io answered
@@ -341,11 +504,11 @@ def _install_docker_io() -> str:
 @pytest.mark.parametrize("outcome", ["skip", "failure", "dockerd killed"])
 def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_folder(outcome, tmp_path, monkeypatch):
     """Issue 20: `make compose-test` started dockerd, then skipped (no compose v2) outside its clean-up, and
-    dockerd, containerd, /tmp/qve-dockerd-* and /var/lib/qve-compose-test stayed. Here the compose test
-    itself runs, with an engine of its own, up to its compose v2 check; the check, once that engine
-    answers, skips, or fails, or kills dockerd with SIGKILL and fails (then its data root stays mounted
-    and its containerd may outlive it: the clean-up must still detach and end them). Afterwards none of
-    the engine's processes or folders is left."""
+    dockerd, containerd, /tmp/qve-dockerd-* and /var/lib/qve-compose-test stayed. Here the stack tests'
+    engine (`_compose_engine`, which their fixture enters) is set up, with an engine of its own, up to its
+    compose v2 check; the check, once that engine answers, skips, or fails, or kills dockerd with SIGKILL
+    and fails (then its data root stays mounted and its containerd may outlive it: the clean-up must still
+    detach and end them). Afterwards none of the engine's processes or folders is left."""
     tools = ("docker", "dockerd", "containerd")
     why = _install_docker_io() if any(shutil.which(t) is None for t in tools) else ""
     missing = [t for t in tools if shutil.which(t) is None]
@@ -353,9 +516,10 @@ def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_fol
         pytest.skip("the compose test starts an engine of its own only as root with Debian's docker.io installed "
                     f"(apt-get install docker.io); here: {'not root' if os.geteuid() else 'no ' + ', '.join(missing)}"
                     + (f" ({why})" if why else ""))
-    # DOCKER_HOST on a socket nobody listens on: the compose test then starts its own engine, as on a
+    # DOCKER_HOST on a socket nobody listens on: the stack tests then start their own engine, as on a
     # machine with docker.io installed and no daemon running. Its log goes to tmp_path, not the committed one.
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'nobody.sock'}")
+    monkeypatch.delenv("QVE_COMPOSE_V2_FETCH", raising=False)  # the check below stands in for compose v2
     this = sys.modules[__name__]
     monkeypatch.setattr(this, "LOG", tmp_path / "compose-test.log")
     seen = {}
@@ -378,8 +542,8 @@ def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_fol
     absent_before = [p for p in made_by_dockerd if not p.exists()]
 
     raised = pytest.skip.Exception if outcome == "skip" else AssertionError
-    with pytest.raises(raised, match="forced"):
-        this.test_compose_stack_answers_like_monolithic_transformers(tmp_path)
+    with pytest.raises(raised, match="forced"), this._compose_engine(tmp_path):
+        pass
 
     # It got as far as an engine of its own, answering: its dockerd and the containerd that started.
     names = sorted(_program(cmd) for cmd in seen["processes"].values())

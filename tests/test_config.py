@@ -71,7 +71,8 @@ def test_queue_bounds_reach_the_batcher():
 def test_each_part_gets_its_options_derived_from_the_settings_once():
     from pathlib import Path
 
-    from service.config import BatchLimits, FaultInjection, RunnerOptions, StoreOptions
+    from service.config import (MOONCAKE_BUFFER_BYTES, BatchLimits, FaultInjection, MooncakeOptions, RunnerOptions,
+                                StoreOptions)
 
     s = _from_cli("--max-batch-tokens", "2048", "--max-batch-images", "12", "--max-wait-ms", "7", "--pool-slots", "4",
                   "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--no-compile",
@@ -84,8 +85,16 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
     assert s.runner_options(faults) == RunnerOptions(
         max_batch_tokens=2048, max_batch_images=12, pool_slots=4, cuda_graphs=False, graph_max_patches=4096,
         graph_exact_sides=(448, 512), compile=False, compile_cache=Path("/tmp/cc"), faults=faults)
-    assert s.store_options() == StoreOptions(root=Path("/tmp/st"), capacity_bytes=1000, group="video",
+    assert s.store_options() == StoreOptions(root=Path("/tmp/st"), mooncake=None, capacity_bytes=1000, group="video",
                                              min_residency_s=9.0, writers=2)
+    pooled = Settings(store="mooncake://10.0.0.5:50051", mooncake_local_host="10.0.0.7", mooncake_segment_bytes="2GiB",
+                      mooncake_namespace="embedding@model:m@protocol:v3")
+    assert pooled.store_is_mooncake and pooled.store == "mooncake://10.0.0.5:50051"
+    assert pooled.store_options().mooncake == MooncakeOptions(
+        master="10.0.0.5:50051", local_host="10.0.0.7", segment_bytes=2 * 1024**3, buffer_bytes=MOONCAKE_BUFFER_BYTES,
+        protocol="tcp", namespace="embedding@model:m@protocol:v3")
+    with pytest.raises(ValidationError, match="mooncake://MASTER_HOST:RPC_PORT"):
+        Settings(store="mooncake://no-port")
     with pytest.raises(AttributeError):
         s.store_options().writers = 3  # frozen: derived once, never changed on the way down
 
@@ -144,7 +153,7 @@ def test_api_processes_default_fits_the_machine(monkeypatch):
 
 
 # ---- sizes: `4GiB`, `1.5GB` or bytes ------------------------------------------------------------------
-SIZE_SETTINGS = ["store_capacity_bytes", "max_request_bytes", "max_image_bytes", "arena_bytes"]
+SIZE_SETTINGS = ["store_capacity_bytes", "mooncake_segment_bytes", "max_request_bytes", "max_image_bytes", "arena_bytes"]
 
 
 def test_every_byte_count_setting_is_a_size():

@@ -3,7 +3,9 @@
 docker/Dockerfile, docker/docker-compose.yml and .dockerignore must agree with each other and with the
 code: every CLI flag and QVE_* variable they use is a real setting with a valid value, the store path
 and port are the same everywhere, the store is shared RAM that the consumer can only read, and the
-service is published on the host's loopback only. The Makefile and .ci/run are checked the same way.
+service is published on the host's loopback only. The CPU stacks' files (docker/Dockerfile.cpu,
+docker/docker-compose.cpu.yml, docker/docker-compose.mooncake.yml) are checked against the code the same
+way, and so are the Makefile and .ci/run.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ COMPOSE = ROOT / "docker" / "docker-compose.yml"
 
 
 # ---- parsing helpers -------------------------------------------------------------------------------
-def dockerfile() -> list[tuple[str, str]]:
+def dockerfile(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped."""
     out, buf = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.strip().startswith("#") or (not buf and not line.strip()):
             continue
         if line.rstrip().endswith("\\"):
@@ -498,3 +500,102 @@ def test_files_named_in_the_docker_files_exist():
             assert named or f.suffix == ".yml", f"{f.name} names no file at all: the pattern is wrong"
             missing = [n for n in named if not (ROOT / n).is_file()]
             assert not missing, f"docker/{f.name} names {missing}, which are not files of the repository"
+
+
+# ---- the Mooncake stack (docker/docker-compose.mooncake.yml; run for real by `make compose-test`) -------
+COMPOSE_MOONCAKE = ROOT / "docker" / "docker-compose.mooncake.yml"
+DOCKERFILE_CPU = ROOT / "docker" / "Dockerfile.cpu"
+
+
+@pytest.fixture(scope="module")
+def mooncake_services() -> dict:
+    return yaml.safe_load(COMPOSE_MOONCAKE.read_text())["services"]
+
+
+def lease_ms(value: str) -> float:
+    """mooncake_master's --default_kv_lease_ttl: milliseconds, or a number with ms, s, m or h."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value)
+    assert m, f"mooncake_master does not read {value!r} as a duration"
+    return float(m.group(1)) * {None: 1, "ms": 1, "s": 1e3, "m": 60e3, "h": 3600e3}[m.group(2)]
+
+
+def published(svc: dict) -> list[tuple[str, int]]:
+    """(host address, container port) of each port a service publishes (compose's long syntax)."""
+    return [(p["host_ip"], int(p["target"])) for p in svc.get("ports", [])]
+
+
+def test_mooncake_image_is_the_cpu_image_with_the_projects_mooncake_extra(mooncake_services):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("mooncake-transfer-engine-non-cuda") for r in extras["mooncake"])
+    (built,) = [name for name, svc in mooncake_services.items() if "build" in svc]
+    build = mooncake_services[built]["build"]
+    assert (COMPOSE_MOONCAKE.parent / build["context"]).resolve() == ROOT
+    assert (COMPOSE_MOONCAKE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE_CPU
+    assert build["args"]["MOONCAKE"] == "1"
+    assert {svc["image"] for svc in mooncake_services.values()} == {mooncake_services[built]["image"]}
+    cpu = yaml.safe_load(COMPOSE_CPU.read_text())["services"]
+    assert mooncake_services[built]["image"] != cpu["encoder"]["image"], "the plain CPU image has no Mooncake"
+    # The Dockerfile installs the extra (not a second pin of the wheel) and the libraries it links, only
+    # with MOONCAKE=1, declared after every layer the two images share.
+    steps = dockerfile(DOCKERFILE_CPU)
+    at = steps.index(("ARG", "MOONCAKE=0"))
+    (run,) = [args for i, args in steps[at:] if i == "RUN" and "mooncake" in args]
+    assert '[ "$MOONCAKE" = 1 ]' in run and 'pip install --no-build-isolation ".[mooncake]"' in run
+    assert re.search(r"apt-get install [^&]*\blibibverbs1 ibverbs-providers\b", run)
+    assert "import mooncake.store" in run  # a library still missing fails the build, not the first start
+    assert not any(i in ("COPY", "ADD") for i, _ in steps[at:]), "layers after MOONCAKE are not shared"
+
+
+def test_mooncake_compose_runs_the_real_cli_each_service_its_own_container_on_one_private_network(
+        mooncake_services, clean_env):
+    from service.__main__ import build_parser
+
+    svc = mooncake_services
+    assert set(svc) == {"master", "encoder-a", "encoder-b", "consumer"}
+    networks = yaml.safe_load(COMPOSE_MOONCAKE.read_text())["networks"]
+    assert networks == {"pool": {"driver": "bridge"}}  # one network of the project's own, not the host's
+    for name, s in svc.items():
+        assert "network_mode" not in s and s["networks"] == ["pool"], f"{name} must be on the private network only"
+
+    # The master: RPC on its own namespace's interfaces, metrics on its loopback; nothing published.
+    assert svc["master"]["entrypoint"] == ["mooncake_master"]
+    master = dict(str(interpolate(a)).removeprefix("--").partition("=")[::2] for a in svc["master"]["command"])
+    assert master["rpc_address"] == "0.0.0.0" and master["metrics_host"] == "127.0.0.1"
+    assert published(svc["master"]) == []
+    url = url_in(healthcheck_code(svc["master"]["healthcheck"]["test"][1:]))
+    assert urlsplit(url).port == int(master["metrics_port"]) and urlsplit(url).path == "/health"
+
+    store = f"mooncake://master:{master['rpc_port']}"
+    encoders = {}
+    for name in ("encoder-a", "encoder-b"):
+        argv = [str(interpolate(a)) for a in svc[name]["command"]]
+        flags = vars(build_parser().parse_args(argv))
+        assert flags.pop("command") == "serve"
+        flags.pop("log_level", None)
+        s = encoders[name] = Settings(**flags)
+        # Peers reach it by its service name (Docker's DNS): the address it advertises to the pool.
+        assert s.store == store and s.mooncake_local_host == name and s.mooncake_segment_bytes > 0
+        assert s.host == "0.0.0.0" and s.device == "cpu"  # its own namespace; published on loopback below
+        assert published(svc[name]) == [("127.0.0.1", s.port)]
+        assert svc[name]["depends_on"]["master"]["condition"] == "service_healthy"
+        url = url_in(healthcheck_code(svc[name]["healthcheck"]["test"][1:]))
+        assert urlsplit(url).port == s.port and urlsplit(url).path == "/ready"
+        # docs/multihost.md: an entry /encode answered must outlive the minimum residency's lease.
+        assert lease_ms(master["default_kv_lease_ttl"]) >= s.store_min_residency_s * 1000
+    assert encoders["encoder-a"].model == encoders["encoder-b"].model, "one model: one namespace, shared entries"
+
+    con = vars(build_parser().parse_args([str(interpolate(a)) for a in svc["consumer"]["command"]]))
+    assert con["command"] == "consume" and con["store"] == store and con["mooncake_local_host"] == "consumer"
+    enc = urlsplit(con["encoder_url"])
+    assert enc.hostname in encoders and enc.port == encoders[enc.hostname].port
+    assert str(con["model"]) == encoders[enc.hostname].model and con["host"] == "0.0.0.0"
+    assert published(svc["consumer"]) == [("127.0.0.1", con["port"])]
+    assert {k: v["condition"] for k, v in svc["consumer"]["depends_on"].items()} == {
+        "master": "service_healthy", enc.hostname: "service_healthy"}
+    url = url_in(healthcheck_code(svc["consumer"]["healthcheck"]["test"][1:]))
+    assert urlsplit(url).port == con["port"] and urlsplit(url).path == "/ready"
+    # Every service reads the same checkpoint, read-only.
+    models = {name: [m for m in mounts(s) if m["target"] == "/models/model"] for name, s in svc.items() if name != "master"}
+    assert all(len(m) == 1 and m[0]["read_only"] for m in models.values())
+    assert len({m[0]["source"] for m in models.values()}) == 1

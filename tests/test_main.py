@@ -87,7 +87,7 @@ def test_serve_flags_come_in_the_groups_of_the_settings_headings():
         ("Store", "Processes", "Security: API keys and image URLs", "Request limits")
     text = serve.format_help()
     assert text.startswith("usage: qwen3vl-encoder serve [-h] [--FLAG VALUE ...]\n")  # not all 40 flags again
-    assert "\nModel and device:\n  --model MODEL " in text and "\nStore:\n  --store DIR " in text
+    assert "\nModel and device:\n  --model MODEL " in text and "\nStore:\n  --store DIR|URL " in text
 
 
 def test_every_flag_of_every_command_has_a_description_and_shows_its_default():

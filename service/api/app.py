@@ -55,7 +55,8 @@ _REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
 def _item(answer: Answer) -> EncodedItem:
     stored = answer.stored
     return EncodedItem(key=stored.key, num_tokens=stored.num_tokens, grid_thw=list(stored.grid_thw),
-                       shape=list(stored.shape), dtype=stored.dtype, cached=answer.cached, path=stored.path)
+                       shape=list(stored.shape), dtype=stored.dtype, cached=answer.cached, path=stored.path,
+                       store_key=stored.store_key)
 
 
 # ---- the app --------------------------------------------------------------------------------------
@@ -142,7 +143,9 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         if not ok:
             raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
 
-    @app.post("/encode", response_model=EncodeResponse, responses=_ERROR_RESPONSES, openapi_extra={"requestBody": {"content": {
+    # (response_model_exclude_none: an item names its entry by `path` or by `store_key`, not both as null)
+    @app.post("/encode", response_model=EncodeResponse, response_model_exclude_none=True, responses=_ERROR_RESPONSES,
+              openapi_extra={"requestBody": {"content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}, "example": EXAMPLE_REQUEST},
         "multipart/form-data": {"schema": {"type": "object", "properties": {
             "image": {"type": "array", "items": {"type": "string", "format": "binary"}},

@@ -157,6 +157,8 @@ class Runtime:
         if await self._refresh() is None:
             return 503, {"ready": False}
         st = self.status
+        if st.store_error:  # (a Mooncake master gone, a full filesystem): nothing could be answered now
+            return 503, {"ready": False, "phase": "store", "store_error": st.store_error}
         # With several engines (--devices) the top-level fields are engine 0's; "engines" lists each.
         return 200, {"ready": True, **msgspec.structs.asdict(st.first.info), "engine_pid": st.first.pid, "api_pid": os.getpid(),
                      "engines": [{"device": s.info.device, "engine_pid": s.pid, "ready": s.ready} for s in st.engines]}

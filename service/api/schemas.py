@@ -36,7 +36,10 @@ class EncodedItem(BaseModel):
     shape: list[int]
     dtype: str
     cached: bool
-    path: str = Field(description="relative to the store root: <key>/encoder_cache.safetensors")
+    path: str | None = Field(None, description="a directory store: the entry's file, relative to the store root "
+                             "(<key>/encoder_cache.safetensors)")
+    store_key: str | None = Field(None, description="Mooncake Store: the entry's whole key "
+                                  "(<namespace>@id:<key>), what a reader of the pool gets")
 
 
 class EncodeResponse(BaseModel):

@@ -9,7 +9,9 @@ API processes over a Unix socket (procs/ipc.py's EngineServer, in an engine proc
     Cancel -> a grant's place or a wait given back
 
 A host runs on one thread (its connections' `post` hops there): the event loop of a single-process
-service, the ipc thread of an engine process. It never blocks; the writer thread's answers are posted.
+service, the ipc thread of an engine process. It never blocks; the writer thread's answers are posted,
+and so are a remote store's lookups (engine/lookups.py: batched on a thread of their own), meanwhile
+the claim or submit waiting for one is `pending` (a cancel drops it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from service.config import EngineOptions, StoreOptions
 from service.engine.batcher import Batcher, QueuePlace, Ticket
 from service.engine.core import Engine
 from service.engine.job import EncodeJob
+from service.engine.lookups import StoreLookups
 from service.engine.loader import LoadedModel
 from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
@@ -36,18 +39,24 @@ from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
 from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
+from service.store.mooncake import MooncakeStore
 from service.store.format import StoredItem, validate_key
 
 log = logging.getLogger(__name__)
 
 
-def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)) -> EmbeddingStore:
-    """The store of one engine; shard (i, n) of n engines gets 1/n of --store-capacity-bytes."""
+def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)):
+    """The store of one engine: a directory (shard (i, n) of n engines gets 1/n of --store-capacity-bytes),
+    or Mooncake Store (one pool whatever the shard; the pool's master evicts)."""
+    dtype = str(model.dtype).replace("torch.", "")
+    if options.mooncake is not None:
+        return MooncakeStore(str(options.root), options.mooncake, model_id=model.model_id,
+                             out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
+                             dtype=dtype, min_residency_s=options.min_residency_s, salt=key_salt(model))
     return EmbeddingStore(
         options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-        dtype=str(model.dtype).replace("torch.", ""), min_residency_s=options.min_residency_s,
-        exclusive=True, group=options.group, shard=shard,
+        dtype=dtype, min_residency_s=options.min_residency_s, exclusive=True, group=options.group, shard=shard,
     )
 
 
@@ -74,6 +83,7 @@ class Connection:
         self.post = post  # run a function on the host's thread (from any thread)
         self.waits: dict[int, Ticket] = {}  # request id -> its wait for an entry
         self.grants: dict[int, QueuePlace] = {}  # claim id -> the queue place it was granted
+        self.pending: set[int] = set()  # claims and submits waiting for a remote store's lookup
         self.open = True
 
 
@@ -85,6 +95,7 @@ class EngineHost:
         self.store: EmbeddingStore = engine.store
         self.batcher: Batcher[EncodeJob] = engine.batcher
         self._warmup = warmup
+        self.lookups = StoreLookups(self.store) if self.store.remote else None
         self.ready = threading.Event()
         self.warmup_error: str | None = None
         self.startup: dict[str, float] = {"load_s": model.load_s, **engine.runner.startup}
@@ -112,6 +123,8 @@ class EngineHost:
         """Drain: no new work, the queued steps finish and are written, then the store is released."""
         self.batcher.close()
         self.engine.join(timeout)
+        if self.lookups is not None:
+            self.lookups.close()
         self.store.close()
 
     # ---- connections ----------------------------------------------------------------------------
@@ -121,6 +134,7 @@ class EngineHost:
     def disconnect(self, conn: Connection) -> None:
         """The API side closed (or its process died): its waits are gone, its grants given back."""
         conn.open = False
+        conn.pending.clear()
         for t in conn.waits.values():
             t.cancel()
         conn.waits.clear()
@@ -147,15 +161,53 @@ class EngineHost:
                 conn.send(MetricsText(msg.id, self.metrics_text()))
             else:
                 raise AssertionError(f"unknown message {msg!r}: this is a bug")
-        except Exception as e:  # a ServiceError is the client's answer; anything else a bug: fail that request
-            if not isinstance(e, ServiceError):
-                log.exception("engine: %s %s failed", type(msg).__name__, msg.id)
-            conn.send(_failed(msg.id, e))
+        except Exception as e:
+            self._fail(conn, msg, e)
 
-    def _stored(self, key: str, sha256: str) -> StoredItem | None:
-        """The store's entry for `key` if it holds these bytes' embeddings (an entry without a recorded
-        hash is encoded again); KeyConflict if the key names other bytes there."""
-        hit = self.store.lookup(key)
+    def _fail(self, conn: Connection, msg: ToEngine, e: Exception) -> None:
+        """A ServiceError is the client's answer; anything else a bug: fail that request."""
+        if not isinstance(e, ServiceError):
+            log.exception("engine: %s %s failed", type(msg).__name__, msg.id)
+        conn.send(_failed(msg.id, e))
+
+    def _with_entry(self, conn: Connection, msg: Claim | Submit, then: Callable[[StoredItem | None], None],
+                    drop: Callable[[], None] = lambda: None) -> None:
+        """then(entry) on the host's thread, `entry` the store's for msg.key if it holds these bytes'
+        embeddings, else None (an entry without a recorded hash is encoded again); a KeyConflict (the key
+        names other bytes there) or a store error fails the message after drop() gave back what it holds.
+        A remote store answers later (engine/lookups.py): meanwhile the message is pending, and if it is
+        cancelled or its connection goes, drop() is all that happens."""
+        if self.lookups is not None:
+            conn.pending.add(msg.id)
+            self.lookups.lookup(msg.key, lambda found: conn.post(lambda: self._resume(conn, msg, found, then, drop)))
+            return
+        try:
+            found = self.store.lookup(msg.key)
+        except Exception as e:
+            found = e
+        self._resume(conn, msg, found, then, drop)
+
+    def _resume(self, conn: Connection, msg: Claim | Submit, found: StoredItem | None | Exception,
+                then: Callable[[StoredItem | None], None], drop: Callable[[], None]) -> None:
+        if self.lookups is not None:
+            if msg.id not in conn.pending or not conn.open:
+                drop()
+                return
+            conn.pending.discard(msg.id)
+        try:
+            if isinstance(found, Exception):
+                raise found
+            entry = self._stored(found, msg.sha256)
+        except Exception as e:
+            drop()
+            self._fail(conn, msg, e)
+            return
+        try:
+            then(entry)
+        except Exception as e:
+            self._fail(conn, msg, e)
+
+    def _stored(self, hit: StoredItem | None, sha256: str) -> StoredItem | None:
         if hit is None or hit.content_sha256 is None:
             return None
         if hit.content_sha256 != sha256:
@@ -165,7 +217,10 @@ class EngineHost:
 
     def _claim(self, conn: Connection, msg: Claim) -> None:
         validate_key(msg.key)
-        if (hit := self._stored(msg.key, msg.sha256)) is not None:
+        self._with_entry(conn, msg, lambda hit: self._claimed(conn, msg, hit))
+
+    def _claimed(self, conn: Connection, msg: Claim, hit: StoredItem | None) -> None:
+        if hit is not None:
             conn.send(Hit(msg.id, hit))
             return
         joined = self.batcher.join(msg.key)  # an identical image already queued or running: no decode
@@ -184,23 +239,33 @@ class EngineHost:
 
     def _submit(self, conn: Connection, msg: Submit, pixels: np.ndarray, release: Callable[[], None]) -> None:
         place = conn.grants.pop(msg.grant, None)  # used up by this submit, whatever its outcome
-        try:
-            validate_key(msg.key)
-            # Stored meanwhile: two claims of one key can both miss (the first image not yet submitted), and
-            # the first's encode can finish before this submit, when there is no queued item to join.
-            if (hit := self._stored(msg.key, msg.sha256)) is not None:
-                if place is not None:
-                    place.release()
-                release()
-                conn.send(Hit(msg.id, hit))
-                return
-            image = self._image(msg, pixels)
-            ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256), tokens=image.num_tokens,
-                                         place=place)
-        except Exception:
+
+        def drop() -> None:
             if place is not None:
                 place.release()
             release()
+
+        try:
+            validate_key(msg.key)
+            image = self._image(msg, pixels)
+        except Exception:
+            drop()
+            raise
+        # Stored meanwhile: two claims of one key can both miss (the first image not yet submitted), and
+        # the first's encode can finish before this submit, when there is no queued item to join.
+        self._with_entry(conn, msg, lambda hit: self._submitted(conn, msg, image, place, drop, release, hit), drop)
+
+    def _submitted(self, conn: Connection, msg: Submit, image: PreparedImage, place: QueuePlace | None,
+                   drop: Callable[[], None], release: Callable[[], None], hit: StoredItem | None) -> None:
+        try:
+            if hit is not None:
+                drop()
+                conn.send(Hit(msg.id, hit))
+                return
+            ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256), tokens=image.num_tokens,
+                                         place=place)
+        except Exception:
+            drop()
             raise
         if ticket.coalesced:  # joined an item queued meanwhile: these pixels are not needed
             release()
@@ -232,6 +297,7 @@ class EngineHost:
                              num_tokens=g.tokens)
 
     def _cancel(self, conn: Connection, rid: int) -> None:
+        conn.pending.discard(rid)  # (its lookup's answer then gives back what it holds)
         if (t := conn.waits.pop(rid, None)) is not None:
             t.cancel()
         if (place := conn.grants.pop(rid, None)) is not None:

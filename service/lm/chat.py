@@ -7,7 +7,7 @@ Per request (`POST /v1/chat/completions`, a subset of OpenAI's: text and `image_
 `max_tokens`, greedy decoding only):
   1. every image part goes to the encoder's `/encode` (the same content-part shape, one call for all)
      -> key, grid_thw, num_tokens;
-  2. `<store>/<key>/encoder_cache.safetensors` is read (`storeformat.read_embeddings`) -> the main
+  2. the key's entry is read from the store (store/reader.py: a directory, or Mooncake Store) -> the main
      embeddings and the deepstack features;
   3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per embedding row;
   4. transformers' Qwen3-VL generates greedily from the embeddings (`mm_encoder_outputs`), taking
@@ -46,7 +46,8 @@ from service.errors import (
     Relayed,
     ServiceError,
 )
-from service.store.format import StoredEmbeddings, StoreFormatError, read_embeddings
+from service.store.format import StoredEmbeddings, StoreFormatError
+from service.store.reader import is_mooncake, open_reader
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ log = logging.getLogger(__name__)
 class ChatConfig:
     model: Path  # a local Qwen3-VL checkpoint directory with its tokenizer and chat template
     encoder_url: str  # the encoder service, e.g. http://127.0.0.1:8080
-    store: Path  # the encoder's store root, as mounted here (read-only is enough)
+    store: Path | str  # the encoder's store: its root as mounted here (read-only is enough), or mooncake://...
     device: str = "cpu"
     dtype: str = "auto"  # float32 | bfloat16; auto: bfloat16 on cuda, float32 on cpu
     max_tokens_limit: int = 1024  # the most tokens one request may ask for
     encoder_timeout_s: float = 300.0
+    mooncake_local_host: str = "127.0.0.1"  # with a mooncake:// store: the address the pool reaches this host at
 
 
 # ---- request / response schemas (OpenAI chat-completions subset) ------------------------------------
@@ -157,6 +159,8 @@ class Chat:
     def __init__(self, cfg: ChatConfig, lm: LanguageModel):
         self.cfg, self.lm = cfg, lm
         self.http = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.encoder_timeout_s)
+        self.reader = open_reader(cfg.store, local_host=cfg.mooncake_local_host) if is_mooncake(cfg.store) else \
+            open_reader(cfg.store)
 
     async def encode(self, parts: list[ImagePart]) -> list[dict]:
         """POST the image parts to the encoder; its items, in order. Its 4xx/503 pass through as ours."""
@@ -181,11 +185,11 @@ class Chat:
         items = await self.encode(parts) if parts else []
         out = []
         for part, item in zip(parts, items):
-            emb = self._read(item["key"])
-            if emb is None:  # evicted between the encoder's answer and this read: ask once more
+            emb = self._read(item)
+            if emb is None:  # evicted (or its host lost) between the encoder's answer and this read: ask once more
                 log.warning("store entry %s missing after /encode answered it; re-requesting once", item["key"])
                 (item,) = await self.encode([part])
-                emb = self._read(item["key"])
+                emb = self._read(item)
             if emb is None:
                 raise EmbeddingsMissing(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
                                         "hold it: is --store the encoder's store root, and is the store large enough?")
@@ -193,9 +197,9 @@ class Chat:
             out.append((item, emb))
         return out
 
-    def _read(self, key: str) -> StoredEmbeddings | None:
+    def _read(self, item: dict) -> StoredEmbeddings | None:
         try:
-            return read_embeddings(self.cfg.store, key)
+            return self.reader.read(item["key"], item.get("store_key"))
         except KeyError:
             return None
         except StoreFormatError as e:

@@ -25,7 +25,8 @@ import httpx
 
 from service.lm.client import post
 from service.config import default_store_dir
-from service.store.format import StoredEmbeddings, read_embeddings
+from service.store.format import StoredEmbeddings
+from service.store.reader import read_embeddings
 
 SPATIAL_MERGE = 2  # Qwen3-VL merges 2x2 patches into one output token
 
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m service.lm.consumer", description=__doc__.split("\n\n")[0])
     p.add_argument("images", nargs="*", type=Path, metavar="IMAGE", help="image files (default: a synthetic one)")
     p.add_argument("--url", default="http://127.0.0.1:8080", help="encoder service base URL")
-    p.add_argument("--store", type=Path, default=default_store_dir(), help="the store root the service writes")
+    p.add_argument("--store", default=str(default_store_dir()), help="the store the service writes: its root, or "
+                   "mooncake://MASTER_HOST:RPC_PORT")
     p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="first wait this long for /ready")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="per-request HTTP timeout")
     return p
@@ -126,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                     failed = True
                     continue
                 try:
-                    emb = read_embeddings(args.store, item["key"])
+                    emb = read_embeddings(args.store, item["key"], store_key=item.get("store_key"))
                 except KeyError:
                     print(f"{name}: key {item['key']} is not in the store at {args.store} (wrong --store, or evicted)")
                     failed = True
                     continue
-                problems = check(item, emb, args.store)
+                problems = check(item, emb, None if str(args.store).startswith("mooncake://") else Path(args.store))
                 print(
                     f"{name}: key={item['key']} grid_thw={tuple(emb.grid_thw)} main={list(emb.main.shape)} "
                     f"deepstack_levels={len(emb.deepstack)} dtype={item['dtype']} cached={item['cached']} "

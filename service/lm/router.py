@@ -11,14 +11,22 @@ Two ways to forward an image (`--image-parts`):
     `image_grid_thw` (a base64 `torch.save` of the [t, h, w] tensor, as vLLM decodes embeds) plus
     `"uuid": key`, so no pixels travel to the LM tier.
 Everything else in the request is forwarded untouched, and vLLM's answer is returned as it is.
+
+Several encoder hosts (`--encoder-url` a comma-separated list; with a store that spans hosts, Mooncake
+Store): each image goes to the host its hash picks (`encoder_for`: its uuid, else its URL, data URLs
+included), so identical images in flight meet on one host, where they are encoded once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
+import hashlib
 import io
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,10 +46,23 @@ ImageParts = Literal["raw", "embeds"]
 
 @dataclass(frozen=True)
 class RouterConfig:
-    encoder_url: str
+    encoder_url: str  # one encoder, or several comma-separated (hosts of one Mooncake pool)
     vllm_url: str
     image_parts: ImageParts = "raw"
     timeout_s: float = 600.0
+
+    @property
+    def encoder_urls(self) -> list[str]:
+        return [u.strip() for u in self.encoder_url.split(",") if u.strip()]
+
+
+def encoder_for(part: dict, n: int) -> int:
+    """Which of `n` encoder hosts gets this image part: a hash of its uuid, else of its URL (a data URL
+    holds the image's bytes), the same in every router process (blake2b, not Python's salted hash)."""
+    if n == 1:
+        return 0
+    name = part.get("uuid") or (part.get("image_url") or {}).get("url") or ""
+    return int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=8).digest(), "little") % n
 
 
 def tensor_base64(t: torch.Tensor) -> str:
@@ -75,8 +96,35 @@ def vllm_request(chat: dict, items: list[dict], mode: ImageParts) -> dict:
 def create_router_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="Qwen3-VL encoder -> vLLM router", version="0.1.0")
     install_error_handlers(app)
-    app.state.encoder = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.timeout_s)
+    app.state.encoders = [httpx.AsyncClient(base_url=url, timeout=cfg.timeout_s) for url in cfg.encoder_urls]
     app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
+
+    async def encode(parts: list[dict]) -> list[dict] | Response:
+        """Each image on the encoder host its hash picks, the hosts' calls at once; the items in input
+        order, or the first host's error answer (its image index mapped back to the request's)."""
+        encoders = app.state.encoders
+        groups: dict[int, list[int]] = {}  # host -> the positions of its images in the request
+        for i, part in enumerate(parts):
+            groups.setdefault(encoder_for(part, len(encoders)), []).append(i)
+
+        async def post(host: int, positions: list[int]):
+            r, _ = await apost(encoders[host], "/encode", json={"images": [parts[i] for i in positions]})
+            return positions, r  # (a stale keep-alive connection is tried once more: lm/client.py)
+
+        answers = await asyncio.gather(*(post(h, pos) for h, pos in groups.items()), return_exceptions=True)
+        items: list[dict] = [{}] * len(parts)
+        for answer in answers:
+            if isinstance(answer, httpx.HTTPError):
+                return error_response(BadGateway(f"the encoder could not be reached: {type(answer).__name__}: "
+                                                 f"{answer}", code="encoder_unavailable"))
+            if isinstance(answer, BaseException):
+                raise answer
+            positions, r = answer
+            if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
+                return _relayed(r, positions)
+            for pos, item in zip(positions, r.json()["items"]):
+                items[pos] = item
+        return items
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
@@ -89,16 +137,10 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         parts = image_parts(chat)
         items: list[dict] = []
         if parts:
-            encode = [{k: v for k, v in p.items() if k in ("type", "image_url", "uuid")} for p in parts]
-            try:
-                r, _ = await apost(app.state.encoder, "/encode", json={"images": encode})  # stale connection: once more
-            except httpx.HTTPError as e:
-                return error_response(BadGateway(f"the encoder could not be reached: {type(e).__name__}: {e}",
-                                                 code="encoder_unavailable"))
-            if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
-                return Response(r.content, status_code=r.status_code, media_type="application/json",
-                                headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
-            items = r.json()["items"]
+            answer = await encode([{k: v for k, v in p.items() if k in ("type", "image_url", "uuid")} for p in parts])
+            if isinstance(answer, Response):
+                return answer
+            items = answer
         try:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
         except httpx.HTTPError as e:
@@ -110,6 +152,24 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def _relayed(r: httpx.Response, positions: list[int]) -> Response:
+    """An encoder's error answer as the router's: a per-image error's index (and the `images[i]` its
+    message starts with) named by the image's position in the whole request, not in this host's part."""
+    body = r.content
+    try:
+        doc = r.json()
+        err = doc["error"]
+        if isinstance(err.get("index"), int) and 0 <= err["index"] < len(positions):
+            pos = positions[err["index"]]
+            err["message"] = re.sub(r"^images\[\d+\]", f"images[{pos}]", err["message"])
+            err["index"] = pos
+            body = json.dumps(doc).encode()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass  # not the service's error shape: passed on as it came
+    return Response(body, status_code=r.status_code, media_type="application/json",
+                    headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
 
 
 def serve(cfg: RouterConfig, host: str, port: int, log_level: str = "info") -> int:

@@ -5,7 +5,8 @@ second and one line instead of a model load and a traceback:
     --device  cuda asked for: the CUDA driver sees that GPU    (libcuda via ctypes, not torch)
     --devices the same for each of them
     --port    bound now, with uvicorn's SO_REUSEADDR; the socket is the one the server then serves on
-    --store   the store's own ownership checks (service/store/directory.py): creatable, this user's, not writable
+    --store   a Mooncake master that answers (mooncake://...), or the store's own ownership checks
+              (service/store/directory.py): creatable, this user's, not writable
               by others, not locked by another service
 
 Each failure is a StartupError whose message is the line the CLI prints. None of them imports torch
@@ -21,6 +22,7 @@ import errno
 import socket
 from pathlib import Path
 
+from service.config import parse_mooncake
 from service.errors import StartupError, StoreOwnershipError
 from service.presets import check_model
 from service.store.directory import EmbeddingStore
@@ -85,6 +87,22 @@ def check_store(root: Path, group: str | None) -> None:
         raise StartupError(str(e)) from None
 
 
+def check_mooncake(url: str, timeout_s: float = 3.0) -> None:
+    """`--store mooncake://HOST:PORT`: Mooncake's client is installed here and its master answers a TCP
+    connection (its RPC port), so a wrong address fails now, in one line, not after the model loads."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise StartupError("--store mooncake://... needs Mooncake's client: pip install "
+                           "'qwen3vl-encoder-service[mooncake]' (and Debian's libibverbs1 ibverbs-providers)")
+    host, _, port = parse_mooncake(url).rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise StartupError(f"cannot reach the Mooncake master at {host}:{port} (--store {url}): "
+                           f"{e.strerror or e}; start mooncake_master there, or fix --store") from None
+
+
 def preflight(settings) -> socket.socket:
     """Every check above, cheapest first. Returns the bound socket; raises StartupError."""
     check_model(settings.model)
@@ -95,7 +113,10 @@ def preflight(settings) -> socket.socket:
         check_device(settings.device)
     sock = bind(settings.host, settings.port)
     try:
-        check_store(settings.store, settings.store_group)
+        if settings.store_is_mooncake:
+            check_mooncake(settings.store)
+        else:
+            check_store(settings.store, settings.store_group)
     except BaseException:
         sock.close()
         raise

@@ -92,7 +92,7 @@ class Supervisor:
                      self.n_api)
         log.info("supervisor %d: http://%s:%d, %d API processes + %d engine(s) (%s)", self.pid, self.settings.host,
                  self.sock.getsockname()[1], self.n_api, n, ",".join(self.devices))
-        if n > 1:
+        if n > 1 and not self.settings.store_is_mooncake:
             # One lock for the whole service, as a one-engine service holds (preflight checked it is free);
             # the engines lock their shards.
             try:

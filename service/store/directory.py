@@ -16,7 +16,6 @@ the GIL for part of each call.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -44,6 +43,7 @@ from service.store.format import (
     TMP_PREFIX,
     StoreFormatError,
     StoredItem,
+    tensor_bytes,
     _encode_header,
     _Header,
     _key_dir,
@@ -70,21 +70,6 @@ def shard_lock(index: int, count: int) -> str:
     """The lock file of one shard's writer (the supervisor holds ROOT_LOCK meanwhile)."""
     return f"{ROOT_LOCK}.shard-{index}-of-{count}"
 
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy, flat byte view of a contiguous CPU tensor's data (little-endian, like every host we
-    run on), valid while `t` is alive. Works for a view into a larger (e.g. pinned) buffer: data_ptr()
-    includes the storage offset.
-
-    NOTE: built from the data pointer with ctypes (as safetensors' own writer passes pointers), not as
-    `t.reshape(-1).view(torch.uint8).numpy()`: every torch op call releases and retakes the GIL, and
-    while another Python thread is busy each retake can wait a whole switch interval (5 ms); measured,
-    that reshape alone cost ~10 ms under contention. This takes no torch op and never drops the GIL."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _write_all(fd: int, bufs: list) -> None:
@@ -119,7 +104,7 @@ def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: boo
     """Write header + tensor data to the new, empty file open as `fd`, make it `mode` (exactly, whatever
     the umask); return the file size. The caller closes `fd`. Only the store's temp files are written
     this way; `put` renames them onto the final name."""
-    data = _tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
+    data = tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
     os.fchmod(fd, mode)
     _write_all(fd, [header, data])
     if fsync:
@@ -184,6 +169,8 @@ class EmbeddingStore:
     holds, so a second service on the root is still refused). The caller passes each shard its part of
     the capacity (engine/host.py build_store: capacity / n); the filesystem's free space is split the same way.
     """
+
+    remote = False  # a lookup is a stat and a header read here: the engine host asks in place
 
     def __init__(
         self,

@@ -15,9 +15,10 @@ One safetensors file per image, in vLLM's ECExampleConnector layout:
             num_tokens       "196"        (redundant with the shape; for humans and `jq`)
             content_sha256   SHA-256 of the source image's bytes (a uuid bound to other bytes is a 409)
 
-`read_embeddings` is the consumer (reader) side. It shares nothing with the writer
-(`store.EmbeddingStore`) but this format, so another process (the LM server) can call it while the
-writer evicts and replaces files. This module imports torch only inside `read_embeddings`.
+`read_embeddings` is the consumer (reader) side (`read_ec_cache` for the tensor unsplit, as vLLM's
+encoder cache holds it). It shares nothing with the writer (`store.EmbeddingStore`) but this format, so
+another process (the LM server) can call it while the writer evicts and replaces files. This module
+imports torch only inside the readers.
 
 Why this is safe for concurrent readers: a file is written under a temp name in its key directory and
 `os.replace`d onto the final name, and never modified in place afterwards. A reader that opens the
@@ -28,6 +29,7 @@ everything from that handle, and checks the size against the header.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap as _mmap
@@ -74,13 +76,14 @@ class StoredItem:
     """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
 
     key: str
-    path: str  # relative to the store root: "<key>/encoder_cache.safetensors"
+    path: str | None  # a directory store: relative to the root, "<key>/encoder_cache.safetensors"; else None
     num_tokens: int
     grid_thw: tuple[int, int, int]
     shape: tuple[int, int]  # (num_tokens, out_hidden * (1 + deepstack_levels))
     dtype: str  # "float32" | "bfloat16"
     nbytes: int  # whole file (header + data): what counts against the capacity
     content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
+    store_key: str | None = None  # Mooncake Store: the value's whole key, "<namespace>@id:<key>"; else None
 
 
 def shard_of(key: str, n: int) -> int:
@@ -90,6 +93,21 @@ def shard_of(key: str, n: int) -> int:
     if n == 1:
         return 0
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy, flat byte view of a contiguous CPU tensor's data (little-endian, like every host we
+    run on), valid while `t` is alive. Works for a view into a larger (e.g. pinned) buffer: data_ptr()
+    includes the storage offset.
+
+    NOTE: built from the data pointer with ctypes (as safetensors' own writer passes pointers), not as
+    `t.reshape(-1).view(torch.uint8).numpy()`: every torch op call releases and retakes the GIL, and
+    while another Python thread is busy each retake can wait a whole switch interval (5 ms); measured,
+    that reshape alone cost ~10 ms under contention. This takes no torch op and never drops the GIL."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def is_store_key(key: object) -> bool:
@@ -287,30 +305,59 @@ def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbedd
     """
     import torch  # here, not at module level: the format itself needs no torch
 
-    root = Path(root)
-    path = _key_dir(root, key) / FILE_NAME
+    fd, where = open_entry(root, key)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        raise KeyError(key) from None
-    try:
-        where = str(path)
-        h = _read_header(fd, where)
-        n, width = h.shape
-        offset = 8 + h.header_len
-        torch_dtype = getattr(torch, h.dtype)  # torch.float32 | torch.bfloat16
-        if h.data_nbytes == 0:
-            ec_cache = torch.empty((n, width), dtype=torch_dtype)
-        elif mmap and offset % h.itemsize == 0:  # safetensors pads headers to 8 bytes
-            mapped = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)  # the tensor holds the only reference
-            ec_cache = torch.frombuffer(mapped, dtype=torch_dtype, count=n * width, offset=offset)
-            ec_cache = ec_cache.view(n, width)
-        else:
-            data = torch.empty(h.data_nbytes, dtype=torch.uint8)  # [data_nbytes] uint8, no zero fill
-            _read_into(fd, memoryview(data.numpy()), where)
-            ec_cache = data.view(torch_dtype).view(n, width)  # little-endian, like every host we run on
+        ec_cache, h = _read_entry(fd, where, mmap)
     finally:
         os.close(fd)
     parts = list(torch.split(ec_cache, h.out_hidden_size, dim=1))
     assert len(parts) == 1 + h.deepstack_levels, "checked by _parse_header: this is a bug"
     return StoredEmbeddings(main=parts[0], deepstack=parts[1:], grid_thw=h.grid_thw, metadata=h.metadata)
+
+
+def read_ec_cache(root: Path, key: str, *, mmap: bool = False) -> torch.Tensor:
+    """The key's whole `ec_cache` tensor, [num_tokens, out_hidden * (1 + deepstack_levels)], unsplit: what
+    vLLM's encoder cache holds (and ECExampleConnector loads). Raises as read_embeddings does."""
+    fd, where = open_entry(root, key)
+    try:
+        return _read_entry(fd, where, mmap)[0]
+    finally:
+        os.close(fd)
+
+
+def read_open_ec_cache(fd: int, where: str) -> torch.Tensor:
+    """The whole `ec_cache` tensor of an entry file a caller holds open (from its start; the handle stays
+    the caller's), e.g. one held since an existence check, which an eviction since cannot take away
+    (lm/ecload.py). `where` names the file in errors. StoreFormatError for a file that is not a whole one."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    return _read_entry(fd, where, False)[0]
+
+
+def open_entry(root: Path, key: str) -> tuple[int, str]:
+    """An open read-only handle on the key's file and the file's path; KeyError if it is not there."""
+    path = _key_dir(Path(root), key) / FILE_NAME
+    try:
+        return os.open(path, os.O_RDONLY | _O_CLOEXEC), str(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise KeyError(key) from None
+
+
+def _read_entry(fd: int, where: str, mmap: bool) -> tuple[torch.Tensor, _Header]:
+    """The ec_cache tensor and the checked header of an open entry file (read from its position 0)."""
+    import torch
+
+    h = _read_header(fd, where)
+    n, width = h.shape
+    offset = 8 + h.header_len
+    torch_dtype = getattr(torch, h.dtype)  # torch.float32 | torch.bfloat16
+    if h.data_nbytes == 0:
+        ec_cache = torch.empty((n, width), dtype=torch_dtype)
+    elif mmap and offset % h.itemsize == 0:  # safetensors pads headers to 8 bytes
+        mapped = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)  # the tensor holds the only reference
+        ec_cache = torch.frombuffer(mapped, dtype=torch_dtype, count=n * width, offset=offset)
+        ec_cache = ec_cache.view(n, width)
+    else:
+        data = torch.empty(h.data_nbytes, dtype=torch.uint8)  # [data_nbytes] uint8, no zero fill
+        _read_into(fd, memoryview(data.numpy()), where)
+        ec_cache = data.view(torch_dtype).view(n, width)  # little-endian, like every host we run on
+    return ec_cache, h

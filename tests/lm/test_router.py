@@ -4,6 +4,7 @@ forwards is checked against vLLM's chat content-part schema, and its grid decode
 from __future__ import annotations
 
 import asyncio
+import copy
 import base64
 import io
 import json
@@ -112,7 +113,7 @@ def _route(mode: str, body, encoder_status: int = 200):
         return httpx.Response(200, json={"object": "chat.completion", "choices": [{"message": {"content": "ok"}}]})
 
     app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", mode))
-    app.state.encoder = httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")
+    app.state.encoders = [httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")]
     app.state.vllm = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url="http://vllm.test")
 
     async def go():
@@ -142,6 +143,59 @@ def test_router_passes_encoder_errors_and_text_only_requests_through():
     assert r.status_code == 200 and seen["encode"] == [] and seen["vllm"] == [text_only]
     r, _ = _route("raw", b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+
+
+def test_with_several_encoder_hosts_each_image_goes_to_the_host_its_hash_picks():
+    """Identical images (the same uuid, or the same bytes) go to one host, wherever they are in a request
+    or in which request, so that host encodes them once; the items come back in the request's order,
+    and a host's per-image error names the image's position in the whole request."""
+    from service.lm.router import encoder_for
+
+    hosts = [f"http://enc{i}.test" for i in range(3)]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b"img-%d" % i)}} for i in range(12)]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(b"same bytes")}, "uuid": f"u-{i}"} for i in range(4)]
+    picks = [encoder_for(p, 3) for p in parts]
+    assert len(set(picks)) == 3  # spread over the hosts
+    assert picks == [encoder_for(p, 3) for p in parts]  # the same answer every time (no salted hash)
+    assert encoder_for({"image_url": {"url": "x"}, "uuid": "k"}, 3) == encoder_for({"image_url": {"url": "y"}, "uuid": "k"}, 3)
+    seen: dict[str, list] = {h: [] for h in hosts}
+
+    def host(name: str, fail_second: bool = False):
+        def handler(request: httpx.Request) -> httpx.Response:
+            images = json.loads(request.read())["images"]
+            seen[name].append(images)
+            if fail_second and len(images) > 1:
+                return httpx.Response(422, json={"error": {"code": "not_an_image", "index": 1,
+                                                           "message": "images[1]: not an image"}})
+            return httpx.Response(200, json={"items": [{"key": p["image_url"]["url"][-12:], "num_tokens": 4,
+                                                        "grid_thw": [1, 4, 4]} for p in images]})
+        return handler
+
+    def run(fail_host: int | None = None):
+        app = create_router_app(RouterConfig(",".join(hosts), "http://vllm.test"))
+        app.state.encoders = [httpx.AsyncClient(transport=httpx.MockTransport(host(h, i == fail_host)), base_url=h)
+                              for i, h in enumerate(hosts)]
+        app.state.vllm = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda req: httpx.Response(200, json=json.loads(req.read()))), base_url="http://vllm.test")
+        chat = {"messages": [{"role": "user", "content": copy.deepcopy(parts)}]}
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r.test") as c:
+                return await c.post("/v1/chat/completions", json=chat)
+        return asyncio.run(go())
+
+    r = run()
+    assert r.status_code == 200
+    for i, h in enumerate(hosts):  # each host got exactly the images its hash picks, in their order
+        (sent,) = seen[h]
+        assert sent == [parts[j] for j in range(len(parts)) if picks[j] == i]
+    forwarded = r.json()["messages"][0]["content"]
+    assert [p["uuid"] for p in forwarded] == [p["image_url"]["url"][-12:] for p in parts]  # request order kept
+    failing = picks[0]  # a host with several images whose second is refused
+    r = run(fail_host=failing)
+    mine = [j for j in range(len(parts)) if picks[j] == failing]
+    assert r.status_code == 422 and r.json()["error"]["index"] == mine[1]
+    assert r.json()["error"]["message"] == f"images[{mine[1]}]: not an image"
 
 
 def test_route_started_on_port_0_logs_the_port_it_was_given_and_answers_there(tmp_path):

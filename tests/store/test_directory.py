@@ -20,7 +20,7 @@ import service.store.directory as store_mod
 import service.store.format as format_mod
 from service.errors import StoreFull
 from service.store.directory import EmbeddingStore, StoreOwnershipError, shard_of
-from service.store.format import FILE_NAME, read_embeddings
+from service.store.format import FILE_NAME, read_embeddings, tensor_bytes
 from tests.store.storedata import MODEL, D, W, ec_for, files_under, make_store, parts_for
 
 def item_nbytes(store: EmbeddingStore, n: int) -> int:
@@ -183,11 +183,11 @@ def test_put_file_is_byte_identical_to_safetensors_save(tmp_path, dtype, name):
 
 def test_tensor_bytes_is_a_zero_copy_view():
     buf = torch.zeros(4, 6, dtype=torch.bfloat16)  # like the engine's host buffer; put gets row slices
-    mv = store_mod._tensor_bytes(buf[1:3])
+    mv = tensor_bytes(buf[1:3])
     assert mv.format == "B" and len(mv) == 2 * 6 * 2
     mv[2:4] = torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     assert buf[1, 1] == 1.5 and int(buf.ne(0).sum()) == 1  # the same memory, at the slice's offset
-    assert len(store_mod._tensor_bytes(buf[2:2])) == 0
+    assert len(tensor_bytes(buf[2:2])) == 0
 
 
 def test_put_file_mode_and_fsync(tmp_path):

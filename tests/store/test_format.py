@@ -5,6 +5,7 @@ round trip, split order, malformed files) and key validation. The files are writ
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,7 +13,15 @@ from safetensors.torch import load_file
 
 from service.errors import InvalidKey
 from service.store.format import StoredItem
-from service.store.format import FILE_NAME, StoreFormatError, read_embeddings, validate_key
+from service.store.format import (
+    FILE_NAME,
+    StoreFormatError,
+    open_entry,
+    read_ec_cache,
+    read_embeddings,
+    read_open_ec_cache,
+    validate_key,
+)
 from tests.store.storedata import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
 
 
@@ -54,6 +63,33 @@ def test_roundtrip_bit_exact_and_split_order(tmp_path, dtype, name, use_mmap):
     store.put("img-1", ec, (1, 4, 5))
     # readable by others: the consumer may run as another user
     assert (tmp_path / "s" / item.path).stat().st_mode & 0o777 == 0o644
+
+
+def test_the_whole_tensor_by_key_and_from_an_open_entry_after_its_eviction(tmp_path):
+    """read_ec_cache: the unsplit tensor, as vLLM's encoder cache holds it. read_open_ec_cache: an entry
+    held open (the vLLM connector's hold) reads whole after the writer replaced it and it was evicted."""
+    root = tmp_path / "s"
+    store = make_store(root, dtype="bfloat16")
+    first, second = ec_for(3, 6, torch.bfloat16), ec_for(4, 6, torch.bfloat16)
+    store.put("img-1", first, (1, 4, 6))
+    got = read_ec_cache(root, "img-1")
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), first.view(torch.int16))
+    with pytest.raises(KeyError):
+        read_ec_cache(root, "absent")
+    with pytest.raises(KeyError):
+        open_entry(root, "absent")
+
+    fd, where = open_entry(root, "img-1")
+    try:
+        store.put("img-1", second, (1, 4, 6))  # replaced (renamed over the held file) ...
+        assert torch.equal(read_ec_cache(root, "img-1").view(torch.int16), second.view(torch.int16))
+        (root / "img-1" / FILE_NAME).unlink()  # ... and evicted
+        for _ in range(2):  # (each read starts at the file's start, whatever the handle's position)
+            held = read_open_ec_cache(fd, where)
+            assert torch.equal(held.view(torch.int16), first.view(torch.int16))
+    finally:
+        os.close(fd)
+    assert where == str(root / "img-1" / FILE_NAME)
 
 
 def test_read_rejects_malformed_files(tmp_path):

@@ -1,0 +1,180 @@
+"""What the vLLM connector (lm/vllm_connector.py) does with the store, without vLLM: find an entry at vLLM's
+scheduler-side existence check, hold it until vLLM's workers have loaded it, and load it. Plain Python
+and torch, so it is tested without vLLM.
+
+vLLM checks in its scheduler (`has_cache_item`) and loads later in each worker (`start_load_caches`),
+usually in another process. An entry evicted in between makes the load fail in the middle of a model
+step (vLLM's ECExampleConnector: FileNotFoundError; then "Encoder cache miss"), which takes the whole
+engine down. Holding closes that window:
+
+- Directory store: the check opens the entry's file and the scheduler keeps the handle until the workers
+  report the load. The writer's eviction only unlinks a file and a replacement renames a new file over
+  it, so the held inode stays whole and readable (POSIX). A worker reopens it through
+  `/proc/<scheduler pid>/fd/<n>` (on Linux that opens the inode itself, unlinked or not), checked to be
+  the inode the scheduler holds; where it cannot (a worker on another host sharing the directory, or in
+  another PID namespace) it opens the entry by its path, as ECExampleConnector does, and only there the
+  window stays open.
+- Mooncake Store: the check reads the entry's companion and asks for the value (`is_exist`), which takes
+  the master's lease on it (`--default_kv_lease_ttl`): the master does not evict it during the lease.
+  The worker reads it by key. A host lost with its segment can still take it away: that load fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.config import MOONCAKE_SCHEME, parse_mooncake
+from service.store.format import FILE_NAME, is_store_key, open_entry, read_open_ec_cache
+from service.store.mooncake import MooncakeReader
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryOptions:
+    """Where the entries are: vLLM's `ec_connector_extra_config`, named as `serve`'s flags are."""
+
+    store: str  # the encoders' --store: a directory on this host, or mooncake://MASTER_HOST:RPC_PORT
+    mooncake_namespace: str | None = None  # the encoders' namespace (their --mooncake-namespace)
+    mooncake_local_host: str = "127.0.0.1"  # the address the pool's hosts reach this one at
+    mooncake_protocol: str = "tcp"  # "tcp" | "rdma"
+
+    @classmethod
+    def from_config(cls, extra: dict) -> EntryOptions:
+        """Checked options from vLLM's `ec_connector_extra_config`; ValueError saying what to fix."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise ValueError(f"ec_connector_extra_config: unknown {unknown}; this connector takes {names}")
+        if not isinstance(extra.get("store"), str) or not extra["store"]:
+            raise ValueError("ec_connector_extra_config needs 'store': the encoders' --store (a directory on this "
+                             "host, or mooncake://MASTER_HOST:RPC_PORT)")
+        opts = cls(**extra)
+        if opts.store.startswith(MOONCAKE_SCHEME):
+            parse_mooncake(opts.store)  # (raises, saying how to write it)
+            if not opts.mooncake_namespace:
+                raise ValueError("ec_connector_extra_config needs 'mooncake_namespace' with a mooncake:// store: the "
+                                 "encoders' --mooncake-namespace (with their default, the part of an /encode item's "
+                                 "store_key before '@id:')")
+        if opts.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', not {opts.mooncake_protocol!r}")
+        return opts
+
+
+@dataclass(frozen=True)
+class Held:
+    """An entry found at the scheduler's check: what the connector's metadata carries to the workers
+    (pickled by vLLM: plain fields only)."""
+
+    key: str  # vLLM's mm_hash: the /encode key (the request's uuid)
+    hold: int  # the scheduler's id for what it keeps for this entry, reported back once loaded; 0: nothing
+    handle: str | None = None  # directory: "/proc/<scheduler pid>/fd/<n>", the scheduler's open handle
+    inode: tuple[int, int] | None = None  # directory: (st_dev, st_ino) of the file that handle holds
+
+
+class DirectoryEntries:
+    """Entries of a store directory on this host (read-only is enough), held open from check to load."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._handles: dict[int, int] = {}  # hold id -> open fd (scheduler side)
+        self._next = 1
+        self._warned = False
+
+    def hold(self, key: str) -> Held | None:
+        """The entry, held open until `release`; None if there is none (a key no entry can have, too:
+        vLLM's own content hashes with a LoRA prefix, say)."""
+        if not is_store_key(key):
+            return None
+        try:
+            fd, _ = open_entry(self.root, key)
+        except KeyError:
+            return None
+        st = os.fstat(fd)
+        hold, self._next = self._next, self._next + 1
+        self._handles[hold] = fd
+        return Held(key, hold, handle=f"/proc/{os.getpid()}/fd/{fd}", inode=(st.st_dev, st.st_ino))
+
+    def release(self, hold: int) -> None:
+        fd = self._handles.pop(hold, None)
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def held(self) -> int:
+        """How many entries are held now."""
+        return len(self._handles)
+
+    def load(self, held: Held) -> torch.Tensor:
+        """The held entry's whole tensor, read through the scheduler's handle (see the module docstring);
+        KeyError if that cannot be reached and the entry is gone from its path."""
+        fd = self._reopen(held)
+        try:
+            return read_open_ec_cache(fd, str(self.root / held.key / FILE_NAME))
+        finally:
+            os.close(fd)
+
+    def _reopen(self, held: Held) -> int:
+        try:
+            fd = os.open(held.handle, os.O_RDONLY | _O_CLOEXEC)
+        except OSError as e:
+            why = f"{held.handle}: {e.strerror}"
+        else:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == held.inode:
+                return fd
+            os.close(fd)  # another process's file under that number (another host or PID namespace)
+            why = f"{held.handle} is not the scheduler's handle here"
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot reach the vLLM scheduler's handle on a store entry (%s): loading entries by path, "
+                        "so one evicted between vLLM's check and its load fails that load", why)
+        return open_entry(self.root, held.key)[0]
+
+    def close(self) -> None:
+        for hold in list(self._handles):
+            self.release(hold)
+
+
+class MooncakeEntries:
+    """Entries in Mooncake Store, held by the master's lease from check to load."""
+
+    def __init__(self, reader: MooncakeReader):
+        self.reader = reader
+
+    @classmethod
+    def open(cls, opts: EntryOptions) -> MooncakeEntries:
+        return cls(MooncakeReader.open(opts.store, namespace=opts.mooncake_namespace,
+                                       local_host=opts.mooncake_local_host, protocol=opts.mooncake_protocol))
+
+    def hold(self, key: str) -> Held | None:
+        # NOTE: `exists` ends with the value's existence check, which takes the master's lease on it.
+        return Held(key, 0) if is_store_key(key) and self.reader.exists(key) else None
+
+    def release(self, hold: int) -> None:
+        pass  # (the lease runs out by itself)
+
+    @property
+    def held(self) -> int:
+        return 0
+
+    def load(self, held: Held) -> torch.Tensor:
+        return self.reader.read_ec_cache(held.key)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_entries(opts: EntryOptions) -> DirectoryEntries | MooncakeEntries:
+    if opts.store.startswith(MOONCAKE_SCHEME):
+        return MooncakeEntries.open(opts)
+    return DirectoryEntries(opts.store)

@@ -1,0 +1,379 @@
+"""Mooncake Store as the embedding store: one pool of memory across hosts (each encoder host may add a
+segment), so an LM server on any host reads an image's embeddings by key. `--store mooncake://MASTER:PORT`.
+
+Per image, two objects under this service's namespace (vLLM 0.33's Mooncake embedding layout):
+
+    <namespace>@id:<key>     the value vLLM reads: a 24-byte little-endian header struct("<IIQQ")
+                             (magic 0x4D4F4F4E, dtype code 0 float32 / 11 float16 / 12 bfloat16,
+                             num_tokens, hidden) then the contiguous [num_tokens, hidden] tensor: main
+                             embeddings, then each deepstack tap (hidden = out_hidden * (1 + levels))
+    <namespace>@meta:<key>   the companion: what a directory entry keeps in __metadata__ (grid_thw,
+                             model, levels, content SHA-256, format version), JSON
+
+`namespace` is vLLM's v3 form, `[prefix@]embedding@model:M@revision:R@encoder:E@dtype:D@protocol:v3`;
+by default this service's own (E: a hash of its model and preprocessing), or, with
+--mooncake-namespace, the one a vLLM deployment computes, to share entries with it.
+
+The value is written before its companion, and a lookup needs both: a companion is never there
+without its value. The companion is read, not only checked (existence answers can be stale after a
+host is lost): a lookup whose read fails is a miss, and the image is encoded again. Both objects are
+put into this host's segment when it has one, so a lost host loses both together.
+
+Minimum residency: each put is soft-pinned for --store-min-residency-s, and a hit's existence check
+takes a lease for the master's --default_kv_lease_ttl; run the master with a lease TTL of at least the
+minimum residency (docs/multihost.md), so an entry /encode answered stays until a consumer has read it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+from service.errors import StoreFull, StoreUnavailable, Unavailable
+from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, tensor_bytes, validate_key
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x4D4F4F4E
+HEADER = struct.Struct("<IIQQ")  # magic, dtype code, num_tokens, hidden
+DTYPE_CODES = {"float32": 0, "float16": 11, "bfloat16": 12}  # vLLM 0.33's codes
+# Mooncake's error codes met here (its ErrorCode enum): a missing object, a held lease, no space.
+OBJECT_NOT_FOUND = -704
+NO_SPACE = (-200, -201, -202)  # NO_AVAILABLE_HANDLE and the allocation failures
+REFORM_S = 60.0  # after the master was seen down, "no room" means its hosts have not registered again yet
+TRANSFER_FAIL = -800  # a transfer to or from a peer's segment failed (e.g. that host is lost)
+
+
+def default_namespace(model_id: str, dtype: str, salt: str) -> str:
+    """This service's own namespace in vLLM's v3 form: entries of another model, preprocessing or dtype
+    never share a key with these."""
+    import hashlib
+
+    encoder = hashlib.sha256(salt.encode()).hexdigest()[:16]
+    return f"embedding@model:{model_id}@revision:default@encoder:{encoder}@dtype:torch.{dtype}@protocol:v3"
+
+
+def value_key(namespace: str, key: str) -> str:
+    return f"{namespace}@id:{key}"
+
+
+def meta_key(namespace: str, key: str) -> str:
+    return f"{namespace}@meta:{key}"
+
+
+def connect(options: MooncakeOptions):
+    """A set-up Mooncake client, or Unavailable saying why not."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise Unavailable(f"Mooncake's client is not installed here ({e}): pip install "
+                          "'qwen3vl-encoder-service[mooncake]' (and Debian's libibverbs1 ibverbs-providers)") from None
+    # NOTE: Mooncake's transfer engine takes the address it advertises to peers from this variable, read
+    # when the client is set up (no parameter carries it); unset, it advertises the first non-loopback
+    # interface, whatever --mooncake-local-host says.
+    os.environ["MC_TCP_BIND_ADDRESS"] = options.local_host
+    client = MooncakeDistributedStore()
+    rc = client.setup(options.local_host, "P2PHANDSHAKE", options.segment_bytes, options.buffer_bytes,
+                      options.protocol, "", options.master)
+    if rc != 0:
+        raise Unavailable(f"cannot join the Mooncake pool at {options.master} (setup returned {rc}): is "
+                          "mooncake_master running there, and is --mooncake-local-host this host's address?",
+                          retry_after_s=5)
+    return client
+
+
+def _replicate_config(pin_s: float, segment: str | None):
+    """How every put of an engine is placed: one replica, soft-pinned for `pin_s`, in `segment` (this
+    host's, where it has one: value and companion are then lost, or kept, together)."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    cfg = ReplicateConfig()
+    cfg.replica_num = 1
+    if pin_s > 0:  # the minimum residency (see the module docstring)
+        cfg.soft_pin_action = SoftPinAction.ENABLE
+        cfg.soft_pin_ttl_ms = int(pin_s * 1000)
+    if segment is not None:
+        cfg.preferred_segment = segment  # (a segment is named by its client's host:port)
+    return cfg
+
+
+@dataclass
+class MooncakePending:
+    """A put in progress (MooncakeStore.reserve): what commit writes."""
+
+    key: str
+    shape: tuple[int, int]
+    dtype: str
+    grid: tuple[int, int, int]
+    content_sha256: str | None
+
+
+class MooncakeStore:
+    """The engine's store in Mooncake: directory.EmbeddingStore's interface (lookup, reserve, commit,
+    abort), with the values in vLLM's layout. Thread-safe (the writer's threads put in parallel; the
+    client is Mooncake's, which is)."""
+
+    remote = True  # a lookup is an RPC to the master: the engine host asks off its thread (engine/lookups.py)
+
+    def __init__(self, url: str, options: MooncakeOptions, *, model_id: str, out_hidden_size: int,
+                 deepstack_levels: int, dtype: str, min_residency_s: float, salt: str):
+        self.root = url  # what /ready names as the store
+        self.options = options
+        self.model_id, self.out_hidden_size, self.deepstack_levels, self.dtype = (
+            model_id, out_hidden_size, deepstack_levels, dtype)
+        self.namespace = options.namespace or default_namespace(model_id, dtype, salt)
+        self.min_residency_s = min_residency_s
+        self.client = connect(options)
+        self._config = _replicate_config(min_residency_s,
+                                         self.client.get_hostname() if options.segment_bytes > 0 else None)
+        self._lock = threading.Lock()
+        self._written = 0  # entries this engine put since it started (the pool's own count is the master's)
+        self._bytes = 0
+        self.evictions = 0  # the master evicts; this engine does not see it
+        self._outage_at = float("-inf")  # when the master last did not answer (see _failed)
+
+    # ---- what the engine's metrics and health read -------------------------------------------------
+    @property
+    def bytes_used(self) -> int:
+        """Bytes this engine has put since it started (the pool holds others' too, and evicts)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return self._written
+
+    @property
+    def unwritable(self) -> str | None:
+        """Why the pool cannot take writes now (its master unreachable), or None. Asked of the master
+        each time (a failing call answers at once). A put that fails for another reason (a peer host
+        lost) answers its own request 503; the next put may land elsewhere."""
+        probe = self.client.is_exist(f"{self.namespace}@probe")
+        if probe < 0:
+            self._outage_at = time.monotonic()
+            return f"the Mooncake master at {self.options.master} does not answer (error {probe})"
+        return None
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ---- lookups --------------------------------------------------------------------------------------
+    def lookup(self, key: str) -> StoredItem | None:
+        return self.lookup_many([key])[0]
+
+    def lookup_many(self, keys: list[str]) -> list[StoredItem | None]:
+        """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
+        a lost host, an evicted entry: None, and the image is encoded again). One batch_is_exist for all
+        the keys (most lookups are misses: one round trip to the master); a hit's companion and its value's
+        lease cost two more. StoreUnavailable if the master does not answer."""
+        for key in keys:
+            validate_key(key)
+        here = self.client.batch_is_exist([meta_key(self.namespace, key) for key in keys])
+        if len(here) != len(keys) or any(h < 0 for h in here):
+            # the master does not answer: neither a hit nor a miss (a miss would be encoded for nothing)
+            self._outage_at = time.monotonic()
+            rc = min(here, default=-1)
+            raise StoreUnavailable(f"the Mooncake master at {self.options.master} does not answer (error {rc}); "
+                                   "retry shortly")
+        return [self._hit(key) if h == 1 else None for key, h in zip(keys, here, strict=True)]
+
+    def _hit(self, key: str) -> StoredItem | None:
+        meta = self._meta(key)
+        if meta is None:
+            return None
+        vkey = value_key(self.namespace, key)
+        if self.client.is_exist(vkey) != 1:  # (also takes the lease that keeps it while it is read)
+            return None
+        return StoredItem(key=key, path=None, store_key=vkey, num_tokens=meta["num_tokens"],
+                          grid_thw=tuple(meta["grid_thw"]), shape=(meta["num_tokens"], meta["width"]),
+                          dtype=meta["dtype"], nbytes=HEADER.size + meta["nbytes"],
+                          content_sha256=meta.get("content_sha256"))
+
+    def _meta(self, key: str) -> dict | None:
+        raw = self.client.get(meta_key(self.namespace, key))
+        if not raw:
+            # NOTE: it exists (lookup asked) but cannot be read: its host is lost, and existence answers stay
+            # stale until the master's client TTL. Removed now (force: past the lease lookup took), so that
+            # the re-encode's put is a fresh one, not an update in place in the lost segment, which fails
+            # after a second of retries.
+            self.client.remove(meta_key(self.namespace, key), True)
+            self.client.remove(value_key(self.namespace, key), True)
+            return None
+        try:
+            meta = json.loads(bytes(raw))
+        except ValueError:
+            return None
+        ours = (meta.get("format_version") == FORMAT_VERSION and meta.get("model") == self.model_id
+                and meta.get("out_hidden_size") == self.out_hidden_size
+                and meta.get("deepstack_levels") == self.deepstack_levels and meta.get("dtype") == self.dtype)
+        return meta if ours else None  # another model's entry under our namespace is no hit (cf. directory)
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
+                content_sha256: str | None = None) -> MooncakePending:
+        """The first half of a put (directory.EmbeddingStore's shape): checks only; Mooncake allocates in
+        the put itself."""
+        validate_key(key)
+        name = str(dtype).removeprefix("torch.")
+        n, width = shape
+        assert name == self.dtype and width == self.out_hidden_size * (1 + self.deepstack_levels), \
+            f"a {name} [{n}, {width}] entry for a {self.dtype} store of width {self.out_hidden_size}: this is a bug"
+        return MooncakePending(key, (n, width), name, tuple(int(g) for g in grid_thw), content_sha256)
+
+    def abort(self, pending: MooncakePending) -> None:
+        pass  # nothing was written
+
+    def commit(self, pending: MooncakePending, ec_cache: torch.Tensor) -> StoredItem:
+        """Put the value (header + the rows, read in place: no copy on this side), then its companion.
+        Raises StoreFull (the pool has no room) or Unavailable (the master or a peer is unreachable):
+        503 + Retry-After; nothing half-written is left as a hit."""
+        n, width = pending.shape
+        assert tuple(ec_cache.shape) == (n, width) and ec_cache.is_contiguous(), "rows do not match: this is a bug"
+        data = tensor_bytes(ec_cache)
+        vkey, mkey = value_key(self.namespace, pending.key), meta_key(self.namespace, pending.key)
+        header = HEADER.pack(MAGIC, DTYPE_CODES[pending.dtype], n, width)
+        meta = json.dumps({"format_version": FORMAT_VERSION, "model": self.model_id,
+                           "out_hidden_size": self.out_hidden_size, "deepstack_levels": self.deepstack_levels,
+                           "dtype": pending.dtype, "grid_thw": list(pending.grid), "num_tokens": n, "width": width,
+                           "nbytes": len(data), "content_sha256": pending.content_sha256}).encode()
+        # NOTE: upsert, not put: a put onto an existing key keeps the old object (a re-encode after a
+        # lost host, or an entry of another model under this key, must replace it).
+        rc = self._upsert(vkey, header, data)
+        if rc == 0:
+            rc = self._upsert(mkey, meta)
+            if rc != 0:
+                self.client.remove(vkey, True)  # (best effort) no value without its companion
+        if rc != 0:
+            self._failed(rc)
+        with self._lock:
+            self._written += 1
+            self._bytes += HEADER.size + len(data) + len(meta)
+        return StoredItem(key=pending.key, path=None, store_key=vkey, num_tokens=n, grid_thw=pending.grid,
+                          shape=(n, width), dtype=pending.dtype, nbytes=HEADER.size + len(data),
+                          content_sha256=pending.content_sha256)
+
+    def _upsert(self, key: str, *parts) -> int:
+        """Upsert `parts` as one object under `key`; Mooncake's return code.
+
+        NOTE: an upsert of a value of the same size onto a key whose replica lies in a lost host's segment
+        writes in place and fails with TRANSFER_FAIL, or OBJECT_NOT_FOUND when the master drops the lost
+        segment's objects meanwhile (measured on 0.3.13: re-encodes of a lost host's entries answered 503).
+        Lookups remove such entries first (_meta); for a key that no lookup saw, the stale object is
+        removed here (force: past any lease) and the put made once more."""
+        rc = self.client.upsert_parts(key, *parts, config=self._config)
+        if rc in (TRANSFER_FAIL, OBJECT_NOT_FOUND):
+            self.client.remove(key, True)
+            rc = self.client.upsert_parts(key, *parts, config=self._config)
+        return rc
+
+    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
+        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256),
+                           ec_cache)
+
+    def _failed(self, rc: int):
+        if rc in NO_SPACE and time.monotonic() - self._outage_at < REFORM_S:
+            # A master that came back knows no segment until the hosts register theirs again: no room
+            # then is a pool still forming, not a full one.
+            raise StoreUnavailable(f"the Mooncake pool is forming again after its master came back (error {rc}); "
+                                   "retry shortly")
+        if rc in NO_SPACE:
+            raise StoreFull(f"the Mooncake pool has no room for this entry now (error {rc}): its segments are full "
+                            "of pinned entries; retry shortly, or add segment space", retry_after_s=1)
+        raise StoreUnavailable(f"the Mooncake pool did not take the entry (error {rc}: its master or a peer "
+                               "unreachable?); retry shortly")
+
+
+class MooncakeReader:
+    """The consumer's side (store/reader.py): a client only (no segment of its own), reading by key in
+    `namespace`, or by an /encode item's whole `store_key` (which names its namespace)."""
+
+    def __init__(self, client, namespace: str | None):
+        self.client, self.namespace = client, namespace
+
+    @classmethod
+    def open(cls, url: str, *, namespace: str | None = None, local_host: str = "127.0.0.1", protocol: str = "tcp",
+             buffer_bytes: int = MOONCAKE_BUFFER_BYTES) -> MooncakeReader:
+        options = MooncakeOptions(master=parse_mooncake(url), local_host=local_host, segment_bytes=0,
+                                  buffer_bytes=buffer_bytes, protocol=protocol, namespace=namespace)
+        return cls(connect(options), namespace)
+
+    def _keys(self, key: str, store_key: str | None) -> tuple[str, str]:
+        """(value key, companion key) of `key`."""
+        if store_key is not None:
+            namespace, sep, named = store_key.rpartition("@id:")
+            if not sep or named != key:
+                raise ValueError(f"{store_key!r} is not the store key of {key!r}")
+        else:
+            namespace = self.namespace
+            assert namespace is not None, "a key without its store_key needs the reader's namespace: this is a bug"
+        return value_key(namespace, key), meta_key(namespace, key)
+
+    def exists(self, key: str, store_key: str | None = None) -> bool:
+        vkey, mkey = self._keys(key, store_key)
+        return bool(self.client.get(mkey)) and self.client.is_exist(vkey) == 1
+
+    def read(self, key: str, store_key: str | None = None) -> StoredEmbeddings:
+        import torch
+
+        from service.store.format import StoreFormatError
+
+        vkey, mkey = self._keys(key, store_key)
+        raw_meta = self.client.get(mkey)
+        # NOTE: get_buffer, not get: the value lands in the client's buffer and is copied out once, into
+        # the tensor (get returns a bytes object, which parsing would copy again: 787 -> 557 MB/s here).
+        handle = self.client.get_buffer(vkey) if raw_meta else None
+        if handle is None:
+            raise KeyError(key)
+        meta = json.loads(bytes(raw_meta))
+        ec_cache = parse_value(memoryview((ctypes.c_ubyte * handle.size()).from_address(handle.ptr())).cast("B"))
+        del handle  # (the client's buffer is released with it)
+        hidden = meta["out_hidden_size"]
+        if ec_cache.shape[1] != hidden * (1 + meta["deepstack_levels"]):
+            raise StoreFormatError(f"{key}: a [{ec_cache.shape[0]}, {ec_cache.shape[1]}] value for "
+                                   f"{meta['deepstack_levels']} deepstack levels of width {hidden}")
+        parts = list(torch.split(ec_cache, hidden, dim=1))
+        return StoredEmbeddings(main=parts[0], deepstack=parts[1:], grid_thw=tuple(meta["grid_thw"]),
+                                metadata={k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()})
+
+    def read_ec_cache(self, key: str, store_key: str | None = None) -> torch.Tensor:
+        """The value's whole [num_tokens, hidden] tensor as vLLM reads it (the value alone: its header says
+        dtype and shape; the companion is what `exists` checked). KeyError if it is not in the pool."""
+        value = self.client.get(self._keys(key, store_key)[0])
+        if not value:
+            raise KeyError(key)
+        return parse_value(value)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def parse_value(value) -> torch.Tensor:
+    """A value in vLLM 0.33's layout (bytes or a memoryview) -> the [num_tokens, hidden] tensor, a copy this
+    process owns, as vLLM parses it: the header's magic, dtype code and sizes checked against the bytes."""
+    import torch
+
+    from service.store.format import StoreFormatError
+
+    buf = memoryview(value).cast("B")
+    if len(buf) < HEADER.size:
+        raise StoreFormatError(f"a Mooncake value of {len(buf)} bytes has no header")
+    magic, code, n, hidden = HEADER.unpack_from(buf)
+    dtypes = {c: getattr(torch, name) for name, c in DTYPE_CODES.items()}
+    if magic != MAGIC or code not in dtypes:
+        raise StoreFormatError(f"not an embedding value (magic {magic:#x}, dtype code {code})")
+    dtype = dtypes[code]
+    if len(buf) != HEADER.size + n * hidden * dtype.itemsize:
+        raise StoreFormatError(f"a value of {len(buf)} bytes for [{n}, {hidden}] {dtype}")
+    out = torch.empty((n, hidden), dtype=dtype)
+    if n * hidden:
+        out.view(torch.uint8).view(-1).numpy()[:] = buf[HEADER.size:]  # the one copy
+    return out

@@ -1,0 +1,149 @@
+"""Mooncake Store as the embedding store (service/store/mooncake.py), against a real mooncake_master on
+loopback: the value is vLLM 0.33's layout, read back with Mooncake's own client and parsed as vLLM
+parses it, bit for bit the directory backend's tensor; a lookup needs the whole entry of this model;
+a stopped master is a clear 503 and the store serves again when it returns."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import time
+
+import pytest
+import torch
+
+from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+from service.errors import StoreUnavailable
+from service.store.directory import EmbeddingStore
+from service.store.format import read_embeddings
+from service.store.mooncake import MooncakeStore, connect, meta_key, value_key
+from service.store.reader import open_reader
+from tests.mooncake_pool import LOOPBACK, Master
+from tests.netns import proc_listeners
+
+OUT_HIDDEN, LEVELS = 8, 3
+WIDTH = OUT_HIDDEN * (1 + LEVELS)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory, mooncake_master_binary):
+    # A lease of 30 s: entries here are read long after they were written.
+    m = Master(mooncake_master_binary, LOOPBACK, tmp_path_factory.mktemp("mooncake") / "master.log", lease_ttl_ms=30_000)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _options(master: Master, segment: int = 64 << 20, namespace: str | None = None) -> MooncakeOptions:
+    return MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1", segment_bytes=segment,
+                           buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=namespace)
+
+
+def _store(master: Master, model: str = "m", dtype: str = "bfloat16", **kw) -> MooncakeStore:
+    return MooncakeStore(master.url, _options(master, **kw), model_id=model, out_hidden_size=OUT_HIDDEN,
+                         deepstack_levels=LEVELS, dtype=dtype, min_residency_s=30.0, salt=f"{model}|params|{dtype}")
+
+
+def _vllm_parse(value: bytes, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.33's reading of a Mooncake embedding value, written out: its header, its dtype code, its
+    shape, then Qwen3-VL's split of [H | H*L] into the main embeddings and the deepstack taps."""
+    magic, code, n, width = struct.unpack_from("<IIQQ", value)
+    assert magic == 0x4D4F4F4E
+    dtype = {0: torch.float32, 11: torch.float16, 12: torch.bfloat16}[code]
+    tensor = torch.frombuffer(bytearray(value[24:]), dtype=dtype).view(n, width)
+    main, deep = tensor.split([hidden, width - hidden], dim=-1)
+    return main, deep.reshape(n, width // hidden - 1, hidden)  # (T, L, H), taps in layer order
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_value_is_vllms_layout_and_equals_the_directory_entry_bit_for_bit(master, tmp_path, dtype):
+    torch.manual_seed(0)
+    ec = torch.randn(37, WIDTH).to(getattr(torch, dtype))  # a 1x74x2 grid's tokens... any shape will do
+    pooled = _store(master, model=f"layout-{dtype}", dtype=dtype)
+    directory = EmbeddingStore(tmp_path / "dir", 1 << 30, f"layout-{dtype}", out_hidden_size=OUT_HIDDEN,
+                               deepstack_levels=LEVELS, dtype=dtype)
+    item = pooled.put("img-1", ec, (1, 2, 74), content_sha256="ab" * 32)
+    directory.put("img-1", ec, (1, 2, 74), content_sha256="ab" * 32)
+    assert item.path is None and item.store_key == value_key(pooled.namespace, "img-1")
+    assert item.store_key.startswith("embedding@model:layout-") and "@protocol:v3@id:img-1" in item.store_key
+
+    other = connect(_options(master, segment=0))  # Mooncake's own client, another one than the writer's
+    value = bytes(other.get(item.store_key))
+    assert len(value) == 24 + ec.numel() * ec.element_size()
+    assert struct.unpack_from("<IIQQ", value) == (0x4D4F4F4E, {"bfloat16": 12, "float32": 0}[dtype], 37, WIDTH)
+    main, deep = _vllm_parse(value, OUT_HIDDEN)
+    file = read_embeddings(tmp_path / "dir", "img-1")
+    expected = torch.cat([file.main, *file.deepstack], dim=1)
+    # Bit for bit: the same bytes as the directory's safetensors tensor.
+    assert bytes(value[24:]) == expected.contiguous().view(torch.uint8).numpy().tobytes()
+    assert torch.equal(main, file.main) and all(torch.equal(deep[:, i], file.deepstack[i]) for i in range(LEVELS))
+    meta = json.loads(bytes(other.get(meta_key(pooled.namespace, "img-1"))))
+    assert meta["grid_thw"] == [1, 2, 74] and meta["content_sha256"] == "ab" * 32 and meta["model"] == f"layout-{dtype}"
+    # And this project's reader, by the answer's store_key alone, gives the directory reader's embeddings.
+    read = open_reader(master.url).read("img-1", item.store_key)
+    assert read.grid_thw == (1, 2, 74) and torch.equal(read.main, file.main)
+    assert all(torch.equal(a, b) for a, b in zip(read.deepstack, file.deepstack))
+    other.close()
+
+
+def test_a_lookup_finds_only_a_whole_entry_of_this_model(master):
+    writer = _store(master, model="m1", namespace="embedding@model:shared@protocol:v3")
+    ec = torch.randn(4, WIDTH).to(torch.bfloat16)
+    writer.put("k", ec, (1, 4, 4), content_sha256="cd" * 32)
+    found = writer.lookup("k")
+    assert found is not None and found.content_sha256 == "cd" * 32 and found.shape == (4, WIDTH)
+    assert found.store_key == "embedding@model:shared@protocol:v3@id:k"
+    # Another model writing under the same namespace sees no hit (its embeddings would be another's).
+    assert _store(master, model="m2", namespace="embedding@model:shared@protocol:v3").lookup("k") is None
+    assert writer.lookup("never-written") is None
+    # A value whose companion is gone (a lost half) is no hit either.
+    writer.client.remove(meta_key(writer.namespace, "k"), True)
+    assert writer.lookup("k") is None
+    # A re-put replaces it whole (an upsert: a put onto an existing key would keep the old value).
+    writer.put("k", ec * 2, (1, 4, 4), content_sha256="ef" * 32)
+    again = writer.lookup("k")
+    assert again is not None and again.content_sha256 == "ef" * 32
+    assert torch.equal(open_reader(master.url, namespace=writer.namespace).read("k").main, (ec * 2)[:, :OUT_HIDDEN])
+
+
+def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_it_returns(master):
+    store = _store(master, model="m-outage")
+    ec = torch.randn(2, WIDTH).to(torch.bfloat16)
+    store.put("before", ec, (1, 2, 4))
+    assert store.unwritable is None
+    master.stop()
+    try:
+        assert "does not answer" in store.unwritable and master.url.removeprefix("mooncake://") in store.unwritable
+        with pytest.raises(StoreUnavailable) as e:
+            store.lookup("before")  # neither hit nor miss: a miss would be encoded for nothing
+        assert e.value.retry_after_s == 1 and e.value.code == "store_unavailable"
+        with pytest.raises(StoreUnavailable, match="did not take the entry"):
+            store.put("during", ec, (1, 2, 4))
+    finally:
+        master.start()
+    deadline = time.monotonic() + 30
+    while store.unwritable is not None:  # the master answers again
+        assert time.monotonic() < deadline, store.unwritable
+        time.sleep(0.2)
+    while True:  # and the hosts' segments register with it again (a moment): until then a put is a 503
+        try:
+            item = store.put("after", ec, (1, 2, 4))
+            break
+        except StoreUnavailable as e:  # (not StoreFull: a pool without segments yet is not a full one)
+            assert time.monotonic() < deadline, e
+            time.sleep(0.5)
+    assert store.lookup("after") == item
+    assert store.lookup("before") is None  # the old master's metadata went with it: a miss, encoded again
+
+
+@pytest.mark.parametrize("reader", ["ss", "proc"])
+def test_the_master_listens_on_loopback_only(master, reader):
+    # (read by `ss`, and from /proc as on a machine without iproute2: the two must agree)
+    if reader == "ss" and shutil.which("ss") is None:
+        pytest.skip("no `ss` on this machine (iproute2): the /proc reading checks it")
+    listening = LOOPBACK.listening() if reader == "ss" else proc_listeners()
+    mine = [s for s in listening if "mooncake_master" in s.processes]
+    assert mine and all(s.address == "127.0.0.1" for s in mine), mine
+    assert master.port in {s.port for s in mine}
