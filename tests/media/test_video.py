@@ -112,3 +112,42 @@ def test_a_truncated_file_and_a_decode_past_its_deadline_are_clear_errors():
     assert http_status(e.value) == 422 and ("ends after" in e.value.message or "cannot" in e.value.message)
     with pytest.raises(VideoTooLong, match="decoding the video took over 0 s"):
         decode_frames(blob, header, [0, 23], VideoLimits(max_decode_s=0))
+
+
+def _transformers_video_module():
+    """transformers' Qwen3-VL video processing module, imported whole (its class attribute goes through
+    transformers' lazy loader, which refuses it without torchvision; the module's functions need none)."""
+    import importlib
+
+    return importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+
+
+@pytest.mark.parametrize("sampling", [VideoSampling(), VideoSampling(fps=1.0, min_frames=2, max_frames=32),
+                                      VideoSampling(fps=4.0, min_frames=8, max_frames=64)])
+def test_sampling_equals_transformers_sample_frames(sampling):
+    import types
+
+    from transformers.video_utils import VideoMetadata
+
+    cls = _transformers_video_module().Qwen3VLVideoProcessor
+    self = types.SimpleNamespace(fps=sampling.fps, min_frames=sampling.min_frames, max_frames=sampling.max_frames)
+    for total, fps in [(24, 8.0), (5, 30.0), (2, 24.0), (300, 30.0), (901, 29.97), (7200, 24.0), (61, 25.0),
+                       (1000, 59.94), (17, 1.0)]:
+        theirs = cls.sample_frames(self, VideoMetadata(total_num_frames=total, fps=fps)).tolist()
+        assert sample_indices(total, fps, sampling) == theirs, (total, fps)
+
+
+def test_the_clip_size_equals_transformers_smart_resize():
+    smart_resize = _transformers_video_module().smart_resize
+    limits = [(128 * 32 * 32, 32 * 32 * 768), (32 * 32, 32 * 32 * 64), (16 * 16 * 4, 16 * 16 * 2 * 1024)]
+    rng = np.random.default_rng(0)
+    shapes = [(16, 480, 640), (4, 64, 64), (2, 10, 40), (768, 1080, 1920), (30, 2160, 3840), (3, 33, 1000)]
+    shapes += [(int(t), int(h), int(w)) for t, h, w in zip(rng.integers(2, 200, 40), rng.integers(8, 2200, 40),
+                                                            rng.integers(8, 4000, 40))]
+    for factor in (28, 32):
+        for lo, hi in limits:
+            for t, h, w in shapes:
+                if max(h, w) / min(h, w) > 200:
+                    continue  # (refused before: the aspect check)
+                theirs = smart_resize(t, h, w, temporal_factor=2, factor=factor, min_pixels=lo, max_pixels=hi)
+                assert video_size(t, h, w, factor=factor, min_pixels=lo, max_pixels=hi) == tuple(theirs), (t, h, w)
