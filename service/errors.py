@@ -7,6 +7,7 @@ answers are built.
      │   │  RequestTooLarge, RequestTimeout
      │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
      │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
+     │   ├─ VideoError: NotAVideo, UnsupportedCodec, CorruptVideo, TruncatedVideo, VideoTooLarge, VideoTooLong
      │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, StoreUnavailable, EngineMismatch
      │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424): the LM side's
      │   └─ Relayed: another service's answer passed on with its own status
@@ -130,6 +131,45 @@ class ImageFetchError(ImageError):
     code = "image_fetch_failed"
 
 
+# ---- a video could not be used (422 / 413 / 415) ---------------------------------------------------
+class VideoError(ServiceError):
+    """Base for every per-video problem."""
+
+    code = "invalid_video"
+
+
+class NotAVideo(VideoError):
+    """Not a container PyAV opens, or one without a video stream."""
+
+    code = "not_a_video"
+
+
+class UnsupportedCodec(VideoError):
+    code = "unsupported_codec"
+
+
+class CorruptVideo(VideoError):
+    code = "corrupt_video"
+
+
+class TruncatedVideo(VideoError):
+    """Fewer frames decode than the container's header promised for the sampled ones."""
+
+    code = "truncated_video"
+
+
+class VideoTooLarge(VideoError):
+    """Encoded bytes, frame size or the sampled clip's pixels over the configured limit."""
+
+    code = "video_too_large"
+
+
+class VideoTooLong(VideoError):
+    """Duration, frame count or decode time over the configured limit."""
+
+    code = "video_too_long"
+
+
 # ---- the service cannot take the work now (429 / 503) ---------------------------------------------
 class Overloaded(ServiceError):
     code = "overloaded"
@@ -219,6 +259,10 @@ class StoreOwnershipError(StartupError):
 # subclasses come before their bases.
 HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (ImageTooLarge, 413),
+    (VideoTooLarge, 413),
+    (VideoTooLong, 413),
+    (UnsupportedCodec, 415),
+    (VideoError, 422),
     (RequestTooLarge, 413),
     (RequestTimeout, 408),
     (UnsupportedFormat, 415),

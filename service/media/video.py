@@ -1,0 +1,165 @@
+"""Video input (issue 22), the decoding half: a container's header read before any frame is decoded, the
+frames Qwen3-VL's video processor samples, and only those decoded and kept.
+
+    read_header(data, limits)            -> VideoHeader   codec, size, frame rate, frames, duration; every
+                                                          limit that the header can tell is checked here
+    sample_indices(frames, fps, sampling) -> list[int]    transformers' Qwen3VLVideoProcessor.sample_frames
+    decode_frames(data, header, indices, limits) -> uint8 [n, H, W, 3], decoded in order, the others dropped
+    video_size(frames, h, w, params)     -> (h, w)        transformers' video smart_resize (the whole clip's
+                                                          pixels bounded, not one frame's)
+
+PyAV (FFmpeg inside its wheel) decodes on the CPU; nothing here needs torch or torchvision. Every failure
+is a VideoError (service/errors.py): a 4xx that says what was wrong, never a hang (a decode deadline) or
+a 500. Memory stays bounded: frames are sampled while decoding, never all held.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
+
+# The decoders PyAV's wheel carries that we accept: what browsers and phones record, and what vLLM's
+# video loaders are tested on. Anything else is UnsupportedCodec (415), named.
+CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoLimits:
+    max_bytes: int = 256 * 1024**2  # the encoded file
+    max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
+    max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
+    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
+    max_decode_s: float = 60.0  # wall time of one video's decode
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoSampling:
+    """A checkpoint's video_preprocessor_config.json: how frames are sampled (transformers' defaults)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    temporal_patch_size: int = 2
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    codec: str
+    width: int
+    height: int
+    fps: float  # the stream's average frame rate
+    frames: int  # frames in the stream (the header's count, else duration x fps)
+    duration_s: float
+
+
+def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
+    """The first video stream's header, checked against `limits` before any frame is decoded."""
+    import av  # (PyAV: only the processes that decode video import it)
+
+    if len(data) > limits.max_bytes:
+        raise VideoTooLarge(f"video is {len(data)} bytes; the limit is {limits.max_bytes}")
+    if not data:
+        raise NotAVideo("the video is empty (0 bytes)")
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if container.format.name.endswith("_pipe") or container.format.name == "image2":
+                raise NotAVideo(f"this is a still image ({container.format.name}), not a video: send it as an image")
+            streams = container.streams.video
+            if not streams:
+                raise NotAVideo("the file has no video stream" + (" (only audio)" if container.streams.audio else ""))
+            s = streams[0]
+            codec = s.codec_context.name if s.codec_context is not None else "unknown"
+            width, height = s.codec_context.width, s.codec_context.height
+            rate = float(s.average_rate or s.guessed_rate or 0)
+            duration = (float(s.duration * s.time_base) if s.duration is not None and s.time_base is not None
+                        else float(container.duration) / av.time_base if container.duration else 0.0)
+            frames = int(s.frames) if s.frames else int(round(duration * rate))
+    except av.error.InvalidDataError as e:
+        raise NotAVideo(f"not a video container PyAV can open ({e.strerror or e})") from None
+    except av.error.FFmpegError as e:
+        raise CorruptVideo(f"the video's header cannot be read ({e.strerror or e})") from None
+    if codec not in CODECS:
+        raise UnsupportedCodec(f"video codec {codec!r} is not supported; use one of {', '.join(sorted(CODECS))}")
+    if width <= 0 or height <= 0 or rate <= 0 or frames <= 0:
+        raise CorruptVideo(f"the video's header gives no usable size, frame rate or length "
+                           f"({width}x{height}, {rate:g} fps, {frames} frames)")
+    if width * height > limits.max_frame_pixels:
+        raise VideoTooLarge(f"video frames are {width}x{height} ({width * height} pixels); the limit is "
+                            f"{limits.max_frame_pixels} pixels a frame")
+    if duration > limits.max_duration_s:
+        raise VideoTooLong(f"video is {duration:.1f} s long; the limit is {limits.max_duration_s:g} s")
+    if frames > limits.max_frames:
+        raise VideoTooLong(f"video has {frames} frames; the limit is {limits.max_frames}")
+    return VideoHeader(codec=codec, width=width, height=height, fps=rate, frames=frames, duration_s=duration)
+
+
+def sample_indices(total_frames: int, video_fps: float, sampling: VideoSampling) -> list[int]:
+    """The frame indices transformers' Qwen3VLVideoProcessor.sample_frames picks (its `fps` mode):
+    num = clamp(int(total / video_fps * fps), min_frames, max_frames, total), spread uniformly over
+    [0, total - 1] and rounded (numpy's round: half to even)."""
+    num = int(total_frames / video_fps * sampling.fps)
+    num = min(max(num, sampling.min_frames), sampling.max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, num).round().astype(int).tolist()
+
+
+def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: VideoLimits) -> np.ndarray:
+    """The frames at `indices` (ascending) as RGB uint8 [n, H, W, 3], decoded in order and each other
+    frame dropped as soon as it is decoded. TruncatedVideo when the stream ends before the last index
+    (a header that promised more frames than there are); VideoTooLong past the decode deadline."""
+    import av
+
+    want = sorted(set(indices))
+    assert want == list(indices), "indices must be ascending and distinct: this is a bug"
+    out = np.empty((len(want), header.height, header.width, 3), np.uint8)
+    deadline = time.monotonic() + limits.max_decode_s
+    got, i = 0, 0
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for frame in container.decode(stream):
+                if time.monotonic() > deadline:
+                    raise VideoTooLong(f"decoding the video took over {limits.max_decode_s:g} s; send a shorter "
+                                       "or smaller one")
+                if got < len(want) and i == want[got]:
+                    if (frame.width, frame.height) != (header.width, header.height):
+                        raise CorruptVideo(f"frame {i} is {frame.width}x{frame.height}; the header said "
+                                           f"{header.width}x{header.height} (a size change mid-stream is not supported)")
+                    out[got] = frame.to_ndarray(format="rgb24")
+                    got += 1
+                    if got == len(want):
+                        break
+                i += 1
+    except av.error.FFmpegError as e:
+        raise CorruptVideo(f"the video cannot be decoded at frame {i} ({e.strerror or e})") from None
+    if got < len(want):
+        raise TruncatedVideo(f"the video ends after {i} frames; its header promised {header.frames}")
+    return out
+
+
+def video_size(num_frames: int, height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int,
+               temporal_factor: int = 2) -> tuple[int, int]:
+    """transformers' video smart_resize (video_processing_qwen3_vl.py): the frames' (height, width) at
+    multiples of `factor` (patch x merge), the whole clip's pixels (frames rounded to `temporal_factor`)
+    within [min_pixels, max_pixels]. The caller has checked the aspect ratio and frame count."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
