@@ -41,7 +41,7 @@ def clip(codec: str = "libx264", container: str = "mp4", *, frames: int = 24, fp
     with av.open(buf, mode="w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height = width, height
-        stream.pix_fmt = "yuv420p" if codec not in ("ffv1", "png") else ("rgb24" if codec == "png" else "yuv444p")
+        stream.pix_fmt = "yuv444p" if codec == "ffv1" else "yuv420p"
         stream.time_base = Fraction(1, fps)
         if codec == "libx264":
             stream.options = {"preset": "ultrafast", "crf": "18"}

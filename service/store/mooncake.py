@@ -179,8 +179,8 @@ class MooncakeStore:
     def lookup_many(self, keys: list[str]) -> list[StoredItem | None]:
         """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
         a lost host, an evicted entry: None, and the image is encoded again). One batch_is_exist for all
-        the keys (most lookups are misses: one round trip to the master); a hit's companion and its value's
-        lease cost two more. StoreUnavailable if the master does not answer."""
+        the keys (most lookups are misses: one round trip to the master); a hit's companion and a read of
+        its value's header (_readable) cost two more. StoreUnavailable if the master does not answer."""
         for key in keys:
             validate_key(key)
         here = self.client.batch_is_exist([meta_key(self.namespace, key) for key in keys])

@@ -8,6 +8,7 @@ import queue
 import threading
 
 import numpy as np
+import pytest
 
 from service.engine.batcher import BatchLimits, Batcher
 from service.engine.host import EngineHost
@@ -144,8 +145,11 @@ def test_a_submit_with_geometry_its_pixels_or_the_model_contradict_is_refused_an
     assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0
 
 
-def _remote_host(store: _RemoteStore):
-    """A host on `store` whose posted answers wait in a queue until `settle(n)` runs n of them here."""
+@pytest.fixture
+def remote():
+    """(store, host, sent, conn, settle): a host on a _RemoteStore whose posted answers wait in a queue
+    until `settle(n)` runs n of them here; closed after the test."""
+    store = _RemoteStore()
     batcher = Batcher(BatchLimits(max_batch_tokens=100, max_batch_images=8, max_wait_s=0.01,
                                   max_queue_images=8, max_queue_tokens=500))
     host = EngineHost(_Engine(store, batcher), _Model(), Metrics())
@@ -157,88 +161,76 @@ def _remote_host(store: _RemoteStore):
         for _ in range(n):
             posted.get(timeout=10)()
 
-    return host, sent, conn, settle
+    yield store, host, sent, conn, settle
+    store.go.set()  # (a lookup a test left waiting returns, so the lookups' thread can stop)
+    host.batcher.close()
+    host.lookups.close()
 
 
-def test_a_remote_stores_lookups_run_off_the_hosts_thread_in_batches():
-    store = _RemoteStore()
-    host, sent, conn, settle = _remote_host(store)
+def test_a_remote_stores_lookups_run_off_the_hosts_thread_in_batches(remote):
+    store, host, sent, conn, settle = remote
     sha = "ab" * 32
-    try:
-        host.handle(conn, Claim(1, "a", sha, 4))  # returns at once: its lookup is out
-        assert store.entered.acquire(timeout=10) and sent == [] and conn.pending == {1}
-        for rid, key in [(2, "b"), (3, "c"), (4, "d")]:  # meanwhile: queued for the next batch
-            host.handle(conn, Claim(rid, key, sha, 4))
-        store.items["c"] = StoredItem(key="c", path=None, store_key="ns@id:c", num_tokens=4, grid_thw=(1, 4, 4),
-                                      shape=(4, 48), dtype="bfloat16", nbytes=408, content_sha256=sha)
-        store.go.set()
-        settle(4)
-        assert store.calls == [["a"], ["b", "c", "d"]]  # two round trips for four lookups
-        assert sent == [Grant(1), Grant(2), Hit(3, store.items["c"]), Grant(4)] and conn.pending == set()
-        assert host.batcher.reserved() == 3
-        # A submit looks its key up again the same way, then queues.
-        host.handle(conn, Submit(5, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8))
-        settle(1)
-        assert store.calls[-1] == ["a"] and sent[-1] == Queued(5, coalesced=False)
-    finally:
-        host.batcher.close()
-        host.lookups.close()
+    host.handle(conn, Claim(1, "a", sha, 4))  # returns at once: its lookup is out
+    assert store.entered.acquire(timeout=10) and sent == [] and conn.pending == {1}
+    for rid, key in [(2, "b"), (3, "c"), (4, "d")]:  # meanwhile: queued for the next batch
+        host.handle(conn, Claim(rid, key, sha, 4))
+    store.items["c"] = StoredItem(key="c", path=None, store_key="ns@id:c", num_tokens=4, grid_thw=(1, 4, 4),
+                                  shape=(4, 48), dtype="bfloat16", nbytes=408, content_sha256=sha)
+    store.go.set()
+    settle(4)
+    assert store.calls == [["a"], ["b", "c", "d"]]  # two round trips for four lookups
+    assert sent == [Grant(1), Grant(2), Hit(3, store.items["c"]), Grant(4)] and conn.pending == set()
+    assert host.batcher.reserved() == 3
+    # A submit looks its key up again the same way, then queues.
+    host.handle(conn, Submit(5, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8))
+    settle(1)
+    assert store.calls[-1] == ["a"] and sent[-1] == Queued(5, coalesced=False)
 
 
-def test_a_claim_or_submit_cancelled_or_disconnected_during_its_lookup_holds_nothing_after():
-    store = _RemoteStore()
-    host, sent, conn, settle = _remote_host(store)
+def test_a_claim_or_submit_cancelled_or_disconnected_during_its_lookup_holds_nothing_after(remote):
+    store, host, sent, conn, settle = remote
     sha = "cd" * 32
-    try:
-        store.go.set()
-        host.handle(conn, Claim(1, "a", sha, 4))
-        settle(1)
-        assert sent == [Grant(1)] and host.batcher.reserved() == 1
-        store.go.clear()
-        released = []
-        host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                    release=lambda: released.append(2))
-        host.handle(conn, Claim(3, "b", sha, 4))
-        host.handle(conn, Cancel(2))  # the request went away while its submit's lookup was out
-        host.handle(conn, Cancel(3))
-        store.go.set()
-        settle(2)
-        assert sent == [Grant(1)] and released == [2]  # no answer; the pixels given back
-        assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0 and conn.pending == set()
-        # The API process dies while a claim's and a submit's lookups are out.
-        host.handle(conn, Claim(4, "c", sha, 4))
-        settle(1)
-        store.go.clear()
-        host.handle(conn, Submit(5, 4, "c", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                    release=lambda: released.append(5))
-        host.handle(conn, Claim(6, "d", sha, 4))
-        host.disconnect(conn)
-        store.go.set()
-        settle(2)
-        assert sent == [Grant(1), Grant(4)] and released == [2, 5] and host.batcher.reserved() == 0
-    finally:
-        host.batcher.close()
-        host.lookups.close()
+    store.go.set()
+    host.handle(conn, Claim(1, "a", sha, 4))
+    settle(1)
+    assert sent == [Grant(1)] and host.batcher.reserved() == 1
+    store.go.clear()
+    released = []
+    host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
+                release=lambda: released.append(2))
+    host.handle(conn, Claim(3, "b", sha, 4))
+    host.handle(conn, Cancel(2))  # the request went away while its submit's lookup was out
+    host.handle(conn, Cancel(3))
+    store.go.set()
+    settle(2)
+    assert sent == [Grant(1)] and released == [2]  # no answer; the pixels given back
+    assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0 and conn.pending == set()
+    # The API process dies while a claim's and a submit's lookups are out.
+    host.handle(conn, Claim(4, "c", sha, 4))
+    settle(1)
+    store.go.clear()
+    host.handle(conn, Submit(5, 4, "c", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
+                release=lambda: released.append(5))
+    host.handle(conn, Claim(6, "d", sha, 4))
+    host.disconnect(conn)
+    store.go.set()
+    settle(2)
+    assert sent == [Grant(1), Grant(4)] and released == [2, 5] and host.batcher.reserved() == 0
 
 
-def test_a_remote_store_that_does_not_answer_fails_the_waiting_messages_with_503_and_gives_back_their_holds():
-    store = _RemoteStore()
-    host, sent, conn, settle = _remote_host(store)
+def test_a_remote_store_that_does_not_answer_fails_the_waiting_messages_with_503_and_gives_back_their_holds(remote):
+    store, host, sent, conn, settle = remote
     sha = "ef" * 32
-    try:
-        store.go.set()
-        host.handle(conn, Claim(1, "a", sha, 4))
-        settle(1)
-        store.down = True
-        released = []
-        host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                    release=lambda: released.append(2))
-        host.handle(conn, Claim(3, "b", sha, 4))
-        settle(2)
-        failed = sent[1:]
-        assert [f.id for f in failed] == [2, 3] and all(isinstance(f, Failed) for f in failed)
-        assert {f.code for f in failed} == {"store_unavailable"} and "does not answer" in failed[0].message
-        assert released == [2] and host.batcher.reserved() == 0 and conn.pending == set()
-    finally:
-        host.batcher.close()
-        host.lookups.close()
+    store.go.set()
+    host.handle(conn, Claim(1, "a", sha, 4))
+    settle(1)
+    store.down = True
+    released = []
+    host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
+                release=lambda: released.append(2))
+    host.handle(conn, Claim(3, "b", sha, 4))
+    settle(2)
+    failed = sent[1:]
+    assert [f.id for f in failed] == [2, 3] and all(isinstance(f, Failed) for f in failed)
+    assert {f.code for f in failed} == {"store_unavailable"} and "does not answer" in failed[0].message
+    assert released == [2] and host.batcher.reserved() == 0 and conn.pending == set()

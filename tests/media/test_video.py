@@ -5,6 +5,8 @@ they are the frames a full decode gives; every hostile file is its own clear 4xx
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -55,7 +57,7 @@ def test_the_sampled_frames_are_a_full_decodes_frames_and_show_the_pan(codec, co
     idx = sample_indices(header.frames, header.fps, VideoSampling())
     frames = decode_frames(blob, header, idx, VideoLimits())
     assert frames.shape == (6, 120, 160, 3) and frames.dtype == np.uint8
-    with av.open(__import__("io").BytesIO(blob)) as c:
+    with av.open(io.BytesIO(blob)) as c:
         every = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
     assert len(every) == 24
     for k, i in enumerate(idx):
