@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def main() -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "cpus": os.cpu_count(), "python": platform.python_version(), "entry_bytes": TOKENS * WIDTH * 2,
                  "entries_per_call": args.entries, "per_s": {}}
-    master = Master(_binary(), LOOPBACK, args.out / "master.log", lease_ttl_ms=1000)
+    master = Master(_binary(), LOOPBACK, Path(tempfile.mkdtemp(prefix="qve-probe-")) / "master.log", lease_ttl_ms=1000)
     try:
         options = MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1", segment_bytes=1 << 30,
                                   buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=None)
