@@ -55,11 +55,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--entries", type=int, default=16)
+    ap.add_argument("--switch-interval-s", type=float, default=None,
+                    help="sys.setswitchinterval for the run (Python's default: 0.005)")
     args = ap.parse_args()
+    if args.switch_interval_s is not None:
+        sys.setswitchinterval(args.switch_interval_s)
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "cpus": os.cpu_count(), "python": platform.python_version(), "entry_bytes": TOKENS * WIDTH * 2,
-                 "entries_per_call": args.entries, "per_s": {}}
+                 "entries_per_call": args.entries,
+                 "switch_interval_s": sys.getswitchinterval(), "per_s": {}}
     master = Master(_binary(), LOOPBACK, Path(tempfile.mkdtemp(prefix="qve-probe-")) / "master.log", lease_ttl_ms=1000)
     try:
         options = MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1", segment_bytes=1 << 30,

@@ -33,6 +33,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,9 @@ REFORM_S = 60.0  # after the master was seen down, "no room" means its hosts hav
 # Value headers read back per Mooncake call when hits are checked (_readable): a lookup batch is at most
 # a step's images; more go in several calls.
 PROBE_BATCH = 64
+# What written_lately remembers: an entry this client put, for WRITTEN_S or until WRITTEN_MAX newer ones.
+WRITTEN_S = 2.0
+WRITTEN_MAX = 4096
 
 
 def default_namespace(model_id: str, dtype: str, salt: str) -> str:
@@ -144,6 +148,7 @@ class MooncakeStore:
         self._bytes = 0
         self.evictions = 0  # the master evicts; this engine does not see it
         self._outage_at = float("-inf")  # when the master last did not answer (see _error)
+        self._recent: OrderedDict[str, tuple[float, StoredItem]] = OrderedDict()  # see written_lately
         # Where the hits' value headers land for _readable (Mooncake reads ranges only into registered
         # memory): PROBE_BATCH headers per call, allocated and registered once.
         self._probe = ctypes.create_string_buffer(HEADER.size * PROBE_BATCH)
@@ -211,6 +216,14 @@ class MooncakeStore:
         live = self._readable([value_key(self.namespace, key) for key in ours]) if ours else []
         found = {key: self._item(key, metas[key]) for key, ok in zip(ours, live, strict=True) if ok}
         return [found.get(key) for key in keys]
+
+    def written_lately(self, key: str) -> StoredItem | None:
+        """The entry this client put under `key` in the last WRITTEN_S, without asking the master: what
+        the engine host checks at a submit (an image stored since its claim's lookup missed; see
+        EngineHost._with_entry). Recorded in commit_many, before the writer answers anyone."""
+        with self._lock:
+            at, item = self._recent.get(key, (float("-inf"), None))
+        return item if time.monotonic() - at <= WRITTEN_S else None
 
     def _item(self, key: str, meta: dict) -> StoredItem:
         return StoredItem(key=key, path=None, store_key=value_key(self.namespace, key), num_tokens=meta["num_tokens"],
@@ -325,12 +338,17 @@ class MooncakeStore:
                 out.append(self._error(rv or rm))
                 continue
             rows, width = pending.shape
+            item = StoredItem(key=pending.key, path=None, store_key=keys[i], num_tokens=rows, grid_thw=pending.grid,
+                              shape=(rows, width), dtype=pending.dtype, nbytes=HEADER.size + shapes[i],
+                              content_sha256=pending.content_sha256)
             with self._lock:
                 self._written += 1
                 self._bytes += HEADER.size + shapes[i] + len(metas[i])
-            out.append(StoredItem(key=pending.key, path=None, store_key=keys[i], num_tokens=rows, grid_thw=pending.grid,
-                                  shape=(rows, width), dtype=pending.dtype, nbytes=HEADER.size + shapes[i],
-                                  content_sha256=pending.content_sha256))
+                self._recent[pending.key] = (time.monotonic(), item)
+                self._recent.move_to_end(pending.key)
+                while len(self._recent) > WRITTEN_MAX:
+                    self._recent.popitem(last=False)
+            out.append(item)
         return out
 
     def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:

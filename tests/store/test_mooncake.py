@@ -178,6 +178,8 @@ def test_a_step_goes_in_two_calls_replacing_old_values_and_an_entry_the_pool_ref
     for (key, t), item in zip(fresh, out):
         assert torch.equal(reader.read(key, item.store_key).main, t[:, :OUT_HIDDEN])  # the new value, not the old
     assert writer.lookup("s1").content_sha256 == "00" * 32
+    # What the engine host checks at a submit instead of a second round trip: this client's own puts.
+    assert writer.written_lately("s2") == out[1] and writer.written_lately("never") is None
 
     huge = torch.zeros((96 << 20) // (WIDTH * 2), WIDTH, dtype=torch.bfloat16)  # more than any segment holds
     mixed = [("s3", torch.randn(3, WIDTH).to(torch.bfloat16)), ("big", huge), ("s4", torch.randn(9, WIDTH).to(torch.bfloat16))]
@@ -185,3 +187,4 @@ def test_a_step_goes_in_two_calls_replacing_old_values_and_an_entry_the_pool_ref
     assert [type(o).__name__ for o in out] == ["StoredItem", "StoreFull", "StoredItem"], out
     # (Not read back: the master answers a failed allocation by evicting, from anyone's entries.)
     assert writer.lookup("big") is None and client.is_exist(meta_key(writer.namespace, "big")) == 0
+    assert writer.written_lately("big") is None and writer.written_lately("s4") == out[2]
