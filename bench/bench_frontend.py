@@ -67,9 +67,9 @@ def request_bytes(port: int, payload: bytes) -> bytes:
             b"Content-Length: %d\r\n\r\n" % (port, len(payload))) + payload
 
 
-async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float]]:
+async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float, dict]]:
     todo = list(reversed(requests))
-    out: list[tuple[int, float]] = []
+    out: list[tuple[int, float, dict]] = []
 
     async def conn():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -78,15 +78,26 @@ async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[i
             t0 = time.perf_counter()
             writer.write(req)
             status = int((await reader.readline()).split()[1])
-            length = 0
+            length, phases = 0, {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
+                elif line.lower().startswith(b"server-timing:"):  # where the server says the time went
+                    phases = _phases(line.split(b":", 1)[1].decode())
             await reader.readexactly(length)
-            out.append((status, time.perf_counter() - t0))
+            out.append((status, time.perf_counter() - t0, phases))
         writer.close()
 
     await asyncio.gather(*(conn() for _ in range(conc)))
+    return out
+
+
+def _phases(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[name] = float(dur)
     return out
 
 
@@ -110,14 +121,19 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
         p.join()
     wall = max(p[1] for p in parts) - min(p[0] for p in parts)
     res = [r for p in parts for r in p[2]]
-    ok = sorted(lat for st, lat in res if st == 200)
+    ok = sorted(lat for st, lat, _ in res if st == 200)
+    phases: dict[str, list[float]] = {}
+    for st, _, ph in res:
+        for k, v in ph.items():
+            phases.setdefault(k, []).append(v)
     codes: dict[str, int] = {}
-    for st, _ in res:
+    for st, _, _ in res:
         codes[str(st)] = codes.get(str(st), 0) + 1
     return {"requests": len(res), "images_per_request": images_per_request, "clients": clients, "connections": clients * conc,
             "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1), "status": codes,
             "p50_ms": round(1e3 * ok[len(ok) // 2], 2) if ok else None,
-            "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None}
+            "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None,
+            "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
 
 
 def step_counters(port: int) -> tuple[float, float]:
