@@ -136,6 +136,54 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
             "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
 
 
+def _tree(root: int) -> list[int]:
+    """root and every process below it (from /proc: each one's parent)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, pp in parent.items() if pp == pid]
+    return out
+
+
+def cpu_snapshot(roots: list[int]) -> dict[int, dict]:
+    """CPU seconds (user + system) of every process under `roots` and of each of its threads, by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    snap = {}
+    for pid in [p for r in roots for p in _tree(r)]:
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:90].strip()
+            threads = {}
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                head, tail = t.joinpath("stat").read_text().rsplit(")", 1)
+                f = tail.split()
+                threads[int(t.name)] = (head.split("(", 1)[1], (int(f[11]) + int(f[12])) / tick)
+        except (OSError, IndexError, ValueError):
+            continue
+        snap[pid] = {"name": name, "threads": threads}
+    return snap
+
+
+def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
+    """Each process's CPU seconds between two snapshots, and its busiest threads (name: seconds)."""
+    out = []
+    for pid, a in after.items():
+        b = before.get(pid, {"threads": {}})["threads"]
+        per = {tid: (comm, cpu - b.get(tid, (comm, 0.0))[1]) for tid, (comm, cpu) in a["threads"].items()}
+        total = sum(c for _, c in per.values())
+        busiest = sorted(per.values(), key=lambda x: -x[1])[:6]
+        out.append({"pid": pid, "name": a["name"], "cpu_s": round(total, 2), "threads": len(per),
+                    "busiest": [[comm, round(c, 2)] for comm, c in busiest if c >= 0.05]})
+    return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
+
+
 def step_counters(port: int) -> tuple[float, float]:
     """(steps, images in steps) from /metrics (the engine's histogram of images per step)."""
     import http.client
@@ -326,7 +374,10 @@ def main() -> int:
                 print(f"{name}: idle {r['idle']}", flush=True)
                 s0 = step_counters(port)
                 spies = profile(args, proc.pid, f"mode{mode}_x1")
+                roots = [proc.pid] + ([master.proc.pid] if master is not None else [])
+                c0 = cpu_snapshot(roots)
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
+                r["x1"]["cpu"] = cpu_used(c0, cpu_snapshot(roots))
                 summarize(spies)
                 s1 = step_counters(port)
                 r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)
