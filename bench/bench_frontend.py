@@ -67,9 +67,9 @@ def request_bytes(port: int, payload: bytes) -> bytes:
             b"Content-Length: %d\r\n\r\n" % (port, len(payload))) + payload
 
 
-async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float]]:
+async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float, dict]]:
     todo = list(reversed(requests))
-    out: list[tuple[int, float]] = []
+    out: list[tuple[int, float, dict]] = []
 
     async def conn():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -78,15 +78,26 @@ async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[i
             t0 = time.perf_counter()
             writer.write(req)
             status = int((await reader.readline()).split()[1])
-            length = 0
+            length, phases = 0, {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
+                elif line.lower().startswith(b"server-timing:"):  # where the server says the time went
+                    phases = _phases(line.split(b":", 1)[1].decode())
             await reader.readexactly(length)
-            out.append((status, time.perf_counter() - t0))
+            out.append((status, time.perf_counter() - t0, phases))
         writer.close()
 
     await asyncio.gather(*(conn() for _ in range(conc)))
+    return out
+
+
+def _phases(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[name] = float(dur)
     return out
 
 
@@ -110,14 +121,67 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
         p.join()
     wall = max(p[1] for p in parts) - min(p[0] for p in parts)
     res = [r for p in parts for r in p[2]]
-    ok = sorted(lat for st, lat in res if st == 200)
+    ok = sorted(lat for st, lat, _ in res if st == 200)
+    phases: dict[str, list[float]] = {}
+    for st, _, ph in res:
+        for k, v in ph.items():
+            phases.setdefault(k, []).append(v)
     codes: dict[str, int] = {}
-    for st, _ in res:
+    for st, _, _ in res:
         codes[str(st)] = codes.get(str(st), 0) + 1
     return {"requests": len(res), "images_per_request": images_per_request, "clients": clients, "connections": clients * conc,
             "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1), "status": codes,
             "p50_ms": round(1e3 * ok[len(ok) // 2], 2) if ok else None,
-            "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None}
+            "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None,
+            "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
+
+
+def _tree(root: int) -> list[int]:
+    """root and every process below it (from /proc: each one's parent)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, pp in parent.items() if pp == pid]
+    return out
+
+
+def cpu_snapshot(roots: list[int]) -> dict[int, dict]:
+    """CPU seconds (user + system) of every process under `roots` and of each of its threads, by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    snap = {}
+    for pid in [p for r in roots for p in _tree(r)]:
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:90].strip()
+            threads = {}
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                head, tail = t.joinpath("stat").read_text().rsplit(")", 1)
+                f = tail.split()
+                threads[int(t.name)] = (head.split("(", 1)[1], (int(f[11]) + int(f[12])) / tick)
+        except (OSError, IndexError, ValueError):
+            continue
+        snap[pid] = {"name": name, "threads": threads}
+    return snap
+
+
+def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
+    """Each process's CPU seconds between two snapshots, and its busiest threads (name: seconds)."""
+    out = []
+    for pid, a in after.items():
+        b = before.get(pid, {"threads": {}})["threads"]
+        per = {tid: (comm, cpu - b.get(tid, (comm, 0.0))[1]) for tid, (comm, cpu) in a["threads"].items()}
+        total = sum(c for _, c in per.values())
+        busiest = sorted(per.values(), key=lambda x: -x[1])[:6]
+        out.append({"pid": pid, "name": a["name"], "cpu_s": round(total, 2), "threads": len(per),
+                    "busiest": [[comm, round(c, 2)] for comm, c in busiest if c >= 0.05]})
+    return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
 
 
 def step_counters(port: int) -> tuple[float, float]:
@@ -310,7 +374,10 @@ def main() -> int:
                 print(f"{name}: idle {r['idle']}", flush=True)
                 s0 = step_counters(port)
                 spies = profile(args, proc.pid, f"mode{mode}_x1")
+                roots = [proc.pid] + ([master.proc.pid] if master is not None else [])
+                c0 = cpu_snapshot(roots)
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
+                r["x1"]["cpu"] = cpu_used(c0, cpu_snapshot(roots))
                 summarize(spies)
                 s1 = step_counters(port)
                 r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)

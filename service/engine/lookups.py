@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from service.store.format import StoredItem
@@ -30,6 +31,8 @@ class StoreLookups:
 
     def __init__(self, store, max_batch: int = 256):
         self.store, self.max_batch = store, max_batch
+        # What close() logs: how the round trips were shared (calls, keys, seconds inside lookup_many).
+        self.calls, self.keys, self.busy_s = 0, 0, 0.0
         self._queue: queue.SimpleQueue[tuple[str, Answer] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="store-lookups", daemon=True)
         self._thread.start()
@@ -41,6 +44,9 @@ class StoreLookups:
         """Answer what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout)
+        if self.calls:
+            log.info("store lookups: %d keys in %d calls (%.1f a call), %.2f s in the store (%.2f ms a call)",
+                     self.keys, self.calls, self.keys / self.calls, self.busy_s, 1e3 * self.busy_s / self.calls)
 
     def _run(self) -> None:
         stop = False
@@ -58,10 +64,12 @@ class StoreLookups:
                     stop = True
                     break
                 batch.append(nxt)
+            t0 = time.perf_counter()
             try:
                 found: list = self.store.lookup_many([key for key, _ in batch])
             except Exception as e:  # (the master unreachable: every lookup of the batch fails alike)
                 found = [e] * len(batch)
+            self.calls, self.keys, self.busy_s = self.calls + 1, self.keys + len(batch), self.busy_s + time.perf_counter() - t0
             for (_, answer), item in zip(batch, found, strict=True):
                 try:
                     answer(item)

@@ -78,6 +78,8 @@ class Writer:
             # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
             if n == 1:
                 self._commit(items[0], held[0], rows[0])
+            elif self.store.batch_commits:  # (Mooncake: a step in one call, see MooncakeStore.commit_many)
+                self._commit_step(items, held, rows)
             else:
                 self._in_parallel(self._commit, items, held, rows)
         finally:
@@ -119,6 +121,19 @@ class Writer:
             self._store_failed(item, e)
         else:
             self.batcher.finish(item, result=stored)
+
+    def _commit_step(self, items: list[WorkItem[EncodeJob]], held: list, rows: list[torch.Tensor]) -> None:
+        """A step's entries in one store call; each image answered with its own result or error."""
+        live = [i for i, pending in enumerate(held) if pending is not None]  # (the others answered by _reserve)
+        try:
+            results = self.store.commit_many([held[i] for i in live], [rows[i] for i in live])
+        except Exception as e:  # the whole call failed: every image of it has that answer
+            results = [e] * len(live)
+        for i, result in zip(live, results, strict=True):
+            if isinstance(result, Exception):
+                self._store_failed(items[i], result)
+            else:
+                self.batcher.finish(items[i], result=result)
 
     def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
         if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is

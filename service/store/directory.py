@@ -171,6 +171,7 @@ class EmbeddingStore:
     """
 
     remote = False  # a lookup is a stat and a header read here: the engine host asks in place
+    batch_commits = False  # the writer's threads commit a step's entries one by one (Writer._in_parallel)
 
     def __init__(
         self,

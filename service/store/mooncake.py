@@ -33,12 +33,13 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreFull, StoreUnavailable, Unavailable
-from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, tensor_bytes, validate_key
+from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, validate_key
 
 if TYPE_CHECKING:
     import torch
@@ -48,11 +49,15 @@ log = logging.getLogger(__name__)
 MAGIC = 0x4D4F4F4E
 HEADER = struct.Struct("<IIQQ")  # magic, dtype code, num_tokens, hidden
 DTYPE_CODES = {"float32": 0, "float16": 11, "bfloat16": 12}  # vLLM 0.33's codes
-# Mooncake's error codes met here (its ErrorCode enum): a missing object, a held lease, no space.
-OBJECT_NOT_FOUND = -704
+# Mooncake's error codes met here (its ErrorCode enum): no space.
 NO_SPACE = (-200, -201, -202)  # NO_AVAILABLE_HANDLE and the allocation failures
 REFORM_S = 60.0  # after the master was seen down, "no room" means its hosts have not registered again yet
-TRANSFER_FAIL = -800  # a transfer to or from a peer's segment failed (e.g. that host is lost)
+# Value headers read back per Mooncake call when hits are checked (_readable): a lookup batch is at most
+# a step's images; more go in several calls.
+PROBE_BATCH = 64
+# What written_lately remembers: an entry this client put, for WRITTEN_S or until WRITTEN_MAX newer ones.
+WRITTEN_S = 2.0
+WRITTEN_MAX = 4096
 
 
 def default_namespace(model_id: str, dtype: str, salt: str) -> str:
@@ -125,6 +130,7 @@ class MooncakeStore:
     client is Mooncake's, which is)."""
 
     remote = True  # a lookup is an RPC to the master: the engine host asks off its thread (engine/lookups.py)
+    batch_commits = True  # the writer hands over a step's entries at once (commit_many)
 
     def __init__(self, url: str, options: MooncakeOptions, *, model_id: str, out_hidden_size: int,
                  deepstack_levels: int, dtype: str, min_residency_s: float, salt: str):
@@ -141,12 +147,14 @@ class MooncakeStore:
         self._written = 0  # entries this engine put since it started (the pool's own count is the master's)
         self._bytes = 0
         self.evictions = 0  # the master evicts; this engine does not see it
-        self._outage_at = float("-inf")  # when the master last did not answer (see _failed)
-        # A value header's landing place for _readable (Mooncake reads ranges only into registered memory).
-        self._probe = ctypes.create_string_buffer(HEADER.size)
+        self._outage_at = float("-inf")  # when the master last did not answer (see _error)
+        self._recent: OrderedDict[str, tuple[float, StoredItem]] = OrderedDict()  # see written_lately
+        # Where the hits' value headers land for _readable (Mooncake reads ranges only into registered
+        # memory): PROBE_BATCH headers per call, allocated and registered once.
+        self._probe = ctypes.create_string_buffer(HEADER.size * PROBE_BATCH)
         self._probe_lock = threading.Lock()
-        if self.client.register_buffer(ctypes.addressof(self._probe), HEADER.size) != 0:
-            raise StoreUnavailable("Mooncake's client could not register a 24-byte buffer")
+        if self.client.register_buffer(ctypes.addressof(self._probe), len(self._probe)) != 0:
+            raise StoreUnavailable("Mooncake's client could not register a buffer for value headers")
 
     # ---- what the engine's metrics and health read -------------------------------------------------
     @property
@@ -179,8 +187,9 @@ class MooncakeStore:
     def lookup_many(self, keys: list[str]) -> list[StoredItem | None]:
         """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
         a lost host, an evicted entry: None, and the image is encoded again). One batch_is_exist for all
-        the keys (most lookups are misses: one round trip to the master); a hit's companion and a read of
-        its value's header (_readable) cost two more. StoreUnavailable if the master does not answer."""
+        the keys (most lookups are misses: one round trip to the master); the hits' companions and a read
+        of their values' headers (_readable) cost two more, for all of them. StoreUnavailable if the master
+        does not answer."""
         for key in keys:
             validate_key(key)
         here = self.client.batch_is_exist([meta_key(self.namespace, key) for key in keys])
@@ -190,43 +199,63 @@ class MooncakeStore:
             rc = min(here, default=-1)
             raise StoreUnavailable(f"the Mooncake master at {self.options.master} does not answer (error {rc}); "
                                    "retry shortly")
-        return [self._hit(key) if h == 1 else None for key, h in zip(keys, here, strict=True)]
+        present = [key for key, h in zip(keys, here, strict=True) if h == 1]
+        if not present:
+            return [None] * len(keys)
+        # The hits' companions in one call, then their values' headers in one more (_readable).
+        raws = self.client.get_batch([meta_key(self.namespace, key) for key in present])
+        lost = [key for key, raw in zip(present, raws, strict=True) if not raw]
+        if lost:
+            # NOTE: it exists (the master said so) but cannot be read: its host is lost, and existence answers
+            # stay stale until the master's client TTL. Removed now (force: past the lease), so that the
+            # re-encode's put is a fresh one, not an update in place in the lost segment.
+            self.client.batch_remove([k for key in lost for k in (meta_key(self.namespace, key),
+                                                                   value_key(self.namespace, key))], True)
+        metas = {key: meta for key, raw in zip(present, raws) if raw and (meta := self._ours(raw)) is not None}
+        ours = list(metas)
+        live = self._readable([value_key(self.namespace, key) for key in ours]) if ours else []
+        found = {key: self._item(key, metas[key]) for key, ok in zip(ours, live, strict=True) if ok}
+        return [found.get(key) for key in keys]
 
-    def _hit(self, key: str) -> StoredItem | None:
-        meta = self._meta(key)
-        if meta is None:
-            return None
-        vkey = value_key(self.namespace, key)
-        if not self._readable(vkey):
-            return None
-        return StoredItem(key=key, path=None, store_key=vkey, num_tokens=meta["num_tokens"],
+    def written_lately(self, key: str) -> StoredItem | None:
+        """The entry this client put under `key` in the last WRITTEN_S, without asking the master: what
+        the engine host checks at a submit (an image stored since its claim's lookup missed; see
+        EngineHost._with_entry). Recorded in commit_many, before the writer answers anyone."""
+        with self._lock:
+            at, item = self._recent.get(key, (float("-inf"), None))
+        return item if time.monotonic() - at <= WRITTEN_S else None
+
+    def _item(self, key: str, meta: dict) -> StoredItem:
+        return StoredItem(key=key, path=None, store_key=value_key(self.namespace, key), num_tokens=meta["num_tokens"],
                           grid_thw=tuple(meta["grid_thw"]), shape=(meta["num_tokens"], meta["width"]),
                           dtype=meta["dtype"], nbytes=HEADER.size + meta["nbytes"],
                           content_sha256=meta.get("content_sha256"))
 
-    def _readable(self, vkey: str) -> bool:
-        """Whether the value's header reads back from its segment now (a replica lookup, which also takes
-        the lease that keeps it while a consumer reads it, and a 24-byte transfer from its host).
+    def _readable(self, vkeys: list[str]) -> list[bool]:
+        """Whether each value's header reads back from its segment now: one replica lookup for them all
+        (which also takes the leases that keep them while a consumer reads them) and a 24-byte transfer
+        from each one's host, PROBE_BATCH values a call.
 
         NOTE: not is_exist: after a host is lost the master still answers 1 for its objects until its
         client TTL, and the companion alone may still read (seen once, in a fresh-clone run of
         test_multihost's SIGKILL test: a lost entry answered cached); a read from the value's own
         segment fails then."""
+        ok: list[bool] = []
+        base, size = ctypes.addressof(self._probe), HEADER.size
         with self._probe_lock:
-            got = self.client.get_into_ranges([ctypes.addressof(self._probe)], [[vkey]], [[[0]]], [[[0]]],
-                                              [[[HEADER.size]]])
-            return got == [[[HEADER.size]]] and HEADER.unpack_from(self._probe)[0] == MAGIC
+            for start in range(0, len(vkeys), PROBE_BATCH):
+                chunk = vkeys[start : start + PROBE_BATCH]
+                ctypes.memset(base, 0, size * len(chunk))  # a failed range must not read as the last hit's
+                got = self.client.get_into_ranges([base], [chunk], [[[i * size] for i in range(len(chunk))]],
+                                                  [[[0]] * len(chunk)], [[[size]] * len(chunk)])
+                read = got[0] if len(got) == 1 and len(got[0]) == len(chunk) else [[-1]] * len(chunk)
+                ok += [r == [size] and HEADER.unpack_from(self._probe, i * size)[0] == MAGIC
+                       for i, r in enumerate(read)]
+        return ok
 
-    def _meta(self, key: str) -> dict | None:
-        raw = self.client.get(meta_key(self.namespace, key))
-        if not raw:
-            # NOTE: it exists (lookup asked) but cannot be read: its host is lost, and existence answers stay
-            # stale until the master's client TTL. Removed now (force: past the lease lookup took), so that
-            # the re-encode's put is a fresh one, not an update in place in the lost segment, which fails
-            # after a second of retries.
-            self.client.remove(meta_key(self.namespace, key), True)
-            self.client.remove(value_key(self.namespace, key), True)
-            return None
+    def _ours(self, raw) -> dict | None:
+        """A companion's metadata if it is an entry of this model (another model's entry under our
+        namespace is no hit, cf. directory), else None."""
         try:
             meta = json.loads(bytes(raw))
         except ValueError:
@@ -234,7 +263,7 @@ class MooncakeStore:
         ours = (meta.get("format_version") == FORMAT_VERSION and meta.get("model") == self.model_id
                 and meta.get("out_hidden_size") == self.out_hidden_size
                 and meta.get("deepstack_levels") == self.deepstack_levels and meta.get("dtype") == self.dtype)
-        return meta if ours else None  # another model's entry under our namespace is no hit (cf. directory)
+        return meta if ours else None
 
     # ---- writes ---------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
@@ -252,62 +281,90 @@ class MooncakeStore:
         pass  # nothing was written
 
     def commit(self, pending: MooncakePending, ec_cache: torch.Tensor) -> StoredItem:
-        """Put the value (header + the rows, read in place: no copy on this side), then its companion.
-        Raises StoreFull (the pool has no room) or Unavailable (the master or a peer is unreachable):
-        503 + Retry-After; nothing half-written is left as a hit."""
-        n, width = pending.shape
-        assert tuple(ec_cache.shape) == (n, width) and ec_cache.is_contiguous(), "rows do not match: this is a bug"
-        data = tensor_bytes(ec_cache)
-        vkey, mkey = value_key(self.namespace, pending.key), meta_key(self.namespace, pending.key)
-        header = HEADER.pack(MAGIC, DTYPE_CODES[pending.dtype], n, width)
-        meta = json.dumps({"format_version": FORMAT_VERSION, "model": self.model_id,
-                           "out_hidden_size": self.out_hidden_size, "deepstack_levels": self.deepstack_levels,
-                           "dtype": pending.dtype, "grid_thw": list(pending.grid), "num_tokens": n, "width": width,
-                           "nbytes": len(data), "content_sha256": pending.content_sha256}).encode()
-        # NOTE: upsert, not put: a put onto an existing key keeps the old object (a re-encode after a
-        # lost host, or an entry of another model under this key, must replace it).
-        rc = self._upsert(vkey, header, data)
-        if rc == 0:
-            rc = self._upsert(mkey, meta)
-            if rc != 0:
-                self.client.remove(vkey, True)  # (best effort) no value without its companion
-        if rc != 0:
-            self._failed(rc)
-        with self._lock:
-            self._written += 1
-            self._bytes += HEADER.size + len(data) + len(meta)
-        return StoredItem(key=pending.key, path=None, store_key=vkey, num_tokens=n, grid_thw=pending.grid,
-                          shape=(n, width), dtype=pending.dtype, nbytes=HEADER.size + len(data),
-                          content_sha256=pending.content_sha256)
+        """Put one entry (commit_many's one). Raises StoreFull (the pool has no room) or Unavailable (the
+        master or a peer is unreachable): 503 + Retry-After; nothing half-written is left as a hit."""
+        (out,) = self.commit_many([pending], [ec_cache])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
-    def _upsert(self, key: str, *parts) -> int:
-        """Upsert `parts` as one object under `key`; Mooncake's return code.
+    def commit_many(self, pendings: list[MooncakePending], tensors: list[torch.Tensor]) -> list[StoredItem | Exception]:
+        """Put a step's entries, each value (header + the rows, read in place: no copy on this side) and
+        its companion, in two Mooncake calls for the whole step: a forced remove of the keys (a put onto
+        an existing key keeps the old object: a re-encode after a lost host, or an entry of another model
+        under this key, must replace it, and a fresh put never writes into a lost host's segment), then
+        one batch put from the rows' own memory. Each entry's result, or the error that answers it.
 
-        NOTE: an upsert of a value of the same size onto a key whose replica lies in a lost host's segment
-        writes in place and fails with TRANSFER_FAIL, or OBJECT_NOT_FOUND when the master drops the lost
-        segment's objects meanwhile (measured on 0.3.13: re-encodes of a lost host's entries answered 503).
-        Lookups remove such entries first (_meta); for a key that no lookup saw, the stale object is
-        removed here (force: past any lease) and the put made once more."""
-        rc = self.client.upsert_parts(key, *parts, config=self._config)
-        if rc in (TRANSFER_FAIL, OBJECT_NOT_FOUND):
-            self.client.remove(key, True)
-            rc = self.client.upsert_parts(key, *parts, config=self._config)
-        return rc
+        NOTE: why batches: a Mooncake call releases the GIL and takes it back when it returns, and while
+        the engine's other threads are busy in Python that wait can be a whole switch interval (5 ms).
+        bench/probe_mooncake_gil.py on the 2-core CPU machine, one Python thread busy beside, 4 MB
+        entries over TCP on loopback: entry by entry (two upsert_parts each) 82 entries/s, 16 per
+        commit_many 866/s (alone: 894 and 2,595); one is_exist 250/s (alone 11,354).
+        """
+        n = len(pendings)
+        metas, shapes = [], []
+        for pending, ec_cache in zip(pendings, tensors, strict=True):
+            rows, width = pending.shape
+            assert tuple(ec_cache.shape) == (rows, width) and ec_cache.is_contiguous(), "rows do not match: this is a bug"
+            nbytes = ec_cache.numel() * ec_cache.element_size()
+            shapes.append(nbytes)
+            metas.append(json.dumps({"format_version": FORMAT_VERSION, "model": self.model_id,
+                                     "out_hidden_size": self.out_hidden_size, "deepstack_levels": self.deepstack_levels,
+                                     "dtype": pending.dtype, "grid_thw": list(pending.grid), "num_tokens": rows,
+                                     "width": width, "nbytes": nbytes, "content_sha256": pending.content_sha256}).encode())
+        # The headers and companions in one small buffer of their own (kept alive until the put returns).
+        small = ctypes.create_string_buffer(HEADER.size * n + sum(map(len, metas)) or 1)
+        view, base = memoryview(small).cast("B"), ctypes.addressof(small)
+        keys, ptrs, sizes = [], [], []
+        for i, (pending, ec_cache) in enumerate(zip(pendings, tensors)):
+            HEADER.pack_into(view, HEADER.size * i, MAGIC, DTYPE_CODES[pending.dtype], *pending.shape)
+            keys.append(value_key(self.namespace, pending.key))
+            ptrs.append([base + HEADER.size * i] + ([ec_cache.data_ptr()] if shapes[i] else []))
+            sizes.append([HEADER.size] + ([shapes[i]] if shapes[i] else []))
+        at = HEADER.size * n
+        for pending, meta in zip(pendings, metas):
+            view[at : at + len(meta)] = meta
+            keys.append(meta_key(self.namespace, pending.key))
+            ptrs.append([base + at])
+            sizes.append([len(meta)])
+            at += len(meta)
+        self.client.batch_remove(keys, True)  # (absent keys answer an error: nothing to replace)
+        rcs = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes, config=self._config)
+        out: list[StoredItem | Exception] = []
+        for i, pending in enumerate(pendings):
+            rv, rm = rcs[i], rcs[n + i]
+            if rv != 0 or rm != 0:  # no value without its companion, nor a companion without its value
+                self.client.remove(keys[n + i] if rv != 0 else keys[i], True)
+                out.append(self._error(rv or rm))
+                continue
+            rows, width = pending.shape
+            item = StoredItem(key=pending.key, path=None, store_key=keys[i], num_tokens=rows, grid_thw=pending.grid,
+                              shape=(rows, width), dtype=pending.dtype, nbytes=HEADER.size + shapes[i],
+                              content_sha256=pending.content_sha256)
+            with self._lock:
+                self._written += 1
+                self._bytes += HEADER.size + shapes[i] + len(metas[i])
+                self._recent[pending.key] = (time.monotonic(), item)
+                self._recent.move_to_end(pending.key)
+                while len(self._recent) > WRITTEN_MAX:
+                    self._recent.popitem(last=False)
+            out.append(item)
+        return out
 
     def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
         return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256),
                            ec_cache)
 
-    def _failed(self, rc: int):
+    def _error(self, rc: int) -> Exception:
         if rc in NO_SPACE and time.monotonic() - self._outage_at < REFORM_S:
             # A master that came back knows no segment until the hosts register theirs again: no room
             # then is a pool still forming, not a full one.
-            raise StoreUnavailable(f"the Mooncake pool is forming again after its master came back (error {rc}); "
+            return StoreUnavailable(f"the Mooncake pool is forming again after its master came back (error {rc}); "
                                    "retry shortly")
         if rc in NO_SPACE:
-            raise StoreFull(f"the Mooncake pool has no room for this entry now (error {rc}): its segments are full "
+            return StoreFull(f"the Mooncake pool has no room for this entry now (error {rc}): its segments are full "
                             "of pinned entries; retry shortly, or add segment space", retry_after_s=1)
-        raise StoreUnavailable(f"the Mooncake pool did not take the entry (error {rc}: its master or a peer "
+        return StoreUnavailable(f"the Mooncake pool did not take the entry (error {rc}: its master or a peer "
                                "unreachable?); retry shortly")
 
 

@@ -1,8 +1,9 @@
 """The engine host's answers (service/engine/host.py), driven with typed messages and plain stand-ins for
 the store: admission before decode by images and by the tokens each image's header declares, places
 given back on cancel and on disconnect, a submit whose key was stored meanwhile, conflicts; with a
-remote store (Mooncake's shape), lookups off the host's thread, batched, and what a cancel, a lost
-connection or an unreachable master does to a claim or submit waiting for one."""
+remote store (Mooncake's shape), lookups off the host's thread, batched, one per image (a submit asks
+what this engine wrote itself), and what a cancel, a lost connection or an unreachable master does to a
+claim waiting for one."""
 
 import queue
 import threading
@@ -41,6 +42,10 @@ class _RemoteStore(_DictStore):
         self.go = threading.Event()
         self.entered = threading.Semaphore(0)
         self.down = False
+        self.written: dict[str, StoredItem] = {}  # what this engine's client put lately
+
+    def written_lately(self, key):
+        return self.written.get(key)
 
     def lookup_many(self, keys):
         self.calls.append(list(keys))
@@ -181,10 +186,30 @@ def test_a_remote_stores_lookups_run_off_the_hosts_thread_in_batches(remote):
     assert store.calls == [["a"], ["b", "c", "d"]]  # two round trips for four lookups
     assert sent == [Grant(1), Grant(2), Hit(3, store.items["c"]), Grant(4)] and conn.pending == set()
     assert host.batcher.reserved() == 3
-    # A submit looks its key up again the same way, then queues.
+    # A submit does not ask the store again (one round trip per image): nothing this engine wrote, so queued.
     host.handle(conn, Submit(5, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8))
-    settle(1)
-    assert store.calls[-1] == ["a"] and sent[-1] == Queued(5, coalesced=False)
+    assert store.calls == [["a"], ["b", "c", "d"]] and sent[-1] == Queued(5, coalesced=False)
+
+
+def test_a_remote_submit_whose_key_this_engine_stored_since_its_claim_is_a_hit_without_a_lookup(remote):
+    # As test_a_submit_whose_key_was_stored_since_its_claim_is_answered_from_the_store, with Mooncake's
+    # shape: both claims missed; the first image was encoded and put by this engine before the second
+    # submits. The store's own record of its puts answers it, with no round trip.
+    store, host, sent, conn, settle = remote
+    sha = "ab" * 32
+    store.go.set()
+    host.handle(conn, Claim(1, "k", sha, 4))
+    host.handle(conn, Claim(2, "k", sha, 4))
+    settle(2)
+    assert sent == [Grant(1), Grant(2)] and len(store.calls) in (1, 2)
+    calls = len(store.calls)
+    store.written["k"] = StoredItem(key="k", path=None, store_key="ns@id:k", num_tokens=4, grid_thw=(1, 4, 4),
+                                    shape=(4, 48), dtype="bfloat16", nbytes=408, content_sha256=sha)
+    released = []
+    host.handle(conn, Submit(3, 2, "k", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
+                release=lambda: released.append(3))
+    assert sent[-1] == Hit(3, store.written["k"]) and released == [3] and len(store.calls) == calls
+    assert host.batcher.reserved() == 1 and host.batcher.queue_depth() == 0
 
 
 def test_a_claim_or_submit_cancelled_or_disconnected_during_its_lookup_holds_nothing_after(remote):
@@ -195,42 +220,34 @@ def test_a_claim_or_submit_cancelled_or_disconnected_during_its_lookup_holds_not
     settle(1)
     assert sent == [Grant(1)] and host.batcher.reserved() == 1
     store.go.clear()
-    released = []
-    host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                release=lambda: released.append(2))
     host.handle(conn, Claim(3, "b", sha, 4))
-    host.handle(conn, Cancel(2))  # the request went away while its submit's lookup was out
-    host.handle(conn, Cancel(3))
+    host.handle(conn, Cancel(3))  # the request went away while its claim's lookup was out
+    host.handle(conn, Cancel(1))  # and another gave its grant back
     store.go.set()
-    settle(2)
-    assert sent == [Grant(1)] and released == [2]  # no answer; the pixels given back
-    assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0 and conn.pending == set()
-    # The API process dies while a claim's and a submit's lookups are out.
-    host.handle(conn, Claim(4, "c", sha, 4))
     settle(1)
+    assert sent == [Grant(1)]  # no answer
+    assert host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0 and conn.pending == set()
+    # The API process dies while claims' lookups are out.
     store.go.clear()
-    host.handle(conn, Submit(5, 4, "c", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                release=lambda: released.append(5))
+    host.handle(conn, Claim(4, "c", sha, 4))
     host.handle(conn, Claim(6, "d", sha, 4))
     host.disconnect(conn)
     store.go.set()
     settle(2)
-    assert sent == [Grant(1), Grant(4)] and released == [2, 5] and host.batcher.reserved() == 0
+    assert sent == [Grant(1)] and host.batcher.reserved() == 0 and conn.pending == set()
 
 
-def test_a_remote_store_that_does_not_answer_fails_the_waiting_messages_with_503_and_gives_back_their_holds(remote):
+def test_a_remote_store_that_does_not_answer_fails_the_waiting_claims_with_503_and_holds_nothing_for_them(remote):
     store, host, sent, conn, settle = remote
     sha = "ef" * 32
     store.go.set()
     host.handle(conn, Claim(1, "a", sha, 4))
     settle(1)
     store.down = True
-    released = []
-    host.handle(conn, Submit(2, 1, "a", sha, _geometry(64, 64)), np.zeros(64 * 64 * 3, np.uint8),
-                release=lambda: released.append(2))
-    host.handle(conn, Claim(3, "b", sha, 4))
+    host.handle(conn, Claim(2, "b", sha, 4))
+    host.handle(conn, Claim(3, "c", sha, 4))
     settle(2)
     failed = sent[1:]
     assert [f.id for f in failed] == [2, 3] and all(isinstance(f, Failed) for f in failed)
     assert {f.code for f in failed} == {"store_unavailable"} and "does not answer" in failed[0].message
-    assert released == [2] and host.batcher.reserved() == 0 and conn.pending == set()
+    assert host.batcher.reserved() == 1 and conn.pending == set()  # only claim 1's grant

@@ -162,3 +162,59 @@ def test_store_writes_of_a_step_are_shared_among_the_writer_threads_in_order(tmp
     threads = [seen[a] for a in range(64)]
     assert len(set(threads)) == writers and threads[0] == threading.current_thread().name
     assert threads == sorted(threads, key=threads.index)  # each thread's share is one contiguous run
+
+
+class _BatchedStore:
+    """A store that takes a step's entries in one call (Mooncake's shape: MooncakeStore.commit_many), over
+    a real directory store; `refuse` names keys whose entry the pool has no room for."""
+
+    batch_commits = True
+
+    def __init__(self, inner: EmbeddingStore, refuse: set[str] = frozenset(), fail: Exception | None = None):
+        self.inner, self.refuse, self.fail = inner, refuse, fail
+        self.calls: list[list[str]] = []
+
+    def reserve(self, *a, **k):
+        return self.inner.reserve(*a, **k)
+
+    def abort(self, pending):
+        self.inner.abort(pending)
+
+    def commit(self, pending, rows):
+        raise AssertionError("a step of several images goes through commit_many")
+
+    def commit_many(self, pendings, rows):
+        self.calls.append([p.key for p in pendings])
+        if self.fail is not None:
+            raise self.fail
+        out = []
+        for p, r in zip(pendings, rows):
+            if p.key in self.refuse:
+                self.inner.abort(p)
+                out.append(StoreFull("the Mooncake pool has no room for this entry now", retry_after_s=1))
+            else:
+                out.append(self.inner.commit(p, r))
+        return out
+
+
+def test_a_store_that_batches_gets_a_step_in_one_call_and_a_refused_entry_answers_only_its_image(tmp_path):
+    inner, batcher, _, ring = _setup(tmp_path)
+    store = _BatchedStore(inner, refuse={"full"})
+    writer = Writer(store, batcher, Metrics(), threads=3)
+    items, job, tickets = _launched(batcher, ring, ["a", "full", "b"])
+    writer.write(items, job)
+    assert store.calls == [["a", "full", "b"]]  # one call for the step, in staging order
+    a, full, b = (t.future for t in tickets)
+    assert a.result(timeout=0).key == "a" and b.result(timeout=0).key == "b"
+    assert isinstance(full.exception(timeout=0), StoreFull)
+    rows = job.host_out[job.token_offsets[2] : job.token_offsets[3]]
+    stored = read_embeddings(tmp_path / "store", "b")
+    assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
+    assert ring.held() == 0 and batcher.in_flight() == 0
+
+    # The whole call failing (the master gone mid-step): every image of the step has that answer.
+    store.fail = StoreFull("the Mooncake pool is unreachable", retry_after_s=1)
+    items, job, tickets = _launched(batcher, ring, ["c", "d"], seed=1)
+    writer.write(items, job)
+    assert all(isinstance(t.future.exception(timeout=0), StoreFull) for t in tickets)
+    assert ring.held() == 0 and batcher.in_flight() == 0

@@ -147,3 +147,44 @@ def test_the_master_listens_on_loopback_only(master, reader):
     mine = [s for s in listening if "mooncake_master" in s.processes]
     assert mine and all(s.address == "127.0.0.1" for s in mine), mine
     assert master.port in {s.port for s in mine}
+
+
+def test_a_step_goes_in_two_calls_replacing_old_values_and_an_entry_the_pool_refuses_fails_alone(master):
+    writer = _store(master, model="m-step", segment=32 << 20)
+    torch.manual_seed(3)
+    writer.put("s1", torch.randn(5, WIDTH).to(torch.bfloat16), (1, 2, 10), content_sha256="99" * 32)  # replaced below
+    reader = open_reader(master.url, namespace=writer.namespace)
+    calls: list[str] = []
+    client = writer.client
+
+    class Spy:  # Mooncake's client, each call's name recorded
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append(name) or getattr(client, name)(*a, **k)
+
+    def step(entries):
+        pendings = [writer.reserve(k, tuple(t.shape), t.dtype, (1, 2, 2 * t.shape[0]), content_sha256=f"{i:02d}" * 32)
+                    for i, (k, t) in enumerate(entries)]
+        calls.clear()
+        writer.client = Spy()
+        try:
+            return writer.commit_many(pendings, [t for _, t in entries])
+        finally:
+            writer.client = client
+
+    fresh = [("s1", torch.randn(5, WIDTH).to(torch.bfloat16)), ("s2", torch.randn(7, WIDTH).to(torch.bfloat16))]
+    out = step(fresh)
+    assert calls == ["batch_remove", "batch_put_from_multi_buffers"]  # the whole step, values and companions
+    assert [o.key for o in out] == ["s1", "s2"]
+    for (key, t), item in zip(fresh, out):
+        assert torch.equal(reader.read(key, item.store_key).main, t[:, :OUT_HIDDEN])  # the new value, not the old
+    assert writer.lookup("s1").content_sha256 == "00" * 32
+    # What the engine host checks at a submit instead of a second round trip: this client's own puts.
+    assert writer.written_lately("s2") == out[1] and writer.written_lately("never") is None
+
+    huge = torch.zeros((96 << 20) // (WIDTH * 2), WIDTH, dtype=torch.bfloat16)  # more than any segment holds
+    mixed = [("s3", torch.randn(3, WIDTH).to(torch.bfloat16)), ("big", huge), ("s4", torch.randn(9, WIDTH).to(torch.bfloat16))]
+    out = step(mixed)
+    assert [type(o).__name__ for o in out] == ["StoredItem", "StoreFull", "StoredItem"], out
+    # (Not read back: the master answers a failed allocation by evicting, from anyone's entries.)
+    assert writer.lookup("big") is None and client.is_exist(meta_key(writer.namespace, "big")) == 0
+    assert writer.written_lately("big") is None and writer.written_lately("s4") == out[2]
