@@ -42,7 +42,7 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
       * the size unchanged: the input itself, not resampled;
       * uint8 on the CPU with BICUBIC: torch's own uint8 kernel (`_do_native_uint8_resize_on_cpu` is true
         for bicubic on every CPU), no float round trip; its fixed-point arithmetic is not the float
-        path's: about one value in six differs by one level from float32 interpolate + clamp + round,
+        path's: one value in six or seven differs, by a level or a few, from float32 interpolate + clamp + round,
         which is what torchvision does on CUDA tensors (the processor with device="cuda");
       * F.interpolate(mode="bicubic", align_corners=False, antialias=True).
 
