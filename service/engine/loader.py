@@ -23,6 +23,7 @@ from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 
 from service.config import PreprocessParams, Settings
 from service.errors import ModelLoadError
+from service.media.video import VideoParams
 from service.presets import PRESETS, check_model, preset_vision_config
 from service.engine.tower import TowerSpec, VisionTower
 
@@ -44,6 +45,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_s: float = 0.0  # seconds load_model took (reported in the start-up log line and /ready)
+    video: VideoParams = VideoParams()  # how a video becomes patches (not yet served: issue 22)
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -56,9 +58,10 @@ def load_model(settings: Settings) -> LoadedModel:
     check_model(name)
     if name in PRESETS:
         spec, params, tower = _from_preset(name, settings.seed, device, dtype)
+        video = VideoParams()
         model_id, random_weights = f"preset:{name}:seed{settings.seed}", True
     else:
-        spec, params, tower, model_id = _from_checkpoint(Path(name), device, dtype)
+        spec, params, video, tower, model_id = _from_checkpoint(Path(name), device, dtype)
         random_weights = False
     params = replace(
         params,
@@ -70,7 +73,7 @@ def load_model(settings: Settings) -> LoadedModel:
     tower.fuse_patch_embed()
     tower.eval().requires_grad_(False)
     return LoadedModel(tower, spec, params, model_id, random_weights, device, dtype,
-                       load_s=round(time.perf_counter() - t0, 2))
+                       load_s=round(time.perf_counter() - t0, 2), video=video)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,6 +179,36 @@ def _preprocess_params(ckpt: Path, spec: TowerSpec) -> PreprocessParams:
         rescale_factor=float(raw.get("rescale_factor", d.rescale_factor)),
         resample=int(raw.get("resample", d.resample)),
     )
+    _check_patches(path, params, spec)
+    if len(params.image_mean) != 3 or len(params.image_std) != 3:
+        raise ModelLoadError(f"{path}: image_mean and image_std need 3 values each")
+    return params
+
+
+def _video_params(ckpt: Path, spec: TowerSpec) -> VideoParams:
+    """The video processor's config, found where transformers looks (VideoProcessorMixin.get_video_processor_dict,
+    5.17 to 5.24): processor_config.json's "video_processor", else video_preprocessor_config.json, else
+    preprocessor_config.json. NOTE: the last is the image processor's file; transformers reads it for videos
+    when there is no video config, so a checkpoint without one gets the image's pixel limits for its videos."""
+    raw, path = None, ckpt / "processor_config.json"
+    if path.exists() and isinstance(nested := _read_json(path), dict):
+        raw = nested.get("video_processor")
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if raw is None and (ckpt / name).exists():
+            path = ckpt / name
+            raw = _read_json(path)
+    if raw is None:
+        log.warning("%s has no video processor config: using Qwen3-VL's default video preprocessing", ckpt)
+        return VideoParams()
+    try:
+        params = VideoParams.from_config(raw)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    _check_patches(path, params, spec)
+    return params
+
+
+def _check_patches(path: Path, params: PreprocessParams | VideoParams, spec: TowerSpec) -> None:
     mismatch = [
         f"{name} {a} != {b}"
         for name, a, b in (
@@ -187,15 +220,13 @@ def _preprocess_params(ckpt: Path, spec: TowerSpec) -> PreprocessParams:
     ]
     if mismatch:
         raise ModelLoadError(f"{path} disagrees with config.json's vision_config: {', '.join(mismatch)}")
-    if len(params.image_mean) != 3 or len(params.image_std) != 3:
-        raise ModelLoadError(f"{path}: image_mean and image_std need 3 values each")
-    return params
 
 
 def _from_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype):
     cfg = _vision_config(ckpt)
     spec = TowerSpec.from_config(cfg)
     params = _preprocess_params(ckpt, spec)
+    video = _video_params(ckpt, spec)
     files = _weight_files(ckpt)
     prefix = next((p for p in _PREFIXES if any(n.startswith(p + "blocks.") for n in files)), None)
     if prefix is None:
@@ -238,7 +269,7 @@ def _from_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype):
             expected[k].copy_(t)  # copy_ casts to the model dtype and device
     model_id = f"{ckpt.resolve().name}@{_fingerprint(ckpt, names, files)}"
     log.info("loaded %d vision-tower tensors from %s (%s)", len(state), ckpt, model_id)
-    return spec, params, tower, model_id
+    return spec, params, video, tower, model_id
 
 
 def _fingerprint(ckpt: Path, names: list[str], files: dict[str, Path]) -> str:

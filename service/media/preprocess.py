@@ -26,7 +26,10 @@ from PIL import Image
 if typing.TYPE_CHECKING:
     import torch
 
-from service.config import PreprocessParams
+    # NOTE: for annotations only: this module (and media/video_preprocess.py, which uses `patch_rows`) then
+    # imports without pydantic, so bench/video_fixture_ref.py runs where only torch, numpy and PIL are.
+    from service.config import PreprocessParams
+
 from service.errors import BadAspectRatio
 
 # NOTE: the model's limit, not a service setting: transformers' smart_resize raises when
@@ -151,31 +154,58 @@ def patchify(
     assert pixels.dtype == torch.uint8 and pixels.dim() == 3 and pixels.shape[2] == 3, (
         f"pixels must be [H, W, 3] uint8, got {tuple(pixels.shape)} {pixels.dtype}"
     )
-    assert lut.dtype == torch.float32 and tuple(lut.shape) == (3, 256), (
-        f"lut must be [3, 256] float32, got {tuple(lut.shape)} {lut.dtype}"
-    )
     height, width, channels = pixels.shape
-    p, m, t = params.patch_size, params.merge_size, params.temporal_patch_size
-    assert height % (p * m) == 0 and width % (p * m) == 0, f"{height}x{width} is not a multiple of {p * m}"
-    gh, gw = height // p, width // p
-
-    # Reorder the uint8 pixels first (a quarter of the bytes of float32), then look them up.
-    # [H, W, C] -> (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p)
-    blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, channels).permute(0, 3, 1, 4, 6, 2, 5)
-    blocks = blocks.reshape(gh * gw, channels, p * p)  # copies: [N, C, p*p] uint8
-    offsets = torch.arange(channels, dtype=torch.int32, device=pixels.device).view(1, channels, 1) * 256
-    index = (blocks.to(torch.int32) + offsets).view(-1)  # [N*C*p*p] into the flattened lut
-
+    p, t = params.patch_size, params.temporal_patch_size
+    rows = (height // p) * (width // p)
     reps = t if temporal else 1
     width_out = channels * reps * p * p
     if out is None:
-        out = torch.empty((gh * gw, width_out), dtype=torch.float32, device=pixels.device)
-    assert out.dtype == torch.float32 and tuple(out.shape) == (gh * gw, width_out) and out.is_contiguous(), (
-        f"out must be a contiguous [{gh * gw}, {width_out}] float32 tensor, got {tuple(out.shape)} {out.dtype}"
+        out = torch.empty((rows, width_out), dtype=torch.float32, device=pixels.device)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (rows, width_out) and out.is_contiguous(), (
+        f"out must be a contiguous [{rows}, {width_out}] float32 tensor, got {tuple(out.shape)} {out.dtype}"
     )
     if reps == 1:
-        torch.index_select(lut.reshape(-1), 0, index, out=out.view(-1))
-    else:
-        values = torch.index_select(lut.reshape(-1), 0, index).view(gh * gw, channels, 1, p * p)
-        out.view(gh * gw, channels, reps, p * p).copy_(values.expand(gh * gw, channels, reps, p * p))
+        return patch_rows(pixels[None], lut, p, params.merge_size, 1, out=out)
+    # An image is one frame repeated over t: look it up once, then copy it into each t slot.
+    values = patch_rows(pixels[None], lut, p, params.merge_size, 1).view(rows, channels, 1, p * p)
+    out.view(rows, channels, reps, p * p).copy_(values.expand(rows, channels, reps, p * p))
+    return out
+
+
+def patch_rows(
+    frames: torch.Tensor, lut: torch.Tensor, patch: int, merge: int, temporal: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """uint8 frames [N, H, W, C] (N a multiple of `temporal`) -> float32 [N/temporal * gh*gw, C*temporal*p*p],
+    each value lut[c, pixel]: transformers' patch layout, rows (t group, gh/m, gw/m, m, m), columns
+    (c, t, py, px). The one patch gather of images (`patchify`, N = 1) and videos (video_preprocess).
+
+    lut: [C, 256] float32. out: optional preallocated contiguous result to write into (returned)."""
+    import torch
+
+    assert frames.dtype == torch.uint8 and frames.dim() == 4, (
+        f"frames must be [N, H, W, C] uint8, got {tuple(frames.shape)} {frames.dtype}"
+    )
+    n, height, width, channels = frames.shape
+    assert lut.dtype == torch.float32 and tuple(lut.shape) == (channels, 256), (
+        f"lut must be [{channels}, 256] float32, got {tuple(lut.shape)} {lut.dtype}"
+    )
+    p, m, t = patch, merge, temporal
+    assert height % (p * m) == 0 and width % (p * m) == 0, f"{height}x{width} is not a multiple of {p * m}"
+    assert n % t == 0, f"{n} frames are not whole temporal patches of {t}: pad first (this is a bug)"
+    groups, gh, gw = n // t, height // p, width // p
+
+    # Reorder the uint8 pixels first (a quarter of the bytes of float32), then look them up.
+    # [N, H, W, C] -> (G, t, gh/m, m, p, gw/m, m, p, C) -> (G, gh/m, gw/m, m, m, C, t, p, p)
+    blocks = frames.reshape(groups, t, gh // m, m, p, gw // m, m, p, channels).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    blocks = blocks.reshape(groups * gh * gw, channels, t * p * p)  # copies: [rows, C, t*p*p] uint8
+    offsets = torch.arange(channels, dtype=torch.int32, device=frames.device).view(1, channels, 1) * 256
+    index = (blocks.to(torch.int32) + offsets).view(-1)  # into the flattened lut
+
+    shape = (groups * gh * gw, channels * t * p * p)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=frames.device)
+    assert out.dtype == torch.float32 and tuple(out.shape) == shape and out.is_contiguous(), (
+        f"out must be a contiguous {list(shape)} float32 tensor, got {tuple(out.shape)} {out.dtype}"
+    )
+    torch.index_select(lut.reshape(-1), 0, index, out=out.view(-1))
     return out

@@ -3,10 +3,15 @@ frames Qwen3-VL's video processor samples, and only those decoded and kept.
 
     read_header(data, limits)            -> VideoHeader   codec, size, frame rate, frames, duration; every
                                                           limit that the header can tell is checked here
-    sample_indices(frames, fps, sampling) -> list[int]    transformers' Qwen3VLVideoProcessor.sample_frames
+    sample_indices(frames, fps, params)  -> list[int]     transformers' Qwen3VLVideoProcessor.sample_frames
     decode_frames(data, header, indices, limits) -> uint8 [n, H, W, 3], decoded in order, the others dropped
-    video_size(frames, h, w, params)     -> (h, w)        transformers' video smart_resize (the whole clip's
-                                                          pixels bounded, not one frame's)
+    clip_size(frames, h, w, params)      -> (h, w)        the size every frame is resized to: transformers'
+                                                          video smart_resize (`video_size`: the whole clip's
+                                                          pixels bounded, not one frame's), per-frame cap included
+    timestamps(indices, fps, temporal)   -> list[float]   the seconds of each temporal patch in Qwen3-VL's prompt
+
+`VideoParams` is a checkpoint's video_preprocessor_config.json (`VideoParams.from_config`; the engine's
+loader finds the file). The pixels (resize, normalize, patchify) are media/video_preprocess.py.
 
 PyAV (FFmpeg inside its wheel) decodes on the CPU; nothing here needs torch or torchvision. Every failure
 is a VideoError (service/errors.py): a 4xx that says what was wrong, never a hang (a decode deadline) or
@@ -39,13 +44,88 @@ class VideoLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class VideoSampling:
-    """A checkpoint's video_preprocessor_config.json: how frames are sampled (transformers' defaults)."""
+class VideoParams:
+    """A checkpoint's video_preprocessor_config.json: every value the pipeline uses, with the defaults of
+    transformers' Qwen3VLVideoProcessor (its class attributes, the same in transformers 5.17 and 5.24)."""
 
-    fps: float = 2.0
+    min_pixels: int = 128 * 32 * 32  # size.shortest_edge: the whole clip's pixels (frames x h x w), not a frame's
+    max_pixels: int = 32 * 32 * 768  # size.longest_edge, likewise
+    fps: float = 2.0  # frames sampled per second of video
     min_frames: int = 4
     max_frames: int = 768
+    do_sample_frames: bool = True  # False: every frame of the video is used
+    patch_size: int = 16
+    merge_size: int = 2
     temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # IMAGENET_STANDARD_MEAN
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL.Image.BICUBIC: torchvision's bicubic, antialiased
+    # NOTE: transformers 5.17 and 5.24 both have the per-frame cap, off unless the config turns it on
+    # (None there: off, with a warning that a later version makes it the default).
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768  # the cap's tokens a frame
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @classmethod
+    def from_config(cls, raw: dict) -> VideoParams:
+        """From a video processor config as transformers reads it (keys absent: the class defaults).
+        ValueError, naming the key, for a value this pipeline does not reproduce."""
+        d = cls()
+        size = raw.get("size")
+        if size is None:
+            min_pixels, max_pixels = d.min_pixels, d.max_pixels
+        elif isinstance(size, dict) and size.get("shortest_edge") and size.get("longest_edge"):
+            min_pixels, max_pixels = int(size["shortest_edge"]), int(size["longest_edge"])
+        else:
+            raise ValueError(f"size must have shortest_edge and longest_edge (as Qwen3VLVideoProcessor needs), got {size!r}")
+        for flag in ("do_resize", "do_rescale", "do_normalize"):
+            if raw.get(flag) is False:
+                raise ValueError(f"{flag} is false; only Qwen3-VL's resize + rescale + normalize is reproduced")
+        if raw.get("num_frames") is not None:
+            raise ValueError("num_frames is set: only sampling by fps (num_frames null) is reproduced")
+        fps = raw.get("fps", d.fps)
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+            raise ValueError(f"fps must be a positive number, got {fps!r}")
+        resample = int(raw.get("resample", d.resample))
+        if resample != 3:
+            raise ValueError(f"resample {resample} is not bicubic (3), the only one reproduced")
+
+        def three(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
+            v = raw.get(key, default)
+            v = (v, v, v) if isinstance(v, (int, float)) else tuple(v)  # one number: every channel's
+            if len(v) != 3:
+                raise ValueError(f"{key} needs 3 values (or one), got {raw.get(key)!r}")
+            return tuple(float(x) for x in v)
+
+        def opt(key: str, default):
+            v = raw.get(key)
+            return default if v is None else v
+
+        return cls(
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            fps=float(fps),
+            min_frames=int(opt("min_frames", d.min_frames)),
+            max_frames=int(opt("max_frames", d.max_frames)),
+            do_sample_frames=bool(opt("do_sample_frames", d.do_sample_frames)),
+            patch_size=int(opt("patch_size", d.patch_size)),
+            merge_size=int(opt("merge_size", d.merge_size)),
+            temporal_patch_size=int(opt("temporal_patch_size", d.temporal_patch_size)),
+            image_mean=three("image_mean", d.image_mean),
+            image_std=three("image_std", d.image_std),
+            rescale_factor=float(opt("rescale_factor", d.rescale_factor)),
+            resample=resample,
+            cap_pixels_per_frame=bool(opt("cap_pixels_per_frame", d.cap_pixels_per_frame)),
+            max_video_tokens=int(opt("max_video_tokens", d.max_video_tokens)),
+        )
 
 
 @dataclass(frozen=True)
@@ -99,12 +179,14 @@ def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
     return VideoHeader(codec=codec, width=width, height=height, fps=rate, frames=frames, duration_s=duration)
 
 
-def sample_indices(total_frames: int, video_fps: float, sampling: VideoSampling) -> list[int]:
+def sample_indices(total_frames: int, video_fps: float, params: VideoParams) -> list[int]:
     """The frame indices transformers' Qwen3VLVideoProcessor.sample_frames picks (its `fps` mode):
     num = clamp(int(total / video_fps * fps), min_frames, max_frames, total), spread uniformly over
-    [0, total - 1] and rounded (numpy's round: half to even)."""
-    num = int(total_frames / video_fps * sampling.fps)
-    num = min(max(num, sampling.min_frames), sampling.max_frames, total_frames)
+    [0, total - 1] and rounded (numpy's round: half to even). do_sample_frames false: every frame."""
+    if not params.do_sample_frames:
+        return list(range(total_frames))
+    num = int(total_frames / video_fps * params.fps)
+    num = min(max(num, params.min_frames), params.max_frames, total_frames)
     return np.linspace(0, total_frames - 1, num).round().astype(int).tolist()
 
 
@@ -163,3 +245,29 @@ def video_size(num_frames: int, height: int, width: int, *, factor: int, min_pix
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def clip_size(num_frames: int, height: int, width: int, params: VideoParams) -> tuple[int, int]:
+    """The (height, width) every sampled frame is resized to, as Qwen3VLVideoProcessor.resize computes it:
+    `video_size` over the sampled frames (before the odd-count padding), its max_pixels lowered or raised
+    by the per-frame cap where the config turns it on (transformers' formula, copied). As for `video_size`,
+    the caller has checked the aspect ratio and that there are temporal_patch_size frames or more
+    (transformers raises ValueError on either)."""
+    max_pixels = params.max_pixels
+    if params.cap_pixels_per_frame:
+        frame_cap = params.max_video_tokens * params.factor * params.factor
+        per_frame = max(min(frame_cap, params.max_pixels // num_frames), int(params.min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    return video_size(num_frames, height, width, factor=params.factor, min_pixels=params.min_pixels,
+                      max_pixels=max_pixels, temporal_factor=params.temporal_patch_size)
+
+
+def timestamps(indices: list[int], video_fps: float, temporal_patch_size: int) -> list[float]:
+    """The time of each temporal patch, in seconds, that Qwen3VLProcessor writes into the prompt before
+    its frame's tokens (`<{t:.1f} seconds>`): the mean of its first and last frame's index / video_fps,
+    an odd count padded with the last index (transformers' _calculate_timestamps; it pads the caller's list
+    in place, this does not)."""
+    t = temporal_patch_size
+    padded = list(indices) + [indices[-1]] * (-len(indices) % t)
+    seconds = [i / video_fps for i in padded]
+    return [(seconds[i] + seconds[i + t - 1]) / 2 for i in range(0, len(seconds), t)]

@@ -11,6 +11,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from service.config import Settings
 from service.errors import ModelLoadError
 from service.engine.loader import load_model
+from service.media.video import VideoParams
 from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS, edit_json, make_vision_only_checkpoint
 
 
@@ -152,3 +153,31 @@ def test_no_weights(full_ckpt, tmp_path):
 def test_unknown_preset_name():
     with pytest.raises(ModelLoadError, match="qwen3-vl-2b"):
         _load("qwen3-vl-3b")
+
+
+def test_video_preprocessing_is_read_where_transformers_reads_it(full_ckpt, tmp_path):
+    c = shutil.copytree(full_ckpt, tmp_path / "c")
+    # No video config: transformers' video processor reads preprocessor_config.json (the image's) instead.
+    m = _load(c)
+    assert (m.video.min_pixels, m.video.max_pixels) == (TEST_MIN_PIXELS, TEST_MAX_PIXELS)
+    assert (m.video.fps, m.video.max_frames, m.video.cap_pixels_per_frame) == (2.0, 768, False)
+    (c / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 1, "max_frames": 64,
+         "cap_pixels_per_frame": True, "max_video_tokens": 256, "patch_size": 16, "temporal_patch_size": 2}))
+    m = _load(c)
+    assert (m.video.min_pixels, m.video.max_pixels, m.video.fps, m.video.max_frames) == (4096, 25165824, 1.0, 64)
+    assert (m.video.cap_pixels_per_frame, m.video.max_video_tokens) == (True, 256)
+    assert m.params.max_pixels == TEST_MAX_PIXELS  # the image's own config is the image's still
+    # processor_config.json's "video_processor" comes first, as in transformers 5.
+    (c / "processor_config.json").write_text(json.dumps({"video_processor": {"fps": 4}}))
+    assert _load(c).video == VideoParams(fps=4.0)
+    (c / "processor_config.json").write_text(json.dumps({"video_processor": {"fps": 4, "resample": 1}}))
+    with pytest.raises(ModelLoadError, match=r"processor_config\.json: resample 1 is not bicubic"):
+        _load(c)
+    (c / "processor_config.json").write_text(json.dumps({"video_processor": {"patch_size": 14}}))
+    with pytest.raises(ModelLoadError, match=r"processor_config\.json disagrees with config\.json's vision_config: patch_size 14 != 16"):
+        _load(c)
+
+
+def test_a_preset_has_the_default_video_preprocessing():
+    assert _load("tiny").video == VideoParams()
