@@ -192,7 +192,8 @@ def _theirs(hf, items: list[_Item]) -> list[torch.Tensor]:
     """transformers' output (main, then the deepstack taps: our columns) of `items`, in their order."""
     with torch.no_grad():
         ref = hf(torch.cat([it.pixel_values for it in items]), grid_thw=torch.tensor([it.grid for it in items]))
-    return list(torch.cat([ref.pooler_output, *ref.deepstack_features], dim=1).split([_tokens(it.grid) for it in items]))
+    out = torch.cat([ref.pooler_output, *ref.deepstack_features], dim=1)
+    return list(out.split([_tokens(it.grid) for it in items]))
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
