@@ -212,6 +212,9 @@ class Runner:
         seq_lens, grids, token_offsets = [], [], [0]
         for i, img in enumerate(images):
             t, gh, gw = img.grid_thw
+            # NOTE: one frame per patch row and one segment per item: a video (t > 1) needs the
+            # tower's frame1 rows and segments(), which this staging does not write yet.
+            assert t == 1, f"grid {img.grid_thw}: the runner stages images only, not video: this is a bug"
             h, w = img.pixels.shape[:2]
             n_bytes, n_patches = img.pixels.size, gh * gw
             assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"

@@ -7,7 +7,11 @@ step loop:
     computed on the host from grid_thw and arrives as a tensor: no `.tolist()` / `repeat_interleave`
     host syncs inside the forward;
   * the patch embedding is a Linear over one frame (768 wide) with the Conv3d weights summed over
-    t: both temporal frames of an image are equal, so this is the same function on half the input;
+    t: both temporal frames of an image are equal, so this is the same function on half the input.
+    A video's temporal group has two different frames: its rows (the last of a step) take the Conv3d
+    itself, as two Linears, one per frame (the t=0 and t=1 weight slices), over `patches` and
+    `frame1`. Otherwise a group is an image of grid (1, h, w): the same positions, and attention
+    within the group only (see segments);
   * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
     model-dtype in/out: one Triton kernel on CUDA (kernels/rotary.py; the eager chain was a third of
     the tower's time on an H200), the plain torch formula on the CPU;
@@ -129,26 +133,62 @@ def grid_geometry(grid_h: int, grid_w: int, merge: int, num_position_embeddings:
     return GridGeometry(pos_hw.numpy(), idx.numpy(), wts.to(torch.float32).numpy())
 
 
+def segments(grid_thw: tuple[int, int, int]) -> tuple[int, ...]:
+    """Patch counts of the attention segments of one image or video, in row order: one per temporal
+    group (transformers' cu_seqlens = repeat_interleave(h*w, t)); an image is one."""
+    t, h, w = grid_thw
+    assert t >= 1, f"grid {grid_thw} has no temporal group: this is a bug"
+    return (h * w,) * t
+
+
+def step_segments(grids: list[tuple[int, int, int]]) -> tuple[int, ...]:
+    """`TowerBatch.seq_lens` of a step of these grids, in order: each one's segments."""
+    return tuple(n for g in grids for n in segments(g))
+
+
+class GroupRange(NamedTuple):
+    """Temporal groups [start, stop) of one video, as a step encodes them on their own."""
+
+    grid: tuple[int, int, int]  # (stop - start, h, w): what build_batch and segments take
+    rows: slice  # the groups' patch rows among the video's T*h*w
+    tokens: slice  # their output rows among the video's T*h*w / merge**2
+
+
+def video_groups(grid_thw: tuple[int, int, int], start: int, stop: int, merge_size: int) -> GroupRange:
+    """Where groups [start, stop) of a video lie. Groups never attend to each other and their positions
+    repeat, so these groups encoded in any step (as grid (stop - start, h, w)) give exactly the rows
+    `tokens` of the whole video's output: a long video can be split across steps at group boundaries."""
+    t, h, w = grid_thw
+    assert 0 <= start < stop <= t, f"groups [{start}, {stop}) of a {t}-group video: this is a bug"
+    n, per_token = h * w, merge_size**2
+    return GroupRange((stop - start, h, w), slice(start * n, stop * n),
+                      slice(start * n // per_token, stop * n // per_token))
+
+
 class AttentionKind(enum.Enum):
     """How a step's attention runs, decided on the host per step (see attention_kind)."""
 
-    VARLEN = "varlen"  # varlen_attn over the packed batch, one segment per image (CUDA, bf16/fp16)
-    BATCHED = "batched"  # one [B, heads, L, dim] SDPA call: every image of the step has the same length
-    LOOP = "loop"  # one SDPA call per image (where varlen is not: the CPU, float32 on CUDA; never compiled)
+    VARLEN = "varlen"  # varlen_attn over the packed batch, one segment per image or group (CUDA, bf16/fp16)
+    BATCHED = "batched"  # one [B, heads, L, dim] SDPA call: every segment of the step has the same length
+    LOOP = "loop"  # one SDPA call per segment (where varlen is not: the CPU, float32 on CUDA; never compiled)
 
 
 @dataclass
 class TowerBatch:
-    """One packed step of images, on the tower's device. Images are back to back in every tensor."""
+    """One packed step, on the tower's device: images, then videos, back to back in every tensor.
+    An attention segment is an image or one temporal group of a video (see segments)."""
 
-    patches: torch.Tensor  # [N, 3*P*P] model dtype — one frame's patch rows, merge-block order
+    patches: torch.Tensor  # [N, 3*P*P] model dtype — one frame's patch rows (a group's first), merge-block order
     pos_hw: torch.Tensor  # [N, 2] int64
     interp_idx: torch.Tensor  # [N, 4] int64
     interp_w: torch.Tensor  # [N, 4] float32
-    cu_seqlens: torch.Tensor  # [B+1] int32 — patch offsets of each image (graphs: padded, see graphs.py)
-    seq_lens: tuple[int, ...]  # host copy of the per-image patch counts (no device sync to split)
+    cu_seqlens: torch.Tensor  # [S+1] int32 — patch offsets of each segment (graphs: padded, see graphs.py)
+    seq_lens: tuple[int, ...]  # [S] host copy of the per-segment patch counts (no device sync to split)
     max_seqlen: int | None = None  # host upper bound on a segment's length (CUDA graphs pass their bucket)
     attention: AttentionKind | None = None  # VARLEN or BATCHED forced on a fast device (graphs); None: attention_kind
+    # [Nv, 3*P*P] model dtype — the SECOND frame of each of the LAST Nv patch rows (video temporal
+    # groups); None: every row is an image. (The staging kernel's 768-wide rows, once per frame.)
+    frame1: torch.Tensor | None = None
 
 
 def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> AttentionKind:
@@ -315,7 +355,8 @@ class VisionTower(nn.Module):
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Derived from patch_embed.proj after the weights are loaded (see fuse_patch_embed).
-        self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)
+        self.register_buffer("frame_proj_weight", torch.empty(0), persistent=False)  # [hidden, 3*P*P]: summed over t
+        self.register_buffer("video_proj_weight", torch.empty(0), persistent=False)  # [T, hidden, 3*P*P]: per frame
         self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6, max_rows=max_block_rows(spec))
         self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
         self._compiled = None  # torch.compile'd _block_fn, once compile() was called
@@ -326,10 +367,13 @@ class VisionTower(nn.Module):
     @torch.no_grad()
     def fuse_patch_embed(self) -> None:
         """Call after loading weights: Conv3d over (t, p, p) on a frame repeated over t == Linear with
-        the weights summed over t. Summed in float32, then cast to the model dtype. Also collects each
-        block's weight tensors for the block function (they never change after loading)."""
+        the weights summed over t. Summed in float32, then cast to the model dtype. For video rows, the
+        Conv3d itself: one Linear per frame, its weight the slice at that t (columns (c, py, px), as a
+        frame's patch row). Also collects each block's weight tensors for the block function (they
+        never change after loading)."""
         w = self.patch_embed.proj.weight  # [hidden, 3, T, P, P]
         self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
+        self.video_proj_weight = w.permute(2, 0, 1, 3, 4).reshape(w.shape[2], w.shape[0], -1).contiguous()
         self._block_weights = [blk.weights() for blk in self.blocks]
 
     def compile(self) -> None:
@@ -355,7 +399,10 @@ class VisionTower(nn.Module):
         seq_lens = b.seq_lens if kind == AttentionKind.LOOP else None
         block_fn = self._compiled if (self._compiled is not None and kind != AttentionKind.LOOP) else self._block_fn
 
-        x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        if b.frame1 is None:  # images only: the fast path (and every CUDA graph)
+            x = F.linear(b.patches, self.frame_proj_weight, self.patch_embed.proj.bias)
+        else:
+            x = self._embed_with_video(b)
         pos = (self.pos_embed(b.interp_idx) * b.interp_w[:, :, None]).sum(1)  # [N, hidden] float32
         x = x + pos.to(x.dtype)
         freqs = b.pos_hw[..., None].float() * self.inv_freq  # [N, 2, D/4]
@@ -372,6 +419,26 @@ class VisionTower(nn.Module):
             if i in self.spec.deepstack_indexes:
                 taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *taps], dim=1)
+
+    def _embed_with_video(self, b: TowerBatch) -> torch.Tensor:
+        """The patch embedding of a step whose last Nv rows are video groups: [N, hidden] model dtype.
+        Image rows through the summed weight, video rows through Conv3d's t=0 slice on `patches` plus
+        its t=1 slice on `frame1`; written into one output (no cat of the whole step)."""
+        frame1, patches, bias = b.frame1, b.patches, self.patch_embed.proj.bias
+        n, nv = patches.shape[0], frame1.shape[0]
+        assert self.spec.temporal_patch_size == 2, "video rows carry two frames per group: this is a bug"
+        assert 0 < nv <= n and frame1.shape[1] == patches.shape[1] and frame1.dtype == patches.dtype, (
+            f"frame1 {tuple(frame1.shape)} {frame1.dtype} for patches {tuple(patches.shape)} {patches.dtype}: "
+            "this is a bug")
+        ni = n - nv
+        w0, w1 = self.video_proj_weight.unbind(0)  # [hidden, 3*P*P] each
+        x = patches.new_empty(n, self.spec.hidden_size)
+        if ni:
+            torch.addmm(bias, patches[:ni], self.frame_proj_weight.t(), out=x[:ni])
+        video = x[ni:]
+        torch.addmm(bias, patches[ni:], w0.t(), out=video)
+        video.addmm_(frame1, w1.t())
+        return x
 
 
 def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
@@ -407,7 +474,8 @@ def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
-    """Bidirectional attention within each image of a packed batch. q, k, v: [N, H, D] -> [N, H, D]."""
+    """Bidirectional attention within each segment (an image, a video's group) of a packed batch.
+    q, k, v: [N, H, D] -> [N, H, D]."""
     if attn.kind == AttentionKind.VARLEN:
         return _varlen_attn(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, scale=scale)
     if attn.kind == AttentionKind.BATCHED:
@@ -428,12 +496,13 @@ def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
 
 
 def build_batch(grids: list[tuple[int, int, int]], spec: TowerSpec) -> dict[str, np.ndarray]:
-    """Host arrays for a batch of grids, concatenated (used by tests and the CPU path)."""
-    geos = [grid_geometry(h, w, spec.merge_size, spec.num_position_embeddings) for (_, h, w) in grids]
-    lens = [t * h * w for (t, h, w) in grids]
+    """Host arrays for a batch of grids, concatenated (used by tests, benchmarks and start-up): a video
+    of grid (t, h, w) is t groups, each with the geometry of (h, w) and a segment of its own. The
+    matching `TowerBatch.seq_lens` is `step_segments(grids)`."""
+    geos = [(t, grid_geometry(h, w, spec.merge_size, spec.num_position_embeddings)) for (t, h, w) in grids]
     return {
-        "pos_hw": np.concatenate([g.pos_hw for g in geos]),
-        "interp_idx": np.concatenate([g.interp_idx for g in geos]),
-        "interp_w": np.concatenate([g.interp_w for g in geos]),
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        "pos_hw": np.concatenate([np.tile(g.pos_hw, (t, 1)) for t, g in geos]),
+        "interp_idx": np.concatenate([np.tile(g.interp_idx, (t, 1)) for t, g in geos]),
+        "interp_w": np.concatenate([np.tile(g.interp_w, (t, 1)) for t, g in geos]),
+        "cu_seqlens": np.concatenate([[0], np.cumsum(step_segments(grids))]).astype(np.int32),
     }

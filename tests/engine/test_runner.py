@@ -1,7 +1,7 @@
 """The Runner on the CPU: what staging writes into a slot's StepBuffers for a step of three images of
 different sizes, that running the staged step equals calling the tower on those images directly, the
 H2D copy plan of the GPU path (applied here with memmove), and that a step failing in staging gives
-its slot back."""
+its slot back; a video grid there is an assert."""
 
 from __future__ import annotations
 
@@ -123,3 +123,15 @@ def test_a_step_that_fails_in_staging_gives_its_slot_back(runner, model):
         with runner.stage(imgs) as st:
             outs.append(runner.run(st).host_out)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_a_video_grid_staged_as_an_image_is_a_bug_not_wrong_rows(runner):
+    """Staging writes one frame and one attention segment per item: a video (t > 1) would be staged
+    as one frame of h*w patches, silently wrong, so it is an assert (until staging writes video)."""
+    video = PreparedImage(pixels=np.zeros((32, 64, 3), dtype=np.uint8), grid_thw=(2, 2, 4), num_patches=16,
+                          num_tokens=4)
+    with pytest.raises(AssertionError, match="images only, not video"):
+        with runner.stage([video]):
+            pytest.fail("staging must refuse a video grid")  # pragma: no cover
+    with runner.stage(_images(seed=30)) as st:  # the slot came back
+        runner.run(st)

@@ -1,6 +1,7 @@
 """The fast tower on a CUDA GPU (skipped without one): torch.compile'd and CUDA-graph-replayed steps
 against the eager tower and a float32 reference, for 1..16 images, a mixed-size step and a step too
-large for a graph. Also: compiling happens at start-up only, never in the middle of serving."""
+large for a graph. Also: compiling happens at start-up only, never in the middle of serving; and a
+step with a video's temporal groups through varlen attention against the float32 CPU tower."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from service.engine.graphs import GraphKey
 from service.media.images import prepare_image
 from service.engine.loader import load_model
 from service.engine.runner import use_compile_cache
+from service.engine.tower import AttentionKind, TowerBatch, attention_kind, build_batch, step_segments
 from service.metrics import Metrics
 from tests import imagedata as data
 
@@ -125,3 +127,38 @@ def test_graph_replays_of_one_step_are_identical_and_independent_of_stale_paddin
     fast.encode_sync(steps["16 x 448px"])  # fills the padding rows of one image's bucket with other data
     again = torch.cat(fast.encode_sync(one))
     assert torch.equal(first, again)
+
+
+def test_a_step_with_a_video_in_bfloat16_through_varlen_attention_equals_the_float32_cpu_tower():
+    """Two images and a video of three temporal groups (two distinct frames each: the Conv3d's per-frame
+    slices, one segment per group), its rows last, in one eager bf16 step on CUDA, against the same
+    preset's float32 tower on the CPU (a seed draws the same weights on every device and dtype)."""
+    ref = load_model(Settings(model="tiny", device="cpu", dtype="float32"))
+    fast = load_model(Settings(model="tiny", device="cuda", dtype="bfloat16"))
+    spec = ref.spec
+    grids = [(1, 16, 16), (1, 8, 12), (3, 8, 12)]  # the video last, as a step stages it
+    n, nv = sum(t * h * w for t, h, w in grids), 3 * 8 * 12
+    gen = torch.Generator().manual_seed(0)
+    patches = torch.randn(n, spec.frame_patch_dim, generator=gen)  # a video group's first frame in its last rows
+    frame1 = torch.randn(nv, spec.frame_patch_dim, generator=gen)  # the video groups' second frames
+    arr = build_batch(grids, spec)
+
+    def batch(device: torch.device, dtype: torch.dtype) -> TowerBatch:
+        geometry = (torch.from_numpy(arr[k]).to(device) for k in ("pos_hw", "interp_idx", "interp_w", "cu_seqlens"))
+        return TowerBatch(patches.to(device, dtype), *geometry, seq_lens=step_segments(grids),
+                          frame1=frame1.to(device, dtype))
+
+    cuda = torch.device("cuda")
+    on_gpu = batch(cuda, torch.bfloat16)
+    assert on_gpu.seq_lens == (256, 96, 96, 96, 96)
+    assert attention_kind(on_gpu, cuda, torch.bfloat16) == AttentionKind.VARLEN
+    with torch.inference_mode():
+        out = fast.tower(on_gpu)
+        expected = ref.tower(batch(torch.device("cpu"), torch.float32))
+    assert out.shape == expected.shape == (n // 4, spec.out_width) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out.float()).all()
+    err = _rel(out.cpu(), expected)
+    video = slice((n - nv) // 4, None)
+    err_video = _rel(out[video].cpu(), expected[video])
+    print(f"2 images + a video, bf16 varlen vs fp32 CPU: rel err {err:.2e} (video rows {err_video:.2e})")
+    assert err < 2e-2 and err_video < 2e-2
