@@ -7,7 +7,8 @@ connection and sends nothing, or a few bytes of headers now and then (slowloris)
 the first byte of its next request arrives, the whole head must be in within `header_timeout_s`;
 otherwise a 408 (when some of the head came) or a plain close (when nothing came: an idle connection
 is closed as uvicorn's keep-alive timeout closes one). Between requests uvicorn's keep-alive timeout
-applies, and once the head is in, the body timeout (app._BodyLimit).
+applies, and once the head is in, the body timeout (app._BodyLimit). A head over MAX_HEAD_BYTES gets a
+431 at once: httptools has no cap of its own and buffered a 64 MB header line until the timer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import sys
 from http import HTTPStatus
 
 from service import errors
-from service.errors import BadRequest, RequestTimeout, ServiceError, Unavailable
+from service.errors import BadRequest, HeaderTooLarge, RequestTimeout, ServiceError, Unavailable
+
+# NOTE: a fixed cap, as nginx's header buffers (4 x 8 KB) are: a real request head is a few hundred
+# bytes (a browser's with cookies a few KB); h11's own cap is set above it (server_options) so both
+# protocols answer alike.
+MAX_HEAD_BYTES = 65536
 
 
 def _raw_response(err: ServiceError) -> bytes:
@@ -35,12 +41,22 @@ class HeaderTimeout:
     header_timeout_s: float = 20.0
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = False  # some of the awaited head has arrived
+    _head_len = 0  # bytes received while the head is awaited
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._awaiting_head():
+            self._head_len += len(data)
+            if self._head_len > MAX_HEAD_BYTES and not self.transport.is_closing():
+                # (counted before the parser sees the bytes: what a head may hold is bounded, not buffered)
+                self._disarm_head_timer()
+                self.transport.write(_raw_response(HeaderTooLarge(
+                    f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes")))
+                self.transport.close()
+                return
         super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
         if self._awaiting_head():
             self._head_bytes = True
@@ -70,6 +86,7 @@ class HeaderTimeout:
             self._head_timer.cancel()
             self._head_timer = None
         self._head_bytes = False
+        self._head_len = 0
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
