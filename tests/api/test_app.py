@@ -2,6 +2,7 @@
 disconnects, hostile keys, bad input, failed steps and metrics."""
 
 import hashlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -326,6 +327,10 @@ def test_api_key_guards_encode_and_metrics_but_not_health_or_ready(tmp_path, tin
             r = httpx.post(url + "/encode", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
             assert r.status_code == 200, r.text
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ready").status_code == 200
+        # /ready's details (store path, PIDs, device) only with the key; without it, just whether it is ready.
+        assert httpx.get(url + "/ready").json() == {"ready": True}
+        full = httpx.get(url + "/ready", headers={"Authorization": "Bearer new-key"}).json()
+        assert full["ready"] is True and len(full) > 1 and str(tmp_path) in json.dumps(full)
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer old-key"}).status_code == 200
     with live_server(s.model_copy(update={"api_key_metrics": False}), tiny_model) as (url, app):
