@@ -313,6 +313,12 @@ def error_body(code: str, message: str, index: int | None = None) -> dict:
     return {"error": err}
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """Client input quoted in an error message, cut to `limit` characters: an answer never echoes more
+    of what a client sent than it takes to recognise it (a 10 KB path came back whole)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, JSON body) of the answer to `err`: what every server of this project sends for
     an error, through starlette (`json_response`) or as raw bytes (api/protocol.py's early answers)."""

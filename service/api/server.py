@@ -58,10 +58,11 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         if err.status_code == 404:
-            answer = error_response(errors.NotFound(f"no such endpoint: {request.method} {request.url.path}; "
-                                                    "see /docs"))
+            answer = error_response(errors.NotFound(f"no such endpoint: {errors.clip(request.method, 16)} "
+                                                    f"{errors.clip(request.url.path)}; see /docs"))
         elif err.status_code == 405:
-            answer = error_response(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+            answer = error_response(errors.MethodNotAllowed(f"{errors.clip(request.method, 16)} is not allowed on "
+                                                            f"{errors.clip(request.url.path)}"))
         else:
             answer = error_response(errors.Relayed(err.status_code, "http_error", str(err.detail)))
         answer.headers.update(err.headers or {})  # e.g. a 405's Allow

@@ -306,6 +306,8 @@ def test_unknown_paths_and_methods_answer_the_json_error_shape(tmp_path, tiny_mo
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
         r = httpx.get(url + "/nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/nope" in r.json()["error"]["message"]
+        r = httpx.get(url + "/" + "a" * 10_000)  # not echoed whole (issue 23: a 10 KB path came back)
+        assert r.status_code == 404 and len(r.content) < 400 and "(10001 characters)" in r.json()["error"]["message"]
         r = httpx.get(url + "/encode")
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
         assert "POST" in r.headers["allow"]
