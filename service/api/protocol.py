@@ -24,6 +24,7 @@ from service.errors import BadRequest, HeaderTooLarge, RequestTimeout, ServiceEr
 # bytes (a browser's with cookies a few KB); h11's own cap is set above it (server_options) so both
 # protocols answer alike.
 MAX_HEAD_BYTES = 65536
+LINGER_S = 0.5  # how long a connection refused with 431 is still read (and dropped) before it closes
 
 
 def _raw_response(err: ServiceError) -> bytes:
@@ -42,23 +43,30 @@ class HeaderTimeout:
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = False  # some of the awaited head has arrived
     _head_len = 0  # bytes received while the head is awaited
+    _refused = False  # a 431 was sent; the connection closes after LINGER_S
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # (a 431 was sent: the rest is read and dropped until the connection closes)
+        super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
         if self._awaiting_head():
+            # NOTE: counted after the parser saw the bytes, so that a chunk that completes a head (and
+            # carries the start of its body) is not counted; the parser holds at most the cap and one read.
             self._head_len += len(data)
             if self._head_len > MAX_HEAD_BYTES and not self.transport.is_closing():
-                # (counted before the parser sees the bytes: what a head may hold is bounded, not buffered)
                 self._disarm_head_timer()
                 self.transport.write(_raw_response(HeaderTooLarge(
                     f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes")))
-                self.transport.close()
+                # NOTE: closed a moment later, reading and dropping meanwhile (nginx's lingering close):
+                # closed at once with the client's bytes unread, the kernel answers a reset, which can
+                # destroy the 431 before the client reads it.
+                self._refused = True
+                self.loop.call_later(LINGER_S, self.transport.close)
                 return
-        super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
-        if self._awaiting_head():
             self._head_bytes = True
             self._arm_head_timer()
         else:
