@@ -4,7 +4,7 @@ answers are built.
     QveError
      ├─ ServiceError          what a request is answered with (status: HTTP_STATUS; body: response())
      │   ├─ Unauthorized, BadRequest, NotFound, MethodNotAllowed, InvalidKey, KeyConflict,
-     │   │  RequestTooLarge, RequestTimeout
+     │   │  RequestTooLarge, RequestTimeout, HeaderTooLarge
      │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
      │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
      │   ├─ VideoError: NotAVideo, UnsupportedCodec, CorruptVideo, TruncatedVideo, VideoTooLarge, VideoTooLong
@@ -80,6 +80,12 @@ class RequestTooLarge(ServiceError):
     """The whole request body is over --max-request-bytes (refused before or while it is read)."""
 
     code = "request_too_large"
+
+
+class HeaderTooLarge(ServiceError):
+    """The request head (request line and headers) is over the HTTP layer's cap (api/protocol.py)."""
+
+    code = "header_too_large"
 
 
 class RequestTimeout(ServiceError):
@@ -265,6 +271,7 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (VideoError, 422),
     (RequestTooLarge, 413),
     (RequestTimeout, 408),
+    (HeaderTooLarge, 431),
     (UnsupportedFormat, 415),
     (ImageError, 422),
     (InvalidKey, 422),
@@ -304,6 +311,12 @@ def error_body(code: str, message: str, index: int | None = None) -> dict:
     if index is not None:
         err["index"] = index
     return {"error": err}
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """Client input quoted in an error message, cut to `limit` characters: an answer never echoes more
+    of what a client sent than it takes to recognise it (a 10 KB path came back whole)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:

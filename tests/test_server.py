@@ -1,5 +1,6 @@
 """The real server as its own process (python -m service serve ... on a loopback port)."""
 
+import io
 import subprocess
 import sys
 import time
@@ -146,3 +147,37 @@ def test_a_second_service_on_the_same_store_root_refuses_to_start(shared):
 def test_stalled_request_heads_are_cut_off_and_the_server_keeps_serving(shared):
     server, _ = shared
     stalled_heads_are_cut_off(server, 2.0)
+
+
+@pytest.mark.slow  # a 16-megapixel image through the CPU tower: about a minute on 2 cores
+def test_a_16_megapixel_image_on_the_cpu_is_encoded_in_bounded_memory_beside_a_small_one(tmp_path):
+    # Issue 23's finding: any legal 16 MP image on --device cpu made its step allocate 34,359,738,368 bytes
+    # (per-image attention materialised the 65,536 x 65,536 scores): a 500 echoing the allocator's text,
+    # and every image batched with it failed too. Now attention runs in SDPA's flash kernel, whose memory
+    # grows with the image: the tiny preset's step of 65,536 patches peaks at a few hundred MB.
+    from PIL import Image
+
+    from tests.live import ServiceProcess
+
+    big = Image.open(io.BytesIO(data.photo("astronaut.png"))).convert("RGB").resize((4096, 4096), Image.BICUBIC)
+    small = data.encode(data.textured_rgb(96, 96, seed=7), "PNG")
+    server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store")],
+                            tmp_path / "server.log")
+    try:
+        rss0 = _rss_mb(server.proc.pid)
+        with ThreadPoolExecutor(2) as pool:  # a small image sent beside it is answered too
+            answers = list(pool.map(lambda blob: httpx.post(server.url + "/encode", json=json_body(blob), timeout=600),
+                                    [data.encode(big, "PNG"), small]))
+        assert [r.status_code for r in answers] == [200, 200], [r.text[:300] for r in answers]
+        assert answers[0].json()["items"][0]["num_tokens"] == 16384  # 4096 x 4096 / (16 x 16 x 4): not shrunk
+        grew = _rss_mb(server.proc.pid, peak=True) - rss0
+        assert grew < 1500, f"the server's peak RSS grew by {grew:.0f} MB for one 16 MP image"
+    finally:
+        assert server.stop()
+
+
+def _rss_mb(pid: int, peak: bool = False) -> float:
+    """The process's resident set now (or its peak, VmHWM), in MB."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith(field))  # noqa: E741
+    return int(line.split()[1]) / 1024

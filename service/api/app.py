@@ -131,16 +131,18 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
 
     app.openapi = openapi
 
-    def authorize(request: Request) -> None:
+    def authorized(request: Request) -> bool:
         """With --api-key: `Authorization: Bearer <one of the keys>`, compared in constant time."""
         if not keys:
-            return
+            return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         given_b = given.strip().encode()
         # NOTE: every key is compared (no early exit), each with compare_digest: the time taken says
         # nothing about which key or how much of it matched.
-        ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys) > 0
-        if not ok:
+        return scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys) > 0
+
+    def authorize(request: Request) -> None:
+        if not authorized(request):
             raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
 
     # (response_model_exclude_none: an item names its entry by `path` or by `store_key`, not both as null)
@@ -189,8 +191,11 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                                             "type": "object", "properties": {"ready": {"type": "boolean"}},
                                             "required": ["ready"]}}}}})
     async def ready(request: Request):
-        """200 once the model is loaded and warmed up."""
+        """200 once the model is loaded and warmed up. With --api-key, the details (store, processes,
+        device, model) only to a request with the key: a load balancer's probe needs just `ready`."""
         status, body = await request.app.state.rt.readiness()
+        if not authorized(request):  # (the phase, e.g. "loading", names no path, process or device)
+            body = {k: body[k] for k in ("ready", "phase") if k in body}
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

@@ -7,7 +7,8 @@ connection and sends nothing, or a few bytes of headers now and then (slowloris)
 the first byte of its next request arrives, the whole head must be in within `header_timeout_s`;
 otherwise a 408 (when some of the head came) or a plain close (when nothing came: an idle connection
 is closed as uvicorn's keep-alive timeout closes one). Between requests uvicorn's keep-alive timeout
-applies, and once the head is in, the body timeout (app._BodyLimit).
+applies, and once the head is in, the body timeout (app._BodyLimit). A head over MAX_HEAD_BYTES gets a
+431 at once: httptools has no cap of its own and buffered a 64 MB header line until the timer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import sys
 from http import HTTPStatus
 
 from service import errors
-from service.errors import BadRequest, RequestTimeout, ServiceError, Unavailable
+from service.errors import BadRequest, HeaderTooLarge, RequestTimeout, ServiceError, Unavailable
+
+# NOTE: a fixed cap, as nginx's header buffers (4 x 8 KB) are: a real request head is a few hundred
+# bytes (a browser's with cookies a few KB); h11's own cap is set above it (server_options) so both
+# protocols answer alike.
+MAX_HEAD_BYTES = 65536
+LINGER_S = 0.5  # how long a connection refused with 431 is still read (and dropped) before it closes
 
 
 def _raw_response(err: ServiceError) -> bytes:
@@ -35,14 +42,31 @@ class HeaderTimeout:
     header_timeout_s: float = 20.0
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = False  # some of the awaited head has arrived
+    _head_len = 0  # bytes received while the head is awaited
+    _refused = False  # a 431 was sent; the connection closes after LINGER_S
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # (a 431 was sent: the rest is read and dropped until the connection closes)
         super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
         if self._awaiting_head():
+            # NOTE: counted after the parser saw the bytes, so that a chunk that completes a head (and
+            # carries the start of its body) is not counted; the parser holds at most the cap and one read.
+            self._head_len += len(data)
+            if self._head_len > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._disarm_head_timer()
+                self.transport.write(_raw_response(HeaderTooLarge(
+                    f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes")))
+                # NOTE: closed a moment later, reading and dropping meanwhile (nginx's lingering close):
+                # closed at once with the client's bytes unread, the kernel answers a reset, which can
+                # destroy the 431 before the client reads it.
+                self._refused = True
+                self.loop.call_later(LINGER_S, self.transport.close)
+                return
             self._head_bytes = True
             self._arm_head_timer()
         else:
@@ -70,6 +94,7 @@ class HeaderTimeout:
             self._head_timer.cancel()
             self._head_timer = None
         self._head_bytes = False
+        self._head_len = 0
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

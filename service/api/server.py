@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service import errors
-from service.api.protocol import header_timeout_protocol
+from service.api.protocol import MAX_HEAD_BYTES, header_timeout_protocol
 from service.config import Settings
 from service.errors import ServiceError
 
@@ -25,7 +25,8 @@ def server_options(settings: Settings) -> dict:
     are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
     uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
     return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
-            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s)}
+            "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s),
+            "h11_max_incomplete_event_size": 2 * MAX_HEAD_BYTES}  # (protocol.py's cap answers first)
 
 
 class Server(uvicorn.Server):
@@ -57,10 +58,11 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         if err.status_code == 404:
-            answer = error_response(errors.NotFound(f"no such endpoint: {request.method} {request.url.path}; "
-                                                    "see /docs"))
+            answer = error_response(errors.NotFound(f"no such endpoint: {errors.clip(request.method, 16)} "
+                                                    f"{errors.clip(request.url.path)}; see /docs"))
         elif err.status_code == 405:
-            answer = error_response(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+            answer = error_response(errors.MethodNotAllowed(f"{errors.clip(request.method, 16)} is not allowed on "
+                                                            f"{errors.clip(request.url.path)}"))
         else:
             answer = error_response(errors.Relayed(err.status_code, "http_error", str(err.detail)))
         answer.headers.update(err.headers or {})  # e.g. a 405's Allow

@@ -116,6 +116,13 @@ class ArenaReader:
             raise ValueError(f"cell {off}+{nbytes} outside arena {name!r} of {len(m)} bytes")
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off)
 
+    def forget(self, name: str) -> None:
+        """Drop this reader's mapping of `name` (its API process is gone): unmapped once the last view of
+        its cells is released, so a dead process's segment, unlinked by the supervisor, does not stay
+        mapped in the engine for its whole life (up to the arena's size per restart)."""
+        with self._lock:
+            self._maps.pop(name, None)
+
 
 def unlink_segment(name: str) -> None:
     try:

@@ -149,9 +149,11 @@ class EngineServer:
                 writer.write(FROM_ENGINE.frame(msg))
 
         conn = self.host.connect(send, self.post)
+        segments: set[str] = set()  # the arenas this connection's submits named (its API process's)
         try:
             while (msg := await TO_ENGINE.read(reader)) is not None:
                 if isinstance(msg, Submit) and msg.cell is not None:
+                    segments.add(msg.cell.segment)
                     self._submit(conn, msg, send)
                 else:
                     self.host.handle(conn, msg)
@@ -164,6 +166,8 @@ class EngineServer:
         finally:
             self.host.disconnect(conn)
             writer.close()
+            for name in segments:  # (cells still queued keep their views, and so the mapping, until released)
+                self.reader.forget(name)
 
     def _submit(self, conn, msg: Submit, send: Callable[[FromEngine], None]) -> None:
         cell = msg.cell

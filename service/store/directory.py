@@ -265,7 +265,16 @@ class EmbeddingStore:
             pass
         except (OSError, LookupError) as e:
             raise StoreOwnershipError(f"cannot create the store root {self.root}: {e}; choose another --store") from None
-        st = os.stat(self.root)
+        # NOTE: lstat, not stat: a symbolic link planted where the root will be (the default is in the
+        # world-writable /dev/shm) would have the service lock, write and evict inside the link's target,
+        # a folder of this user's that passes every check below.
+        st = os.lstat(self.root)
+        if stat.S_ISLNK(st.st_mode):
+            raise StoreOwnershipError(
+                f"the store root {self.root} is a symbolic link (to {os.readlink(self.root)}): someone could have "
+                "planted it to point the store at another folder; give --store the real path, or remove the link")
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreOwnershipError(f"the store root {self.root} is not a directory; choose another --store")
         if st.st_uid != os.geteuid():
             raise StoreOwnershipError(
                 f"the store root {self.root} belongs to uid {st.st_uid}, not to this service (uid {os.geteuid()}): "

@@ -2,6 +2,7 @@
 disconnects, hostile keys, bad input, failed steps and metrics."""
 
 import hashlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -305,6 +306,8 @@ def test_unknown_paths_and_methods_answer_the_json_error_shape(tmp_path, tiny_mo
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
         r = httpx.get(url + "/nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/nope" in r.json()["error"]["message"]
+        r = httpx.get(url + "/" + "a" * 10_000)  # not echoed whole (issue 23: a 10 KB path came back)
+        assert r.status_code == 404 and len(r.content) < 400 and "(10001 characters)" in r.json()["error"]["message"]
         r = httpx.get(url + "/encode")
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
         assert "POST" in r.headers["allow"]
@@ -326,6 +329,10 @@ def test_api_key_guards_encode_and_metrics_but_not_health_or_ready(tmp_path, tin
             r = httpx.post(url + "/encode", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
             assert r.status_code == 200, r.text
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ready").status_code == 200
+        # /ready's details (store path, PIDs, device) only with the key; without it, just whether it is ready.
+        assert httpx.get(url + "/ready").json() == {"ready": True}
+        full = httpx.get(url + "/ready", headers={"Authorization": "Bearer new-key"}).json()
+        assert full["ready"] is True and len(full) > 1 and str(tmp_path) in json.dumps(full)
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer old-key"}).status_code == 200
     with live_server(s.model_copy(update={"api_key_metrics": False}), tiny_model) as (url, app):

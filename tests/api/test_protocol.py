@@ -17,7 +17,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.api.protocol import header_timeout_protocol
+from service.api.protocol import MAX_HEAD_BYTES, header_timeout_protocol
 
 TIMEOUT = 0.6  # the head timeout under test: seconds of real time, as the server counts them
 
@@ -45,7 +45,7 @@ def _serve(base, limit: int | None = None):
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, log_level="error", lifespan="off",
                                            http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
-                                           limit_concurrency=limit))
+                                           limit_concurrency=limit, h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -154,6 +154,33 @@ def test_complete_heads_are_not_limited_slow_answers_and_slow_bodies_included(ad
         answer = _read_until_closed(c)
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert TIMEOUT * 0.9 <= time.monotonic() - t0 < TIMEOUT + 3
+
+
+def test_a_head_over_the_cap_gets_431_at_once_and_is_closed(addr):
+    # Issue 23's finding: one 64 MB header line was buffered (+51 MB RSS) until the head timer.
+    with socket.create_connection(addr, timeout=10) as c:
+        t0 = time.monotonic()
+        c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        with contextlib.suppress(OSError):  # (the server may close while more is being sent)
+            while sent < 4 * MAX_HEAD_BYTES:
+                c.sendall(b"a" * 8192)
+                sent += 8192
+        answer = _read_until_closed(c)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "header_too_large"
+    assert time.monotonic() - t0 < TIMEOUT + 0.5  # at once (then closed after a short linger), not at the head timer
+    # A head just under the cap is served.
+    with socket.create_connection(addr, timeout=10) as c:
+        c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES - 200)
+                  + b"\r\n\r\n")
+        assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+    # A small head with a large body in the same writes: the body is not the head.
+    with socket.create_connection(addr, timeout=10) as c:
+        body = b"b" * (8 * MAX_HEAD_BYTES)
+        c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        answer = _read_until_closed(c)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"bytes": %d}' % len(body)), answer[:200]
 
 
 def test_malformed_requests_get_400_in_the_json_error_shape(addr):

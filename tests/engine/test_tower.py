@@ -282,3 +282,43 @@ def test_a_video_group_of_two_equal_frames_equals_the_image_path(towers):
     diff = _max_diff(as_video, [as_images[0], torch.cat(as_images[1:])])
     print(f"video of equal frames vs the image path: max abs diff {diff:.2e}")
     assert diff <= TOL
+
+
+def test_cpu_attention_of_a_large_image_does_not_materialise_the_scores():
+    """Issue 23: on the CPU a 16-megapixel image (65,536 patches) made a step allocate 32 GiB, the n x n
+    scores of one block, and failed with a 500. The per-image attention must grow with n, not n**2: here
+    16,384 patches of 2 heads, whose scores alone would be 2 GiB, in a process of its own (peak RSS)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from service.engine.tower import AttentionKind, _Attn, _attention
+n, h, d = 16384, 2, 32
+q, k, v = (torch.randn(n, h, d) for _ in range(3))
+attn = _Attn(AttentionKind.LOOP, torch.tensor([0, n], dtype=torch.int32), 0, 0, (n,), False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = _attention(q, k, v, attn, d ** -0.5)
+assert out.shape == (n, h, d)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown = int(done.stdout.strip())
+    assert grown < 256 * 1024**2, f"attention of 16,384 patches grew the process by {grown / 1024**2:.0f} MiB"
+
+
+def test_cpu_attention_per_image_equals_the_plain_softmax_of_each_image():
+    from service.engine.tower import AttentionKind, _Attn, _attention
+
+    torch.manual_seed(3)
+    lens = (64, 40, 100)
+    n, h, d = sum(lens), 4, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 64, 104, 204], dtype=torch.int32)
+    out = _attention(q, k, v, _Attn(AttentionKind.LOOP, cu, 0, 0, lens, False), d ** -0.5)
+    parts = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each image attends only to itself
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * d ** -0.5
+        parts.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[a:b]))
+    assert torch.allclose(out, torch.cat(parts), atol=1e-10, rtol=0)

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -136,6 +137,11 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
         wait_for(lambda: len({ready_info(server)["api_pid"] for _ in range(10)} - {victim}) == 2, 60,
                  "a new API process serves")
         assert ready_info(server)["engine_pid"] == engine and alive(engine)
+        # The engine no longer maps the dead process's segment (the supervisor unlinked it: a mapping left
+        # would read "(deleted)", up to an arena's size each restart).
+        stale = lambda: [l for l in Path(f"/proc/{engine}/maps").read_text().splitlines()  # noqa: E731,E741
+                         if "/qve-" in l and "(deleted)" in l]
+        wait_for(lambda: not stale(), 10, "the engine unmaps the killed API process's arena")
         # The counters summed over API processes keep what the killed one had answered.
         text = httpx.get(server.url + "/metrics", timeout=10).text
         assert metric(text, "qve_requests_total", 'status="200"') == 4 + ok

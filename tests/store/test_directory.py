@@ -355,6 +355,26 @@ def test_the_service_owns_its_root_private_checked_and_locked(tmp_path):
             make_store(planted, exclusive=True)
 
 
+def test_a_root_that_is_a_symbolic_link_or_not_a_directory_is_refused_and_nothing_behind_it_is_touched(tmp_path):
+    # Issue 23's finding: `ln -s victimdir /dev/shm/<the default store's name>` by another local user had
+    # the service lock, evict (deleting victimdir/abc/.tmp-precious, removing abc/) and write in victimdir,
+    # a private folder of the service's own user, which passed every ownership check through the link.
+    victim = tmp_path / "victimdir"
+    (victim / "abc").mkdir(parents=True, mode=0o700)
+    os.chmod(victim, 0o700)
+    (victim / "abc" / ".tmp-precious").write_bytes(b"precious")
+    link = tmp_path / "store-root"
+    link.symlink_to(victim)
+    with pytest.raises(StoreOwnershipError, match=r"is a symbolic link \(to .*victimdir\)"):
+        make_store(link, exclusive=True)
+    assert sorted(p.name for p in victim.rglob("*")) == [".tmp-precious", "abc"]  # no .lock, nothing evicted
+    assert (victim / "abc" / ".tmp-precious").read_bytes() == b"precious"
+    not_dir = tmp_path / "a-file"
+    not_dir.write_bytes(b"x")
+    with pytest.raises(StoreOwnershipError, match="is not a directory"):
+        make_store(not_dir, exclusive=True)
+
+
 def test_a_reading_group_gets_0750_and_0640(tmp_path):
     import grp
 
