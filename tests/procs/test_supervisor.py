@@ -137,6 +137,9 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
         wait_for(lambda: len({ready_info(server)["api_pid"] for _ in range(10)} - {victim}) == 2, 60,
                  "a new API process serves")
         assert ready_info(server)["engine_pid"] == engine and alive(engine)
+        # The engine's threads are named for the kernel (child.name_os_threads), as a profile of them needs.
+        names = {(t / "comm").read_text().strip() for t in Path(f"/proc/{engine}/task").iterdir()}
+        assert {"qve-engine", "step-loop", "store-writer", "ipc-server"} <= names, names
         # The engine no longer maps the dead process's segment (the supervisor unlinked it: a mapping left
         # would read "(deleted)", up to an arena's size each restart).
         stale = lambda: [l for l in Path(f"/proc/{engine}/maps").read_text().splitlines()  # noqa: E731,E741
