@@ -1229,10 +1229,10 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             import skimage.data  # noqa: F401
         except ImportError:
             p.error("--pattern photo needs scikit-image (pip install scikit-image)")
-    if args.images:
-        folder = Path(args.images)
-        if not folder.is_dir() or not image_files(folder):
-            p.error(f"--images {args.images}: not a directory with image files ({', '.join(IMAGE_SUFFIXES)})")
+    for flag, folder, files, suffixes in (("--images", args.images, image_files, IMAGE_SUFFIXES),
+                                          ("--videos", args.videos, video_files, VIDEO_SUFFIXES)):
+        if folder and (not Path(folder).is_dir() or not files(Path(folder))):
+            p.error(f"{flag} {folder}: not a directory with {flag[2:-1]} files ({', '.join(suffixes)})")
     try:
         parse_sizes(args.sizes)
         ((vw, vh),) = parse_sizes(args.video_size)
@@ -1246,10 +1246,6 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             import av  # noqa: F401
         except ImportError:
             p.error("videos need PyAV (pip install av, or the project's `video` extra)")
-    if args.videos:
-        folder = Path(args.videos)
-        if not folder.is_dir() or not video_files(folder):
-            p.error(f"--videos {args.videos}: not a directory with video files ({', '.join(VIDEO_SUFFIXES)})")
 
 
 def run_videos(args) -> int:

@@ -112,14 +112,15 @@ def test_embeds_parts_carry_only_the_grid_and_the_key():
     assert [p["type"] for p in req["messages"][1]["content"]] == ["image_embeds", "text", "image_embeds"]
 
 
-def _route(mode: str, body, encoder_status: int = 200):
+def _route(mode: str, body, encoder_status: int = 200, items: list[dict] | None = None):
+    """`body` through a router whose encoder answers `items` (default: ITEMS, one per part) or an error."""
     seen = {"encode": [], "vllm": []}
 
     def encoder(request: httpx.Request) -> httpx.Response:
         seen["encode"].append(json.loads(request.read()))
         if encoder_status != 200:
             return httpx.Response(encoder_status, json={"error": {"code": "not_an_image", "message": "images[0]: no"}})
-        return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])]})
+        return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])] if items is None else items})
 
     def vllm(request: httpx.Request) -> httpx.Response:
         seen["vllm"].append(json.loads(request.read()))
@@ -233,31 +234,9 @@ VIDEO_ITEMS = [{"key": "k" * 64, "modality": "image", "num_tokens": 196, "grid_t
                 "frames_indices": [0, 5, 9, 14, 18, 23], "fps": 8.0, "timestamps": [0.3125, 1.4375, 2.5625]}]
 
 
-def _route_items(mode: str, body: dict, items: list[dict]):
-    seen = {"encode": [], "vllm": []}
-
-    def encoder(request: httpx.Request) -> httpx.Response:
-        seen["encode"].append(json.loads(request.read()))
-        return httpx.Response(200, json={"items": items})
-
-    def vllm(request: httpx.Request) -> httpx.Response:
-        seen["vllm"].append(json.loads(request.read()))
-        return httpx.Response(200, json={"object": "chat.completion", "choices": [{"message": {"content": "ok"}}]})
-
-    app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", mode))
-    app.state.encoders = [httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")]
-    app.state.vllm = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url="http://vllm.test")
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router.test") as c:
-            return await c.post("/v1/chat/completions", json=body)
-
-    return asyncio.run(go()), seen
-
-
 @pytest.mark.parametrize("mode", ["raw", "embeds"])
 def test_a_video_is_encoded_then_forwarded_as_sent_with_the_key_as_uuid(mode):
-    r, seen = _route_items(mode, VIDEO_CHAT, VIDEO_ITEMS)
+    r, seen = _route(mode, VIDEO_CHAT, items=VIDEO_ITEMS)
     assert r.status_code == 200, r.text
     (encoded,) = seen["encode"]  # images and videos in one /encode call, in request order
     assert encoded == {"images": [p for p in VIDEO_CHAT["messages"][0]["content"] if p["type"] != "text"]}
@@ -277,7 +256,7 @@ def test_a_video_is_encoded_then_forwarded_as_sent_with_the_key_as_uuid(mode):
 ])
 def test_media_the_router_cannot_route_is_refused_not_passed_to_vllm(part, why):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
-    r, seen = _route_items("raw", body, [])
+    r, seen = _route("raw", body, items=[])
     assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert "messages[0].content[1]" in r.json()["error"]["message"]
     assert seen == {"encode": [], "vllm": []}
@@ -287,13 +266,13 @@ def test_media_the_router_cannot_route_is_refused_not_passed_to_vllm(part, why):
                                          ("media_io_kwargs", {"video": {"num_frames": 8}})])
 def test_per_request_processor_options_beside_media_are_refused(field, value):
     """vLLM hashes them into every item's mm_hash: the uuid would no longer name the encoder's entry."""
-    r, seen = _route_items("raw", {**VIDEO_CHAT, field: value}, VIDEO_ITEMS)
+    r, seen = _route("raw", {**VIDEO_CHAT, field: value}, items=VIDEO_ITEMS)
     assert r.status_code == 400 and field in r.json()["error"]["message"] and seen == {"encode": [], "vllm": []}
     text_only = {"messages": [{"role": "user", "content": "hello"}], field: value}  # no media: nothing to miss
-    r, seen = _route_items("raw", text_only, [])
+    r, seen = _route("raw", text_only, items=[])
     assert r.status_code == 200 and seen["vllm"] == [text_only]
 
 
 def test_an_encoder_that_answers_a_video_as_an_image_is_a_502():
-    r, seen = _route_items("raw", VIDEO_CHAT, [VIDEO_ITEMS[0], {**VIDEO_ITEMS[1], "modality": "image"}])
+    r, seen = _route("raw", VIDEO_CHAT, items=[VIDEO_ITEMS[0], {**VIDEO_ITEMS[1], "modality": "image"}])
     assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch" and seen["vllm"] == []
