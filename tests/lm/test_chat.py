@@ -264,3 +264,24 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
     assert lm.prompt_text(msgs, [emb]) == by_hand == processor_text(lm.tokenizer, template, [], [video])
     with pytest.raises(BadRequest, match="placeholders"):  # a video part the template did not place
         lm.prompt_text([{"role": "user", "content": "no media"}], [emb])
+
+
+def test_a_video_entry_that_does_not_fit_is_a_502_not_a_wrong_prompt(tmp_path, tiny_checkpoint, lm):
+    """An encoder that answers a video part as an image (no video support yet), and a video entry whose
+    timestamps do not match its temporal groups, are refused before any prompt is built."""
+    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    blob = vd.clip()
+    video = video_inputs(blob)
+    root = tmp_path / "store"
+    good = _write_video_entry(root, "vid", torch.zeros(72, 144), video)
+    bad = _write_video_entry(root, "short", torch.zeros(72, 144), VideoInputs(
+        video.pixel_values_videos, video.grid_thw, video.frames_indices, video.fps, video.timestamps[:2]))
+    body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(blob, "video/mp4")}},
+                                                      {"type": "text", "text": "what is in this"}]}], "max_tokens": 2}
+    for item, says in [({**good, "modality": "image"}, "as an image for a video part"),
+                       (bad, "video timestamps [0.3125, 1.4375] for 3 temporal groups")]:
+        app = create_chat_app(ChatConfig(model=tiny_checkpoint, encoder_url="http://encoder.test", store=root), lm)
+        _encoder_answering(app, {data_url(blob, "video/mp4"): item})
+        r = _run(app, body)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch", r.text
+        assert says in r.json()["error"]["message"]
