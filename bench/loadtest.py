@@ -896,7 +896,8 @@ class Progress:
             print(f"[{elapsed:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     def stats_line(self, run: Run, verifier: Verifier | None, now: float) -> str:
-        """Requests so far; img/s and p50/p99 of the last 5 s (or the last 2,000 answers); status counts."""
+        """Requests so far; img/s (and frames/s, tokens/s with videos) and p50/p99 of the last 5 s (or the last
+        2,000 answers); status counts."""
         t = now - run.start
         recent = [r for r in run.results[-5000:] if r.t_end >= t - 5.0 and r.status == 200]
         window = min(5.0, t)
@@ -905,6 +906,9 @@ class Progress:
         parts = [f"{len(run.results)} req", f"{rate:.1f} img/s ({'last 5 s' if window >= 5.0 else 'so far'})",
                  f"p50 {percentile(lat, 50):.0f} ms" if lat else "p50 -", f"p99 {percentile(lat, 99):.0f} ms" if lat else "p99 -",
                  " ".join(f"{k}:{v}" for k, v in sorted(run.status_counts.items())) or "-"]
+        if window > 0 and any(r.videos for r in recent):  # a video run: its frames and tokens at the same rate
+            parts[2:2] = [f"{sum(r.frames for r in recent) / window:.1f} frames/s",
+                          f"{sum(r.tokens for r in recent) / window:.0f} tokens/s"]
         if run.retries:
             parts.append(f"retries {run.retries}")
         if self.args.replay_every:

@@ -888,3 +888,16 @@ def test_videos_dir_with_images_mixed_and_bad_video_arguments(lt, tmp_path, caps
             lt.main(["--url", "http://127.0.0.1:9"] + argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
     assert calls == []
+
+
+def test_the_live_line_shows_frames_and_tokens_per_second_in_a_video_run(lt):
+    import types
+
+    run = lt.Run(start=0.0)
+    run.add([lt.Result(200, 0.1, 0, t_end=t, videos=2, frames=12, tokens=144) for t in (5.5, 7.0, 9.0)])
+    line = lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)), run, None, 10.0)
+    assert "0.0 img/s (last 5 s)  7.2 frames/s  86 tokens/s  p50 100 ms" in line, line  # 36 frames, 432 tokens in 5 s
+    images_only = lt.Run(start=0.0)
+    images_only.add([lt.Result(200, 0.1, 2, t_end=9.0, tokens=32)])
+    assert "frames/s" not in lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)),
+                                                    images_only, None, 10.0)
