@@ -15,6 +15,12 @@ is a cache hit; helper processes build them before each request's clock starts, 
 service's alone. `--repeat` cycles one image per size (the cache-hit path); `--images DIR` sends your
 own files instead (cycled: from the second pass on they are cache hits).
 
+Videos (issue 22). `--generated-videos N` puts N clips in each request, made here with PyAV (H.264 in
+MP4, a pan across a generated picture: --video-size, --video-frames, --video-fps; distinct per request
+unless --repeat), `--videos DIR` sends your files instead (--videos-per-request, cycled), after the
+request's images (`--images-per-request 0`: videos only). The summary then gives videos/s, the
+frames/s of the frames the encoder sampled (its answers' frames_indices) and tokens/s beside images/s.
+
 Checks. `--replay-every N` reads every Nth answered image back from the store the way a consumer does
 (vLLM's ECExampleConnector reads `<store root>/<key>/encoder_cache.safetensors`; here with the
 project's reader, service.store.format.read_embeddings) and checks it against the answer: shape, grid_thw,
@@ -73,6 +79,7 @@ PATTERNS = ("gradient", "noise", "photo")
 # scikit-image's bundled colour photographs (no download needed).
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov", ".m4v")
 # Relative L2 error allowed between a stored embedding and the float32 reference, by the server's dtype.
 # float32: the same arithmetic (CPU: ~1e-7; CUDA float32 differs in summation order only). bfloat16:
 # bench/RESULTS.md measured 8.4e-3 (compiled, graphs) and 1.05e-2 (eager) on photographs; the CUDA tests allow 2e-2.
@@ -161,13 +168,43 @@ def encode_image(pixels: np.ndarray, fmt: str = "png") -> tuple[bytes, str]:
     raise ValueError(f"unknown format {fmt!r}; choose png or jpeg")
 
 
+def make_video(width: int, height: int, frames: int, fps: int, seed: int, pattern: str = "gradient",
+               run_seed: int = 0) -> bytes:
+    """An H.264 MP4 clip made with PyAV (no network): `frames` frames of a camera pan, each a width x height
+    window one step further across a picture 1.5 times the size (make_image's, for this seed)."""
+    import av
+    from fractions import Fraction
+
+    big = make_image(width * 3 // 2, height * 3 // 2, seed, pattern, run_seed)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = Fraction(1, fps)
+        stream.options = {"preset": "ultrafast", "crf": "23"}
+        for i in range(frames):
+            x = (big.shape[1] - width) * i // max(1, frames - 1)
+            y = (big.shape[0] - height) * i // max(1, frames - 1)
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(big[y : y + height, x : x + width]), format="rgb24")
+            frame.pts = i
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
 def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
+def is_video_url(url: str) -> bool:
+    return url.startswith("data:video/")
+
+
 def build_payload(urls: list[str]) -> dict:
-    """The JSON /encode body (OpenAI content-part shape) for a list of data URLs."""
-    return {"images": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
+    """The JSON /encode body (OpenAI content-part shapes) for a list of data URLs: `video_url` parts for
+    data:video/... URLs, `image_url` parts for the others."""
+    return {"images": [{"type": "video_url", "video_url": {"url": u}} if is_video_url(u)
+                       else {"type": "image_url", "image_url": {"url": u}} for u in urls]}
 
 
 @dataclass
@@ -181,6 +218,9 @@ class Result:
     t_end: float = 0.0  # when the answer came: time.monotonic() in the client, seconds since the start in reports
     retried: bool = False  # sent twice: the first try met a stale keep-alive connection
     error: str | None = None  # the error answer's `error.code`, or the exception's message
+    videos: int = 0  # of the request's parts, videos (`images` counts the image parts)
+    frames: int = 0  # 200 answers: the frames the encoder sampled from the videos (their frames_indices)
+    tokens: int = 0  # 200 answers: num_tokens over all items, images and videos
 
 
 @dataclass
@@ -197,6 +237,12 @@ class Summary:
     status_counts: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # requests sent a second time after a stale keep-alive connection
     errors: dict[str, int] = field(default_factory=dict)  # "429 overloaded", "error:ReadTimeout ..." -> count
+    ok_videos: int = 0
+    ok_frames: int = 0  # sampled frames of the videos answered
+    ok_tokens: int = 0  # embedding rows answered, images and videos
+    videos_per_s: float = 0.0
+    frames_per_s: float = 0.0
+    tokens_per_s: float = 0.0
 
 
 def summarize(results: list[Result], wall_s: float) -> Summary:
@@ -223,6 +269,12 @@ def summarize(results: list[Result], wall_s: float) -> Summary:
         status_counts=dict(sorted(counts.items())),
         retries=sum(r.retried for r in results),
         errors=dict(errors.most_common()),
+        ok_videos=sum(r.videos for r in ok),
+        ok_frames=sum(r.frames for r in ok),
+        ok_tokens=sum(r.tokens for r in ok),
+        videos_per_s=sum(r.videos for r in ok) / wall_s if wall_s > 0 else math.nan,
+        frames_per_s=sum(r.frames for r in ok) / wall_s if wall_s > 0 else math.nan,
+        tokens_per_s=sum(r.tokens for r in ok) / wall_s if wall_s > 0 else math.nan,
     )
 
 
@@ -257,6 +309,11 @@ def format_table(s: Summary, replay: Tally | None = None, verify: Tally | None =
         ("latency ms", f"p50 {lat['p50']:.1f}  p90 {lat['p90']:.1f}  p99 {lat['p99']:.1f}  max {lat['max']:.1f}"),
         ("status", ", ".join(f"{k}: {v}" for k, v in s.status_counts.items()) or "-"),
     ]
+    if s.ok_tokens:
+        rows[3] = ("throughput", rows[3][1] + f", {s.tokens_per_s:.1f} tokens/s")
+    if s.ok_videos:
+        rows.insert(3, ("videos ok", f"{s.ok_videos} ({s.ok_frames} frames sampled): {s.videos_per_s:.2f} videos/s, "
+                                     f"{s.frames_per_s:.1f} frames/s"))
     if s.retries:
         rows.append(("retries", f"{s.retries} (stale keep-alive connections)"))
     if s.errors:
@@ -333,6 +390,11 @@ class ImageSpec:
     fmt: str
     run_seed: int  # fresh per run by default, so --unique images are not cache hits from an earlier run
     files: tuple[str, ...] = ()  # --images DIR: these files, cycled, instead of generated images
+    videos_per_request: int = 0  # after the images in each request
+    video_files: tuple[str, ...] = ()  # --videos DIR: these files, cycled, instead of generated clips
+    video_size: tuple[int, int] = (320, 240)  # generated clips: (width, height), frames, fps
+    video_frames: int = 24
+    video_fps: int = 8
 
 
 def image_url(spec: ImageSpec, w: int, h: int, seed: int) -> str:
@@ -368,7 +430,28 @@ def request_images(spec: ImageSpec, i: int, keep_every: int = 0) -> list[tuple[s
             out.append((data_url(blob, mime), blob))
         else:
             out.append(((image_url if spec.unique else _repeated_image_url)(spec, w, h, seed), None))
+    for j in range(spec.videos_per_request):
+        flat = i * spec.videos_per_request + j
+        if spec.video_files:
+            path = spec.video_files[flat % len(spec.video_files)]
+            mime = mimetypes.guess_type(path)[0] or ""
+            out.append((data_url(Path(path).read_bytes(), mime if mime.startswith("video/") else "video/mp4"), None))
+        else:
+            out.append(((video_url if spec.unique else _repeated_video_url)(spec, flat if spec.unique else 0), None))
     return out
+
+
+def video_url(spec: ImageSpec, seed: int) -> str:
+    w, h = spec.video_size
+    return data_url(make_video(w, h, spec.video_frames, spec.video_fps, seed, spec.pattern, spec.run_seed), "video/mp4")
+
+
+_repeated_video_url = functools.lru_cache(maxsize=4)(video_url)
+
+
+def video_files(folder: Path) -> list[str]:
+    """The video files directly in `folder` (by suffix), sorted: what --videos DIR sends."""
+    return sorted(str(p) for p in folder.iterdir() if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES)
 
 
 def image_files(folder: Path) -> list[str]:
@@ -496,14 +579,19 @@ async def _client(cfg: ClientConfig, sink, stop, go, info: dict) -> None:
         t1 = time.monotonic()
         if lag is not None:
             out.lags.append(lag)
+        videos = sum(is_video_url(url) for url, _ in images)
         if isinstance(answer, Exception):
             out.results.append(Result(f"error:{type(answer).__name__}", t1 - t0, 0, 0, t1, retried, str(answer)[:120] or None))
             return
         if answer.status_code != 200:
-            out.results.append(Result(answer.status_code, t1 - t0, len(images), 0, t1, retried, _error_code(answer)))
+            out.results.append(Result(answer.status_code, t1 - t0, len(images) - videos, 0, t1, retried,
+                                      _error_code(answer), videos=videos))
             return
         items = answer.json()["items"]
-        out.results.append(Result(200, t1 - t0, len(images), sum(bool(it.get("cached")) for it in items), t1, retried))
+        frames = sum(len(it.get("frames_indices") or ()) for it in items if it.get("modality") == "video")
+        out.results.append(Result(200, t1 - t0, len(images) - videos, sum(bool(it.get("cached")) for it in items), t1,
+                                  retried, videos=videos, frames=frames,
+                                  tokens=sum(int(it.get("num_tokens", 0)) for it in items)))
         for j, item in enumerate(items):
             flat = i * spec.images_per_request + j
             if not cfg.replay_every or flat % cfg.replay_every:
@@ -808,7 +896,8 @@ class Progress:
             print(f"[{elapsed:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     def stats_line(self, run: Run, verifier: Verifier | None, now: float) -> str:
-        """Requests so far; img/s and p50/p99 of the last 5 s (or the last 2,000 answers); status counts."""
+        """Requests so far; img/s (and frames/s, tokens/s with videos) and p50/p99 of the last 5 s (or the last
+        2,000 answers); status counts."""
         t = now - run.start
         recent = [r for r in run.results[-5000:] if r.t_end >= t - 5.0 and r.status == 200]
         window = min(5.0, t)
@@ -817,6 +906,9 @@ class Progress:
         parts = [f"{len(run.results)} req", f"{rate:.1f} img/s ({'last 5 s' if window >= 5.0 else 'so far'})",
                  f"p50 {percentile(lat, 50):.0f} ms" if lat else "p50 -", f"p99 {percentile(lat, 99):.0f} ms" if lat else "p99 -",
                  " ".join(f"{k}:{v}" for k, v in sorted(run.status_counts.items())) or "-"]
+        if window > 0 and any(r.videos for r in recent):  # a video run: its frames and tokens at the same rate
+            parts[2:2] = [f"{sum(r.frames for r in recent) / window:.1f} frames/s",
+                          f"{sum(r.tokens for r in recent) / window:.0f} tokens/s"]
         if run.retries:
             parts.append(f"retries {run.retries}")
         if self.args.replay_every:
@@ -852,8 +944,12 @@ def run_load(args, verifier: Verifier | None, quiet: bool = False) -> Run:
     """Start the clients (a thread for one, processes for more), collect what they report, show progress.
     The first Ctrl-C stops the clients (their requests in flight are cancelled) and returns what was
     collected; a second one stops waiting for them."""
+    vw, vh = parse_sizes(args.video_size)[0]
     spec = ImageSpec(tuple(parse_sizes(args.sizes)), args.images_per_request, args.unique, args.pattern, args.format,
-                     args.seed, tuple(image_files(Path(args.images))) if args.images else ())
+                     args.seed, tuple(image_files(Path(args.images))) if args.images else (),
+                     videos_per_request=run_videos(args),
+                     video_files=tuple(video_files(Path(args.videos))) if args.videos else (),
+                     video_size=(vw, vh), video_frames=args.video_frames, video_fps=args.video_fps)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     configs = client_configs(args, spec, headers)
     run = Run()
@@ -1080,7 +1176,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--timeout-s", type=float, default=300.0, help="per-request timeout")
     load.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="wait this long for /ready")
     img = p.add_argument_group("images")
-    img.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    img.add_argument("--images-per-request", type=int, default=1, help="images in each request (0: videos only)")
     img.add_argument("--sizes", default="256x256", help="WIDTHxHEIGHT list, cycled over the images")
     mode = img.add_mutually_exclusive_group()
     mode.add_argument("--unique", dest="unique", action="store_true", default=True, help="no two images alike")
@@ -1091,6 +1187,15 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--seed", type=int, default=None, help="image seed (default: a fresh one per run, in the report)")
     img.add_argument("--gen-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                      help="processes that build the images (split over the client processes)")
+    vid = p.add_argument_group("videos")
+    vids = vid.add_mutually_exclusive_group()
+    vids.add_argument("--generated-videos", type=int, default=0, metavar="N",
+                      help="N clips in each request, made here with PyAV (H.264 in MP4)")
+    vids.add_argument("--videos", metavar="DIR", help=f"send the video files in DIR ({', '.join(VIDEO_SUFFIXES)}), cycled")
+    vid.add_argument("--videos-per-request", type=int, default=1, help="--videos: files in each request")
+    vid.add_argument("--video-size", default="320x240", help="generated clips: WIDTHxHEIGHT (even numbers)")
+    vid.add_argument("--video-frames", type=int, default=24, help="generated clips: frames")
+    vid.add_argument("--video-fps", type=int, default=8, help="generated clips: frames per second")
     chk = p.add_argument_group("checks")
     chk.add_argument("--replay-every", type=int, default=0, metavar="N", help="read every Nth answered image back from the store")
     chk.add_argument("--store-root", type=Path, default=None, help="the server's --store (default: its default)")
@@ -1114,10 +1219,11 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(p: argparse.ArgumentParser, args) -> None:
     if not args.allow_remote and not is_loopback_url(args.url):
         p.error(f"{args.url} is not a loopback address; load tests target 127.0.0.1 (or pass --allow-remote)")
-    if min(args.concurrency, args.requests, args.images_per_request, args.gen_workers, args.processes,
+    with_videos = bool(args.generated_videos or args.videos)
+    if min(args.concurrency, args.requests, args.images_per_request + with_videos, args.gen_workers, args.processes,
            args.max_in_flight) < 1 or args.duration_s <= 0 or args.rate < 0 or args.replay_every < 0 or args.verify_every < 1:
-        p.error("--concurrency, --requests, --images-per-request, --gen-workers, --processes, --max-in-flight, "
-                "--duration-s and --verify-every must be positive; --rate and --replay-every not negative")
+        p.error("--concurrency, --requests, --images-per-request (0 with videos), --gen-workers, --processes, "
+                "--max-in-flight, --duration-s and --verify-every must be positive; --rate and --replay-every not negative")
     if not args.rate and args.concurrency < args.processes:
         p.error(f"--concurrency {args.concurrency} is less than --processes {args.processes}: each process needs one")
     if args.verify and not args.replay_every:
@@ -1127,14 +1233,27 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             import skimage.data  # noqa: F401
         except ImportError:
             p.error("--pattern photo needs scikit-image (pip install scikit-image)")
-    if args.images:
-        folder = Path(args.images)
-        if not folder.is_dir() or not image_files(folder):
-            p.error(f"--images {args.images}: not a directory with image files ({', '.join(IMAGE_SUFFIXES)})")
+    for flag, folder, files, suffixes in (("--images", args.images, image_files, IMAGE_SUFFIXES),
+                                          ("--videos", args.videos, video_files, VIDEO_SUFFIXES)):
+        if folder and (not Path(folder).is_dir() or not files(Path(folder))):
+            p.error(f"{flag} {folder}: not a directory with {flag[2:-1]} files ({', '.join(suffixes)})")
     try:
         parse_sizes(args.sizes)
+        ((vw, vh),) = parse_sizes(args.video_size)
     except ValueError as e:
         p.error(str(e))
+    if args.generated_videos < 0 or min(args.videos_per_request, args.video_frames, args.video_fps) < 1 or vw % 2 or vh % 2:
+        p.error("--generated-videos must not be negative; --videos-per-request, --video-frames and --video-fps must be "
+                "positive; --video-size even (H.264 in yuv420p)")
+    if with_videos:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            p.error("videos need PyAV (pip install av, or the project's `video` extra)")
+
+
+def run_videos(args) -> int:
+    return args.generated_videos or (args.videos_per_request if args.videos else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1189,7 +1308,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out or plot:
         title = (f"{server.get('model')} on {server.get('device')} ({server.get('dtype')}): "
                  + (f"--rate {args.rate:g}" if args.rate else f"--concurrency {args.concurrency}")
-                 + f", {args.images_per_request} image(s)/request, {args.sizes}")
+                 + f", {args.images_per_request} image(s)/request, {args.sizes}"
+                 + (f", {run_videos(args)} video(s)/request" if run_videos(args) else ""))
         report = build_report(args, server, summary, run, verifier, None)
         if plot:
             plot_written = write_plot(plot, report, title)

@@ -768,3 +768,136 @@ def test_help_shows_every_default(lt):
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and action.dest != "help":
             assert f"(default: {action.default})" in text, action.option_strings
     assert "(default: http://127.0.0.1:8080)" in text
+
+
+# ---- videos (issue 22): against a stub that answers /encode as the contract says ----------------------
+class _VideoEncoder(http.server.BaseHTTPRequestHandler):
+    """/ready, and /encode answering each part as the encoder does once it takes video: a video's item has
+    modality, grid_thw, num_tokens, frames_indices, fps and timestamps, from this project's own header read
+    and sampling (media/video.py) of the clip it was sent; an image's, a fixed 1x8x8 grid. Every body kept."""
+
+    bodies: list = []
+
+    def _answer(self, status: int, doc: dict) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        self._answer(200, {"ready": True, "model": "stub", "device": "cpu", "dtype": "float32"})
+
+    def do_POST(self):  # noqa: N802
+        from service.media.video import VideoLimits, VideoParams, clip_size, read_header, sample_indices, timestamps
+
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        items = []
+        for p in body["images"]:
+            if p["type"] == "video_url":
+                blob = base64.b64decode(p["video_url"]["url"].partition(",")[2])
+                header = read_header(blob, VideoLimits())
+                params = VideoParams()
+                idx = sample_indices(header.frames, header.fps, params)
+                h, w = clip_size(len(idx), header.height, header.width, params)
+                grid = [-(-len(idx) // 2), h // 16, w // 16]
+                items.append({"key": f"v{len(items)}", "modality": "video", "grid_thw": grid,
+                              "num_tokens": grid[0] * grid[1] * grid[2] // 4, "frames_indices": idx, "fps": header.fps,
+                              "timestamps": timestamps(idx, header.fps, 2), "cached": False})
+            else:
+                items.append({"key": f"i{len(items)}", "modality": "image", "grid_thw": [1, 8, 8], "num_tokens": 16,
+                              "cached": False})
+        self._answer(200, {"items": items})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def video_stub():
+    pytest.importorskip("av", reason="PyAV makes and reads the clips (the `video` extra)")
+    handler = type("Handler", (_VideoEncoder,), {"bodies": []})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", handler.bodies
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_generated_videos_are_real_clips_distinct_per_request(lt):
+    from service.media.video import VideoLimits, read_header
+
+    spec = lt.ImageSpec(((64, 64),), 0, True, "gradient", "png", 7, videos_per_request=2, video_size=(160, 120),
+                        video_frames=12, video_fps=6)
+    urls = lt.request_urls(spec, 0) + lt.request_urls(spec, 1)
+    assert len(urls) == 4 and len(set(urls)) == 4 and all(lt.is_video_url(u) for u in urls)
+    header = read_header(base64.b64decode(urls[0].partition(",")[2]), VideoLimits())
+    assert (header.codec, header.width, header.height, header.fps, header.frames) == ("h264", 160, 120, 6.0, 12)
+    repeat = lt.ImageSpec(((64, 64),), 1, False, "gradient", "png", 7, videos_per_request=1)
+    assert lt.request_urls(repeat, 0)[1] == lt.request_urls(repeat, 5)[1]  # --repeat: one clip, cache hits
+    payload = lt.build_payload(lt.request_urls(repeat, 0))
+    assert [p["type"] for p in payload["images"]] == ["image_url", "video_url"]
+    assert payload["images"][1]["video_url"]["url"].startswith("data:video/mp4;base64,")
+
+
+def test_a_video_run_reports_videos_frames_and_tokens_per_second(lt, tmp_path, capsys, video_stub):
+    url, bodies = video_stub
+    out = tmp_path / "v.json"
+    rc = lt.main(["--url", url, "--generated-videos", "2", "--images-per-request", "0", "--video-size", "160x120", "--video-frames", "24",
+                  "--video-fps", "8", "--requests", "5", "--concurrency", "2", "--gen-workers", "1", "--quiet",
+                  "--out", str(out)])
+    assert rc == 0
+    assert len(bodies) == 5 and all([p["type"] for p in b["images"]] == ["video_url"] * 2 for b in bodies)  # no images
+    s = json.loads(out.read_text())["summary"]
+    # 24 frames at 8 fps: 6 sampled frames, grid 3 x 8 x 12 (clip_size raises 120x160 to 128x192): 72 tokens each
+    assert (s["ok_requests"], s["ok_images"], s["ok_videos"], s["ok_frames"], s["ok_tokens"]) == (5, 0, 10, 60, 720)
+    assert s["frames_per_s"] == pytest.approx(60 / s["wall_s"]) and s["tokens_per_s"] == pytest.approx(720 / s["wall_s"])
+    assert s["videos_per_s"] == pytest.approx(10 / s["wall_s"])
+    printed = capsys.readouterr().out
+    assert "videos ok   10 (60 frames sampled)" in printed and "frames/s" in printed and "tokens/s" in printed
+
+
+def test_videos_dir_with_images_mixed_and_bad_video_arguments(lt, tmp_path, capsys, video_stub, monkeypatch):
+    url, bodies = video_stub
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for k in range(2):
+        (folder / f"c{k}.mp4").write_bytes(lt.make_video(96, 64, 10, 5, k))
+    (folder / "notes.txt").write_text("not a video")
+    out = tmp_path / "d.json"
+    rc = lt.main(["--url", url, "--videos", str(folder), "--sizes", "64x64",
+                  "--requests", "4", "--concurrency", "1", "--gen-workers", "1", "--quiet", "--out", str(out)])
+    assert rc == 0
+    sent = [[p.get("video_url", p.get("image_url"))["url"] for p in b["images"]] for b in bodies]
+    assert all(b[0].startswith("data:image/png") and b[1].startswith("data:video/mp4") for b in sent)
+    assert len({b[1] for b in sent}) == 2  # the folder's two files, cycled
+    s = json.loads(out.read_text())["summary"]
+    assert (s["ok_images"], s["ok_videos"]) == (4, 4) and s["ok_frames"] == 4 * 4  # 10 frames at 5 fps: min_frames 4
+    capsys.readouterr()
+    calls = _no_traffic(monkeypatch, lt)
+    for argv, message in [(["--videos", str(tmp_path)], "not a directory with video files"),
+                          (["--generated-videos", "1", "--video-size", "161x120"], "even"),
+                          (["--generated-videos", "1", "--videos", str(folder)], "not allowed with"),
+                          (["--images-per-request", "0"], "(0 with videos)")]:
+        with pytest.raises(SystemExit) as exc:
+            lt.main(["--url", "http://127.0.0.1:9"] + argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+    assert calls == []
+
+
+def test_the_live_line_shows_frames_and_tokens_per_second_in_a_video_run(lt):
+    import types
+
+    run = lt.Run(start=0.0)
+    run.add([lt.Result(200, 0.1, 0, t_end=t, videos=2, frames=12, tokens=144) for t in (5.5, 7.0, 9.0)])
+    line = lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)), run, None, 10.0)
+    assert "0.0 img/s (last 5 s)  7.2 frames/s  86 tokens/s  p50 100 ms" in line, line  # 36 frames, 432 tokens in 5 s
+    images_only = lt.Run(start=0.0)
+    images_only.add([lt.Result(200, 0.1, 2, t_end=9.0, tokens=32)])
+    assert "frames/s" not in lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)),
+                                                    images_only, None, 10.0)

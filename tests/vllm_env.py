@@ -28,31 +28,35 @@ PACKAGES = [VLLM, "psutil==7.2.2", "pyzmq==27.3.0", "cbor2==6.3.0", "openai-harm
             "sniffio==1.3.1", "cachetools==8.0.2", "cloudpickle==3.1.3", "py-cpuinfo==9.0.0", "xgrammar==0.2.8",
             "apache-tvm-ffi==0.1.11", "partial-json-parser==0.2.1.1.post7", "llguidance==1.7.6"]
 
+# vLLM's default video decoder (its `opencv` codec; vLLM requires opencv-python-headless >= 4.13), for the
+# video-loading test only: its own directory beside vLLM's, so the connector tests' install stays as it is.
+OPENCV = ["opencv-python-headless==5.0.0.93"]
+
 _FOUND: dict[str, object] = {}
 
 
-def _target() -> Path:
+def _target(name: str = VLLM) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "qwen3vl-encoder" / VLLM.replace("==", "-")
+    return cache / "qwen3vl-encoder" / name.replace("==", "-")
 
 
-def _install(target: Path) -> str:
-    """Install PACKAGES into `target` unless there already; '' or why it failed (pip's last lines)."""
+def _install(target: Path, packages: list[str] = PACKAGES) -> str:
+    """Install `packages` into `target` unless there already; '' or why it failed (pip's last lines)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     stamp = target / ".complete"
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (another test run on this machine may be installing it now)
-        if stamp.exists() and stamp.read_text().split() == PACKAGES:
+        if stamp.exists() and stamp.read_text().split() == packages:
             return ""
         tmp = target.parent / f"{target.name}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               "--no-deps", "--no-compile", "--target", str(tmp), *PACKAGES],
+                               "--no-deps", "--no-compile", "--target", str(tmp), *packages],
                               capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             return " / ".join((done.stderr or done.stdout).strip().splitlines()[-3:]) or f"pip exited {done.returncode}"
-        (tmp / ".complete").write_text("\n".join(PACKAGES))
+        (tmp / ".complete").write_text("\n".join(packages))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return ""
@@ -71,3 +75,16 @@ def vllm_env() -> dict[str, str]:
     if isinstance(_FOUND["env"], str):
         pytest.skip(f"vLLM 0.33 cannot be installed here ({_FOUND['env']})")
     return dict(_FOUND["env"])
+
+
+def vllm_video_env() -> dict[str, str]:
+    """vllm_env() with OpenCV on the path too, so vLLM's video loader decodes as vLLM serving does; skips
+    the calling test, saying why, where either cannot be installed here."""
+    env = vllm_env()
+    if "opencv" not in _FOUND:
+        target = _target(OPENCV[0])
+        _FOUND["opencv"] = _install(target, OPENCV) or str(target)
+    if not os.path.isdir(str(_FOUND["opencv"])):
+        pytest.skip(f"OpenCV (vLLM's video decoder) cannot be installed here ({_FOUND['opencv']})")
+    env["PYTHONPATH"] = os.pathsep.join([str(_FOUND["opencv"]), env["PYTHONPATH"]])
+    return env

@@ -1,17 +1,21 @@
 """The LM side: an OpenAI-style chat endpoint answered by Qwen3-VL's language model, which reads each
-image's embeddings from the encoder's store and never runs the vision tower.
+image's and video's embeddings from the encoder's store and never runs the vision tower.
 
     python -m service consume --model CHECKPOINT_DIR --encoder-url http://127.0.0.1:8080 --store DIR --port 8090
 
-Per request (`POST /v1/chat/completions`, a subset of OpenAI's: text and `image_url` content parts,
-`max_tokens`, greedy decoding only):
-  1. every image part goes to the encoder's `/encode` (the same content-part shape, one call for all)
-     -> key, grid_thw, num_tokens;
+Per request (`POST /v1/chat/completions`, a subset of OpenAI's: text, `image_url` and `video_url` content
+parts, `max_tokens`, greedy decoding only):
+  1. every image and video part goes to the encoder's `/encode` (the same content-part shapes, one call
+     for all) -> key, modality, grid_thw, num_tokens;
   2. the key's entry is read from the store (store/reader.py: a directory, or Mooncake Store) -> the main
-     embeddings and the deepstack features;
-  3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per embedding row;
+     embeddings, the deepstack features and, for a video, its timestamps;
+  3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per image embedding row, and
+     each video's `<|video_pad|>` expanded as Qwen3VLProcessor.replace_video_token does: per temporal
+     group `<{t:.1f} seconds><|vision_start|>` + one `<|video_pad|>` per row + `<|vision_end|>`;
   4. transformers' Qwen3-VL generates greedily from the embeddings (`mm_encoder_outputs`), taking
-     the 3-D rotary positions from grid_thw, and the answer carries OpenAI's `usage` counts.
+     the 3-D rotary positions from image_grid_thw / video_grid_thw and mm_token_type_ids (its
+     get_rope_index splits a video into one grid per temporal group, with the timestamp text between),
+     and the answer carries OpenAI's `usage` counts.
 A key evicted between the encoder's answer and the read is re-requested once; still missing -> 424.
 Errors are the encoder's JSON error shape: `{"error": {"code", "message"}}`.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 import uuid
@@ -70,9 +75,22 @@ class TextPart(BaseModel):
     text: str
 
 
+class VideoURL(BaseModel):
+    url: str = Field(description="data:video/...;base64,... or an http(s) URL on the encoder's allow-list")
+
+
+class VideoPart(BaseModel):
+    """A video as /encode takes it (issue 22's contract). NOTE: the encoder's own schema (api/schemas.py)
+    gains the same part with its video support; this one goes when both are merged."""
+
+    type: Literal["video_url"] = "video_url"
+    video_url: VideoURL
+    uuid: str | None = Field(None, description="optional store key; default: content hash")
+
+
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]]
 
 
 class ChatRequest(BaseModel):
@@ -99,8 +117,11 @@ class LanguageModel:
         self.model = Qwen3VLForConditionalGeneration.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
         self.device, self.dtype = torch.device(cfg.device), dtype
         mc = self.model.config
-        self.image_token_id = mc.image_token_id
+        self.image_token_id, self.video_token_id = mc.image_token_id, mc.video_token_id
         self.image_pad = self.tokenizer.convert_ids_to_tokens(mc.image_token_id)
+        self.video_pad = self.tokenizer.convert_ids_to_tokens(mc.video_token_id)
+        self.vision_start = self.tokenizer.convert_ids_to_tokens(mc.vision_start_token_id)
+        self.vision_end = self.tokenizer.convert_ids_to_tokens(mc.vision_end_token_id)
         self.hidden_size = mc.text_config.hidden_size
         self.deepstack_levels = len(mc.vision_config.deepstack_visual_indexes)
         self.merge = mc.vision_config.spatial_merge_size
@@ -108,41 +129,71 @@ class LanguageModel:
         self.name = cfg.model.resolve().name
         self._lock = threading.Lock()  # generate() is not re-entrant on one model
 
-    def prompt_ids(self, messages: list[dict], image_tokens: list[int]) -> list[int]:
-        """The chat template's text with each image placeholder expanded to its embedding rows."""
+    def prompt_text(self, messages: list[dict], media: list[StoredEmbeddings]) -> str:
+        """The chat template's text with each placeholder expanded, in order: an image's `<|image_pad|>` to
+        its rows, a video's `<|video_pad|>` to Qwen3VLProcessor.replace_video_token's text (transformers 5.x
+        replaces the bare video token, so the template's own `<|vision_start|>`/`<|vision_end|>` around it
+        stay; vLLM's Qwen3-VL processor does the same for transformers >= 5.10)."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        pieces = text.split(self.image_pad)
-        if len(pieces) - 1 != len(image_tokens):
-            raise BadRequest(f"the chat template placed {len(pieces) - 1} image placeholders for "
-                                                f"{len(image_tokens)} images")
-        text = pieces[0] + "".join(self.image_pad * n + p for n, p in zip(image_tokens, pieces[1:]))
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = re.split(f"({re.escape(self.image_pad)}|{re.escape(self.video_pad)})", text)
+        found = [("image" if p == self.image_pad else "video") for p in pieces[1::2]]
+        if found != [e.modality for e in media]:
+            raise BadRequest(f"the chat template placed placeholders for {found or 'nothing'}, the request has "
+                             f"{[e.modality for e in media] or 'no media'}")
+        out = [pieces[0]]
+        for e, after in zip(media, pieces[2::2]):
+            out.append(self.image_pad * e.main.shape[0] if e.modality == "image" else self.video_text(e))
+            out.append(after)
+        return "".join(out)
 
-    def generate(self, input_ids: list[int], images: list[StoredEmbeddings], max_new_tokens: int) -> list[int]:
+    def video_text(self, e: StoredEmbeddings) -> str:
+        """A video's placeholder text: per temporal group its time, then its rows between vision markers."""
+        t, h, w = e.grid_thw
+        per_group = h * w // self.merge**2
+        return "".join(f"<{s:.1f} seconds>" + self.vision_start + self.video_pad * per_group + self.vision_end
+                       for s in e.timestamps)
+
+    def prompt_ids(self, messages: list[dict], media: list[StoredEmbeddings]) -> list[int]:
+        return self.tokenizer(self.prompt_text(messages, media), add_special_tokens=False)["input_ids"]
+
+    def generate(self, input_ids: list[int], media: list[StoredEmbeddings], max_new_tokens: int) -> list[int]:
+        """Greedy tokens after `input_ids`, with `media` (images and videos, prompt order) as the encoder
+        outputs: transformers scatters each modality's rows into its own placeholders and its deepstack
+        features at those positions, and takes the rotary positions from the grids (get_rope_index)."""
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
         ids = torch.tensor([input_ids], device=self.device)
-        kwargs = {}
-        if images:
-            cast = lambda t: t.to(self.device, self.dtype)  # noqa: E731
-            kwargs = dict(
-                image_grid_thw=torch.tensor([e.grid_thw for e in images], device=self.device),
-                mm_token_type_ids=(ids == self.image_token_id).int(),
-                mm_encoder_outputs={"image": BaseModelOutputWithDeepstackFeatures(
-                    pooler_output=tuple(cast(e.main) for e in images),
-                    deepstack_features=[tuple(cast(e.deepstack[i]) for e in images) for i in range(self.deepstack_levels)],
-                )},
+        kwargs: dict = {}
+        cast = lambda t: t.to(self.device, self.dtype)  # noqa: E731
+        outputs = {}
+        for modality in ("image", "video"):
+            items = [e for e in media if e.modality == modality]
+            if not items:
+                continue
+            kwargs[f"{modality}_grid_thw"] = torch.tensor([e.grid_thw for e in items], device=self.device)
+            outputs[modality] = BaseModelOutputWithDeepstackFeatures(
+                pooler_output=tuple(cast(e.main) for e in items),
+                deepstack_features=[tuple(cast(e.deepstack[i]) for e in items) for i in range(self.deepstack_levels)],
             )
+        if outputs:  # Qwen3-VL's token types: 0 text, 1 image, 2 video
+            kwargs["mm_token_type_ids"] = (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
+            kwargs["mm_encoder_outputs"] = outputs
         with self._lock, torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False, eos_token_id=sorted(self.eos_ids) or None,
                                       pad_token_id=self.tokenizer.pad_token_id, **kwargs)
         return out[0, len(input_ids):].tolist()
 
-    def check(self, key: str, emb: StoredEmbeddings, num_tokens: int) -> None:
-        """The stored tensor must be what this LM consumes (vLLM checks none of this and truncates)."""
+    def check(self, key: str, emb: StoredEmbeddings, item: dict) -> None:
+        """The stored tensor must be what this LM consumes (vLLM checks none of this and truncates), and
+        the entry the modality the encoder answered."""
         t, h, w = emb.grid_thw
+        num_tokens = item["num_tokens"]
         problems = []
+        if emb.modality != item.get("modality", "image"):
+            problems.append(f"the entry is an {emb.modality}, the encoder answered a {item.get('modality', 'image')}")
+        if emb.modality == "video" and (emb.timestamps is None or len(emb.timestamps) != t):
+            problems.append(f"video timestamps {emb.timestamps} for {t} temporal groups")
         if emb.main.shape != (num_tokens, self.hidden_size):
             problems.append(f"main embeddings {tuple(emb.main.shape)}, expected ({num_tokens}, {self.hidden_size})")
         if len(emb.deepstack) != self.deepstack_levels:
@@ -162,8 +213,8 @@ class Chat:
         self.reader = open_reader(cfg.store, local_host=cfg.mooncake_local_host) if is_mooncake(cfg.store) else \
             open_reader(cfg.store)
 
-    async def encode(self, parts: list[ImagePart]) -> list[dict]:
-        """POST the image parts to the encoder; its items, in order. Its 4xx/503 pass through as ours."""
+    async def encode(self, parts: list[ImagePart | VideoPart]) -> list[dict]:
+        """POST the image and video parts to the encoder; its items, in order. Its 4xx/503 pass through as ours."""
         body = {"images": [p.model_dump(exclude_none=True) for p in parts]}
         try:
             r, _ = await apost(self.http, "/encode", json=body)  # retried once if the connection was stale
@@ -181,7 +232,7 @@ class Chat:
             raise Relayed(status, code, message, int(retry) if retry and retry.isdigit() else None)
         return r.json()["items"]
 
-    async def embeddings(self, parts: list[ImagePart]) -> list[tuple[dict, StoredEmbeddings]]:
+    async def embeddings(self, parts: list[ImagePart | VideoPart]) -> list[tuple[dict, StoredEmbeddings]]:
         items = await self.encode(parts) if parts else []
         out = []
         for part, item in zip(parts, items):
@@ -193,7 +244,14 @@ class Chat:
             if emb is None:
                 raise EmbeddingsMissing(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
                                         "hold it: is --store the encoder's store root, and is the store large enough?")
-            self.lm.check(item["key"], emb, item["num_tokens"])
+            sent = "image" if isinstance(part, ImagePart) else "video"
+            if item.get("modality", "image") != sent:
+                raise BadGateway(f"the encoder answered {item['key']!r} as an {item.get('modality', 'image')} for a "
+                                 f"{sent} part: does it take videos (issue 22)?", code="embeddings_mismatch")
+            try:
+                self.lm.check(item["key"], emb, item)
+            except StoreFormatError as e:
+                raise BadGateway(f"store entry {item['key']!r}: {e}", code="embeddings_mismatch") from None
             out.append((item, emb))
         return out
 
@@ -219,15 +277,15 @@ class Chat:
                 continue
             content = []
             for p in m.content:
-                if isinstance(p, ImagePart):
+                if isinstance(p, (ImagePart, VideoPart)):
                     parts.append(p)
-                    content.append({"type": "image"})
+                    content.append({"type": "image" if isinstance(p, ImagePart) else "video"})
                 else:
                     content.append({"type": "text", "text": p.text})
             messages.append({"role": m.role, "content": content})
-        images = await self.embeddings(parts)
-        input_ids = self.lm.prompt_ids(messages, [item["num_tokens"] for item, _ in images])
-        new = await asyncio.to_thread(self.lm.generate, input_ids, [e for _, e in images], req.max_tokens)
+        media = [e for _, e in await self.embeddings(parts)]
+        input_ids = self.lm.prompt_ids(messages, media)
+        new = await asyncio.to_thread(self.lm.generate, input_ids, media, req.max_tokens)
         finish = "stop" if new and new[-1] in self.lm.eos_ids else "length"
         choice = {"index": 0, "finish_reason": finish,
                   "message": {"role": "assistant", "content": self.lm.tokenizer.decode(new, skip_special_tokens=True)}}
@@ -242,7 +300,7 @@ class Chat:
 def create_chat_app(cfg: ChatConfig, lm: LanguageModel) -> FastAPI:
     chat = Chat(cfg, lm)
     app = FastAPI(title="Qwen3-VL LM consumer", version="0.1.0",
-                  description="Answers chat requests from image embeddings the encoder service stored.")
+                  description="Answers chat requests from the image and video embeddings the encoder service stored.")
     app.state.chat = chat
     started = int(time.time())
     install_error_handlers(app)

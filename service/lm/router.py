@@ -10,7 +10,13 @@ Two ways to forward an image (`--image-parts`):
   * `embeds` (vLLM >= 0.33, reported, not run here): a metadata-only `image_embeds` part, only
     `image_grid_thw` (a base64 `torch.save` of the [t, h, w] tensor, as vLLM decodes embeds) plus
     `"uuid": key`, so no pixels travel to the LM tier.
-Everything else in the request is forwarded untouched, and vLLM's answer is returned as it is.
+A video (`video_url` part, issue 22) is encoded the same way and forwarded as sent plus `"uuid": key`,
+in either mode: vLLM's processor decodes it for its grid and frame timestamps (docs/vllm.md says which
+vLLM settings make its frame sampling the encoder's), the encoder cache supplies the embeddings.
+Everything else in the request is forwarded untouched, and vLLM's answer is returned as it is, except what
+would let vLLM fetch or encode media itself (and so pass by the encoder's URL allow-list, or miss its
+entry): a content part this router does not route (`input_image`, `audio_url`, a part without `type`,
+...), and per-request `mm_processor_kwargs` / `media_io_kwargs` beside media, are refused with a 400.
 
 Several encoder hosts (`--encoder-url` a comma-separated list; with a store that spans hosts, Mooncake
 Store): each image goes to the host its hash picks (`encoder_for`: its uuid, else its URL, data URLs
@@ -57,11 +63,11 @@ class RouterConfig:
 
 
 def encoder_for(part: dict, n: int) -> int:
-    """Which of `n` encoder hosts gets this image part: a hash of its uuid, else of its URL (a data URL
-    holds the image's bytes), the same in every router process (blake2b, not Python's salted hash)."""
+    """Which of `n` encoder hosts gets this image or video part: a hash of its uuid, else of its URL (a data
+    URL holds the media's bytes), the same in every router process (blake2b, not Python's salted hash)."""
     if n == 1:
         return 0
-    name = part.get("uuid") or (part.get("image_url") or {}).get("url") or ""
+    name = part.get("uuid") or (part.get("image_url") or part.get("video_url") or {}).get("url") or ""
     return int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=8).digest(), "little") % n
 
 
@@ -72,19 +78,47 @@ def tensor_base64(t: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def image_parts(chat: dict) -> list[dict]:
-    """The request's `image_url` content parts, in order (the dicts themselves, to be rewritten)."""
-    return [p for m in chat.get("messages", []) if isinstance(m.get("content"), list)
-            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+ENCODED = ("image_url", "video_url")  # what goes to /encode first, then to vLLM with the key as uuid
+# Parts forwarded as they are: text, and image embeddings a client computed (vLLM fetches nothing for them).
+PASSED = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "image_embeds"})
+# Request fields that vLLM 0.33 hashes with every media item (vllm/multimodal/processing/inputs.py,
+# get_mm_hashes): with them a uuid is no longer the mm_hash, and the EC connector misses the entry.
+HASHED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+def media_parts(chat: dict) -> list[dict]:
+    """The request's `image_url` and `video_url` content parts, in order (the dicts themselves, to be
+    rewritten). BadRequest for what the router cannot route: any other part vLLM would read as media
+    (it also infers a part's type from its keys), or per-request options that change vLLM's mm_hash."""
+    parts = []
+    for i, m in enumerate(chat.get("messages", [])):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, p in enumerate(content if isinstance(content, list) else []):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ENCODED:
+                parts.append(p)
+            elif kind not in PASSED:
+                shown = f"type {kind!r}" if kind is not None else "no type"
+                raise BadRequest(f"messages[{i}].content[{j}] has {shown}: this router sends text, image_url and "
+                                 "video_url parts (each through the encoder) and image_embeds; vLLM would read "
+                                 "any other part itself, passing by the encoder. Send images as image_url and "
+                                 "videos as video_url, with their type")
+    for field in HASHED_FIELDS:
+        if parts and chat.get(field):
+            raise BadRequest(f"{field} with images or videos: vLLM hashes them into each item's mm_hash, so it "
+                             "would not find the encoder's entry and would encode the media itself. Leave them "
+                             "out; set frame sampling on the vLLM server (docs/vllm.md, 'Video')")
+    return parts
 
 
 def vllm_request(chat: dict, items: list[dict], mode: ImageParts) -> dict:
-    """The request to send vLLM: `chat` with each image part tied to its encoder item (same order)."""
+    """The request to send vLLM: `chat` with each image and video part tied to its encoder item (same
+    order). A video part stays as sent in either mode: vLLM's processor needs its frames (grid, timestamps)."""
     out = copy.deepcopy(chat)
-    parts = image_parts(out)
-    assert len(parts) == len(items), f"{len(items)} encoder items for {len(parts)} images: this is a bug"
+    parts = media_parts(out)
+    assert len(parts) == len(items), f"{len(items)} encoder items for {len(parts)} media parts: this is a bug"
     for part, item in zip(parts, items):
-        if mode == "raw":
+        if mode == "raw" or part["type"] == "video_url":
             part["uuid"] = item["key"]
         else:
             part.clear()
@@ -134,13 +168,22 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
             return error_response(BadRequest(f"the body is not JSON: {e}"))
         if not isinstance(chat, dict):
             return error_response(BadRequest("the body must be a JSON object"))
-        parts = image_parts(chat)
+        try:
+            parts = media_parts(chat)
+        except BadRequest as e:
+            return error_response(e)
         items: list[dict] = []
         if parts:
-            answer = await encode([{k: v for k, v in p.items() if k in ("type", "image_url", "uuid")} for p in parts])
+            answer = await encode([{k: v for k, v in p.items() if k in ("type", *ENCODED, "uuid")} for p in parts])
             if isinstance(answer, Response):
                 return answer
             items = answer
+            for i, (part, item) in enumerate(zip(parts, items)):
+                sent = "video" if part["type"] == "video_url" else "image"
+                if item.get("modality", "image") != sent:
+                    return error_response(BadGateway(
+                        f"the encoder answered media part {i} ({sent}) as an {item.get('modality', 'image')}: "
+                        "does it take videos (issue 22)?", code="embeddings_mismatch"))
         try:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
         except httpx.HTTPError as e:

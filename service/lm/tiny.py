@@ -15,11 +15,13 @@ SPECIAL_TOKENS = {"<|image_pad|>": 500, "<|video_pad|>": 501, "<|vision_start|>"
                   "<|im_start|>": 504, "<|im_end|>": 505, "<|endoftext|>": 506}
 WORDS = ["user", "assistant", "system", "describe", "the", "image", "images", "what", "is", "in", "this",
          "compare", "two", "and", "a", "photo", "of", "cat", "you", "are", "helpful"]
-# Qwen3-VL's chat markup, reduced to what the tiny model needs: image parts become the vision placeholders.
+# Qwen3-VL's chat markup, reduced to what the tiny model needs: image and video parts become the vision
+# placeholders (the real template's, `<|vision_start|><|video_pad|><|vision_end|>` for a video).
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -55,7 +55,7 @@ class EntryLoad:
     """One entry a step loads."""
 
     held: Held
-    num_tokens: int  # the image tokens vLLM placed (its processor's count), checked against the entry's rows
+    num_tokens: int  # the image or video tokens vLLM placed (its processor's count), checked against the entry's rows
 
 
 @dataclass
@@ -144,8 +144,9 @@ class EncoderStoreConnector(ECConnectorBase):
                                        "its load (a Mooncake host lost with its segment, or a directory entry "
                                        "evicted where the scheduler's handle cannot be reached)") from None
                 if ec_cache.shape[0] != load.num_tokens:
-                    log.warning("entry %r has %d rows where vLLM placed %d image tokens: the encoder's and vLLM's "
-                                "preprocessing (pixel limits) disagree; give both the same checkpoint",
+                    log.warning("entry %r has %d rows where vLLM placed %d tokens: the encoder's and vLLM's "
+                                "preprocessing disagree (pixel limits; for a video, its frame sampling too: "
+                                "docs/vllm.md, 'Video'); give both the same checkpoint and settings",
                                 key, ec_cache.shape[0], load.num_tokens)
                 encoder_cache[key] = ec_cache.to(self._target_device())
             if load.held.hold:

@@ -287,6 +287,46 @@ class StoredEmbeddings:
     grid_thw: tuple[int, int, int]  # the LM needs it for Qwen3-VL's 3-D rotary positions
     metadata: dict[str, str]  # the raw safetensors __metadata__ (string values, lists JSON-encoded)
 
+    # A video entry's metadata also has modality "video", frames_indices, fps (the source's) and timestamps
+    # (one per temporal group: media/video.timestamps); entries without `modality` are images.
+    @property
+    def modality(self) -> str:
+        m = self.metadata.get("modality", "image")
+        if m not in ("image", "video"):
+            raise StoreFormatError(f"metadata modality {m!r}: expected 'image' or 'video'")
+        return m
+
+    @property
+    def timestamps(self) -> list[float] | None:
+        """A video's seconds per temporal group, what Qwen3-VL's prompt writes as `<{t:.1f} seconds>`;
+        None for an image."""
+        v = self._json("timestamps")
+        if v is not None and not (isinstance(v, list) and all(isinstance(t, (int, float)) for t in v)):
+            raise StoreFormatError(f"metadata timestamps {self.metadata['timestamps']!r}: expected a list of numbers")
+        return None if v is None else [float(t) for t in v]
+
+    @property
+    def frames_indices(self) -> list[int] | None:
+        v = self._json("frames_indices")
+        if v is not None and not (isinstance(v, list) and all(type(i) is int for i in v)):
+            raise StoreFormatError(f"metadata frames_indices {self.metadata['frames_indices']!r}: expected a list of ints")
+        return v
+
+    @property
+    def fps(self) -> float | None:
+        v = self._json("fps")
+        if v is not None and not isinstance(v, (int, float)):
+            raise StoreFormatError(f"metadata fps {self.metadata['fps']!r}: expected a number")
+        return None if v is None else float(v)
+
+    def _json(self, key: str):
+        if key not in self.metadata:
+            return None
+        try:
+            return json.loads(self.metadata[key])
+        except json.JSONDecodeError:
+            raise StoreFormatError(f"metadata {key} {self.metadata[key]!r} is not JSON") from None
+
 
 def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbeddings:
     """Read `<root>/<key>/encoder_cache.safetensors` and split it into main + deepstack embeddings.

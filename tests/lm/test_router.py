@@ -51,7 +51,20 @@ class VllmTextPart(_Strict):
     text: str
 
 
-PART = {"image_url": VllmImageURLPart, "image_embeds": VllmImageEmbedsPart, "text": VllmTextPart}
+class _VideoURL(_Strict):
+    url: str
+
+
+class VllmVideoURLPart(_Strict):
+    """CustomChatCompletionContentSimpleVideoParam's typed form: `video_url: {url}` plus the media `uuid`."""
+
+    type: Literal["video_url"]
+    video_url: _VideoURL
+    uuid: str | None = None
+
+
+PART = {"image_url": VllmImageURLPart, "image_embeds": VllmImageEmbedsPart, "text": VllmTextPart,
+        "video_url": VllmVideoURLPart}
 
 
 def _check_vllm_schema(request: dict) -> list[BaseModel]:
@@ -99,14 +112,15 @@ def test_embeds_parts_carry_only_the_grid_and_the_key():
     assert [p["type"] for p in req["messages"][1]["content"]] == ["image_embeds", "text", "image_embeds"]
 
 
-def _route(mode: str, body, encoder_status: int = 200):
+def _route(mode: str, body, encoder_status: int = 200, items: list[dict] | None = None):
+    """`body` through a router whose encoder answers `items` (default: ITEMS, one per part) or an error."""
     seen = {"encode": [], "vllm": []}
 
     def encoder(request: httpx.Request) -> httpx.Response:
         seen["encode"].append(json.loads(request.read()))
         if encoder_status != 200:
             return httpx.Response(encoder_status, json={"error": {"code": "not_an_image", "message": "images[0]: no"}})
-        return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])]})
+        return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])] if items is None else items})
 
     def vllm(request: httpx.Request) -> httpx.Response:
         seen["vllm"].append(json.loads(request.read()))
@@ -208,3 +222,57 @@ def test_route_started_on_port_0_logs_the_port_it_was_given_and_answers_there(tm
         assert httpx.get(router.url + "/health", timeout=10).json() == {"status": "ok"}
     finally:
         assert router.stop()
+
+
+# ---- video (issue 22) -----------------------------------------------------------------------------------
+VIDEO_CHAT = {"messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_url(b"png-a")}},
+    {"type": "video_url", "video_url": {"url": data_url(b"mp4-v", "video/mp4")}},
+    {"type": "text", "text": "what happens"}]}]}
+VIDEO_ITEMS = [{"key": "k" * 64, "modality": "image", "num_tokens": 196, "grid_thw": [1, 28, 28]},
+               {"key": "v" * 64, "modality": "video", "num_tokens": 72, "grid_thw": [3, 8, 12],
+                "frames_indices": [0, 5, 9, 14, 18, 23], "fps": 8.0, "timestamps": [0.3125, 1.4375, 2.5625]}]
+
+
+@pytest.mark.parametrize("mode", ["raw", "embeds"])
+def test_a_video_is_encoded_then_forwarded_as_sent_with_the_key_as_uuid(mode):
+    r, seen = _route(mode, VIDEO_CHAT, items=VIDEO_ITEMS)
+    assert r.status_code == 200, r.text
+    (encoded,) = seen["encode"]  # images and videos in one /encode call, in request order
+    assert encoded == {"images": [p for p in VIDEO_CHAT["messages"][0]["content"] if p["type"] != "text"]}
+    (forwarded,) = seen["vllm"]
+    parts = _check_vllm_schema(forwarded)
+    (video,) = [p for p in parts if isinstance(p, VllmVideoURLPart)]
+    # vLLM uses the uuid verbatim as the video's mm_hash (no per-request kwargs): the encoder's key
+    assert video.uuid == "v" * 64 and video.video_url.url == data_url(b"mp4-v", "video/mp4")
+    assert type(parts[0]) is (VllmImageURLPart if mode == "raw" else VllmImageEmbedsPart) and parts[0].uuid == "k" * 64
+
+
+@pytest.mark.parametrize("part,why", [
+    ({"video_url": {"url": "http://elsewhere.test/v.mp4"}}, "no type"),  # vLLM infers video_url from the key
+    ({"type": "input_image", "image_url": "http://elsewhere.test/a.png"}, "'input_image'"),
+    ({"type": "audio_url", "audio_url": {"url": "http://elsewhere.test/a.wav"}}, "'audio_url'"),
+    ({"type": "video_embeds", "video_embeds": None, "uuid": "v"}, "'video_embeds'"),
+])
+def test_media_the_router_cannot_route_is_refused_not_passed_to_vllm(part, why):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    r, seen = _route("raw", body, items=[])
+    assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    assert "messages[0].content[1]" in r.json()["error"]["message"]
+    assert seen == {"encode": [], "vllm": []}
+
+
+@pytest.mark.parametrize("field,value", [("mm_processor_kwargs", {"fps": 4}),
+                                         ("media_io_kwargs", {"video": {"num_frames": 8}})])
+def test_per_request_processor_options_beside_media_are_refused(field, value):
+    """vLLM hashes them into every item's mm_hash: the uuid would no longer name the encoder's entry."""
+    r, seen = _route("raw", {**VIDEO_CHAT, field: value}, items=VIDEO_ITEMS)
+    assert r.status_code == 400 and field in r.json()["error"]["message"] and seen == {"encode": [], "vllm": []}
+    text_only = {"messages": [{"role": "user", "content": "hello"}], field: value}  # no media: nothing to miss
+    r, seen = _route("raw", text_only, items=[])
+    assert r.status_code == 200 and seen["vllm"] == [text_only]
+
+
+def test_an_encoder_that_answers_a_video_as_an_image_is_a_502():
+    r, seen = _route("raw", VIDEO_CHAT, items=[VIDEO_ITEMS[0], {**VIDEO_ITEMS[1], "modality": "image"}])
+    assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch" and seen["vllm"] == []
