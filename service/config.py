@@ -193,6 +193,18 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
 
 
+@dataclass(frozen=True, kw_only=True)
+class VideoLimits:
+    """Checked from a video's header before any frame is decoded (media/video.read_header), except the
+    decode deadline."""
+
+    max_bytes: int = 256 * 1024**2  # the encoded file
+    max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
+    max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
+    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
+    max_decode_s: float = 60.0  # wall time of one video's decode
+
+
 def _named_device(d: str) -> bool:
     """cpu, cuda or cuda:N (what --device takes besides auto, and each --devices entry)."""
     return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
@@ -336,6 +348,16 @@ class Settings(BaseSettings):
                                    "before it is decoded")
     max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
+    video_max_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest encoded video; larger is a 413, before it "
+                                   "is decoded (a JSON body is also bounded by --max-request-bytes)")
+    video_max_duration_s: float = Field(20 * 60.0, gt=0, description="longest video by its header; longer is a 413, "
+                                        "before any frame is decoded")
+    video_max_frames: int = Field(60 * 60 * 30, gt=0, description="most frames a video's stream may have by its header "
+                                  "(what a decode walks through); more is a 413, before any frame is decoded")
+    video_max_frame_pixels: int = Field(3840 * 2160, gt=0, description="largest width x height of a video's frames by "
+                                        "its header; larger is a 413, before any frame is decoded")
+    video_max_decode_s: float = Field(60.0, gt=0, description="wall time one video's decode may take; longer is "
+                                      "stopped and answered 413")
 
     # batching and admission
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
@@ -469,6 +491,12 @@ class Settings(BaseSettings):
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(max_bytes=self.video_max_bytes, max_duration_s=self.video_max_duration_s,
+                           max_frames=self.video_max_frames, max_frame_pixels=self.video_max_frame_pixels,
+                           max_decode_s=self.video_max_decode_s)
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,

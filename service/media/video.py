@@ -27,20 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.config import VideoLimits  # (the Settings' limits: defined there, beside ImageLimits)
 from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
 
 # The decoders PyAV's wheel carries that we accept: what browsers and phones record, and what vLLM's
 # video loaders are tested on. Anything else is UnsupportedCodec (415), named.
 CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
-
-
-@dataclass(frozen=True, kw_only=True)
-class VideoLimits:
-    max_bytes: int = 256 * 1024**2  # the encoded file
-    max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
-    max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
-    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
-    max_decode_s: float = 60.0  # wall time of one video's decode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +146,9 @@ def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
             if not streams:
                 raise NotAVideo("the file has no video stream" + (" (only audio)" if container.streams.audio else ""))
             s = streams[0]
-            codec = s.codec_context.name if s.codec_context is not None else "unknown"
+            # NOTE: the codec's canonical name, not its decoder's: PyAV decodes AV1 with a decoder named
+            # 'libdav1d' (and could pick 'libvpx-vp9' for VP9), whose codec is 'av1'.
+            codec = s.codec_context.codec.canonical_name if s.codec_context is not None else "unknown"
             width, height = s.codec_context.width, s.codec_context.height
             rate = float(s.average_rate or s.guessed_rate or 0)
             duration = (float(s.duration * s.time_base) if s.duration is not None and s.time_base is not None
