@@ -265,3 +265,4 @@ def timestamps(indices: list[int], video_fps: float, temporal_patch_size: int) -
     padded = list(indices) + [indices[-1]] * (-len(indices) % t)
     seconds = [i / video_fps for i in padded]
     return [(seconds[i] + seconds[i + t - 1]) / 2 for i in range(0, len(seconds), t)]
+
