@@ -24,11 +24,15 @@ import io
 import math
 import time
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from service.config import VideoLimits  # (the Settings' limits: defined there, beside ImageLimits)
 from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
+
+if TYPE_CHECKING:
+    import numpy as np
+# NOTE: numpy is imported where it is used: VideoParams travels in engine/messages.py, which API processes
+# import without numpy.
 
 # The decoders PyAV's wheel carries that we accept: what browsers and phones record, and what vLLM's
 # video loaders are tested on. Anything else is UnsupportedCodec (415), named.
@@ -177,6 +181,8 @@ def sample_indices(total_frames: int, video_fps: float, params: VideoParams) -> 
     """The frame indices transformers' Qwen3VLVideoProcessor.sample_frames picks (its `fps` mode):
     num = clamp(int(total / video_fps * fps), min_frames, max_frames, total), spread uniformly over
     [0, total - 1] and rounded (numpy's round: half to even). do_sample_frames false: every frame."""
+    import numpy as np
+
     if not params.do_sample_frames:
         return list(range(total_frames))
     num = int(total_frames / video_fps * params.fps)
@@ -189,6 +195,7 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
     frame dropped as soon as it is decoded. TruncatedVideo when the stream ends before the last index
     (a header that promised more frames than there are); VideoTooLong past the decode deadline."""
     import av
+    import numpy as np
 
     want = sorted(set(indices))
     assert want == list(indices), "indices must be ascending and distinct: this is a bug"
