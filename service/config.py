@@ -24,6 +24,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.limits import VideoLimits  # (stdlib only: media/video.py takes it without pydantic)
+
 
 def default_store_dir() -> Path:
     # /dev/shm is RAM-backed and shared between containers that mount it: the LM consumer reads
@@ -191,18 +193,6 @@ class ImageLimits:
     max_image_bytes: int = 32 * 1024 * 1024
     max_input_pixels: int = 64_000_000  # width * height as declared in the header
     max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
-
-
-@dataclass(frozen=True, kw_only=True)
-class VideoLimits:
-    """Checked from a video's header before any frame is decoded (media/video.read_header), except the
-    decode deadline."""
-
-    max_bytes: int = 256 * 1024**2  # the encoded file
-    max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
-    max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
-    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
-    max_decode_s: float = 60.0  # wall time of one video's decode
 
 
 def _named_device(d: str) -> bool:

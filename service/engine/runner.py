@@ -110,7 +110,6 @@ class Runner:
         pp = spec.patch_size**2
         # A step holds up to the token budget, or one image above it (such an image runs alone), or one
         # temporal group of the largest video frame (a longer video is split across steps by the loop).
-        self.video = model.video
         self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp,
                                max_group_patches(model.video))
         self.max_images = options.max_batch_images

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from service.config import VideoLimits  # (the Settings' limits: defined there, beside ImageLimits)
+from service.limits import VideoLimits  # (Settings.video_limits: service/limits.py says why it is there)
 from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
 
 if TYPE_CHECKING:

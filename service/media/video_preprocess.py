@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.config import VideoLimits
+from service.limits import VideoLimits
 from service.errors import CorruptVideo, VideoTooLarge
 from service.media.preprocess import patch_rows
 from service.media.video import VideoHeader, VideoParams, clip_size, decode_frames, sample_indices, timestamps

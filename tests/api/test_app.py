@@ -725,8 +725,12 @@ def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside
     from tests import videodata as vd
 
     mkv = vd.clip("mpeg4", "matroska")
+    corrupt = bytearray(vd.clip())  # H.264 in MP4: its index intact, 3 kB of its frames overwritten
+    at = len(corrupt) // 5
+    corrupt[at : at + 3000] = bytes(i * 37 % 256 for i in range(3000))
     cases = {  # name -> (the file, its status, its code)
         "garbage": (b"\x1a\x45\xdf\xa3" + b"\x00\x01" * 1000, 422, "not_a_video"),
+        "corrupt frames": (bytes(corrupt), 422, "corrupt_video"),
         "truncated": (mkv[: len(mkv) // 2], 422, "truncated_video"),
         "audio only": (vd.audio_only(), 422, "not_a_video"),
         "unsupported codec": (vd.clip("ffv1", "matroska"), 415, "unsupported_codec"),
@@ -737,7 +741,8 @@ def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside
     }
     words = {"audio only": "only audio", "unsupported codec": "'ffv1' is not supported", "two hours by its header":
              "the limit is 1200 s", "8K frames": "7680x4320", "truncated": "ends after",
-             "more tokens than the queue holds": "more than the queue ever holds (200", "one frame": "at least 2"}
+             "more tokens than the queue holds": "more than the queue ever holds (200", "one frame": "at least 2",
+             "corrupt frames": "cannot be decoded at frame"}
     with live_server(_settings(tmp_path, max_wait_ms=300, max_queue_tokens=200), tiny_model) as (url, app):
         # One hostile request at a time (the queue holds 200 tokens: a clip of 72 and an image of 70), images beside.
         with ThreadPoolExecutor(3) as pool:
