@@ -24,6 +24,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.limits import VideoLimits  # (stdlib only: media/video.py takes it without pydantic)
+
 
 def default_store_dir() -> Path:
     # /dev/shm is RAM-backed and shared between containers that mount it: the LM consumer reads
@@ -336,6 +338,16 @@ class Settings(BaseSettings):
                                    "before it is decoded")
     max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
+    video_max_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest encoded video; larger is a 413, before it "
+                                   "is decoded (a JSON body is also bounded by --max-request-bytes)")
+    video_max_duration_s: float = Field(20 * 60.0, gt=0, description="longest video by its header; longer is a 413, "
+                                        "before any frame is decoded")
+    video_max_frames: int = Field(60 * 60 * 30, gt=0, description="most frames a video's stream may have by its header "
+                                  "(what a decode walks through); more is a 413, before any frame is decoded")
+    video_max_frame_pixels: int = Field(3840 * 2160, gt=0, description="largest width x height of a video's frames by "
+                                        "its header; larger is a 413, before any frame is decoded")
+    video_max_decode_s: float = Field(60.0, gt=0, description="wall time one video's decode may take; longer is "
+                                      "stopped and answered 413")
 
     # batching and admission
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
@@ -469,6 +481,12 @@ class Settings(BaseSettings):
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(max_bytes=self.video_max_bytes, max_duration_s=self.video_max_duration_s,
+                           max_frames=self.video_max_frames, max_frame_pixels=self.video_max_frame_pixels,
+                           max_decode_s=self.video_max_decode_s)
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,

@@ -153,7 +153,8 @@ def test_api_processes_default_fits_the_machine(monkeypatch):
 
 
 # ---- sizes: `4GiB`, `1.5GB` or bytes ------------------------------------------------------------------
-SIZE_SETTINGS = ["store_capacity_bytes", "mooncake_segment_bytes", "max_request_bytes", "max_image_bytes", "arena_bytes"]
+SIZE_SETTINGS = ["store_capacity_bytes", "mooncake_segment_bytes", "max_request_bytes", "max_image_bytes", "video_max_bytes",
+                 "arena_bytes"]
 
 
 def test_every_byte_count_setting_is_a_size():

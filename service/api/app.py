@@ -54,9 +54,13 @@ _REQUEST_DEFS = _REQUEST_SCHEMA.pop("$defs", {})
 
 def _item(answer: Answer) -> EncodedItem:
     stored = answer.stored
+    video = stored.video
     return EncodedItem(key=stored.key, num_tokens=stored.num_tokens, grid_thw=list(stored.grid_thw),
                        shape=list(stored.shape), dtype=stored.dtype, cached=answer.cached, path=stored.path,
-                       store_key=stored.store_key)
+                       store_key=stored.store_key, modality=stored.modality,
+                       frames_indices=None if video is None else list(video.frames_indices),
+                       fps=None if video is None else video.fps,
+                       timestamps=None if video is None else list(video.timestamps))
 
 
 # ---- the app --------------------------------------------------------------------------------------

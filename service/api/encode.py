@@ -1,13 +1,14 @@
 """Encode orchestration, behind the HTTP layer: keys, claims, decode, submit, and waiting for the answers.
 
 `encode(rt, inputs, client_gone)` takes parsed inputs (bytes, an optional uuid, where they were fetched
-from) and answers one `Answer` per image, in order, or None if the client went away first. It never
+from, image or video) and answers one `Answer` per input, in order, or None if the client went away first. It never
 sees an HTTP request: app.py parses, calls it, and maps its answers and ServiceErrors to HTTP. One path
 for every kind of process: the engine host (engine/host.py) decides hits, coalescing and admission,
 whether it runs in this process or in an engine process (api/runtime.py says how it is reached).
 
 Per request:
-    keys     each image's key (its uuid or a content hash) and header tokens, in one thread hop
+    keys     each image's key (its uuid or a content hash) and header tokens, in one thread hop; a video's
+             from its container header (no frame decoded): its sampled frames, clip size and so its tokens
     admit    one Claim per distinct key, all in flight at once: Hit | Pending (joined) | Grant
     decode   each granted image decoded, then submitted under its grant
     encode   every Pending answered (or the client gone: everything of the request given back)
@@ -25,18 +26,22 @@ from typing import NamedTuple
 from service.api.runtime import Decoded, Runtime
 from service.engine.client import Pending
 from service.engine.messages import Grant, Hit
-from service.errors import BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, at_index
+from service.errors import (BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, VideoError, VideoTooLarge,
+    at_index)
+from service.media import video as media_video
 from service.media.images import ImageHeader, header_tokens, read_header
+from service.media.video_preprocess import plan_video
 from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
 
 @dataclass
 class Input:
-    """One image of a request, as parsed (app.py)."""
+    """One image or video of a request, as parsed (app.py)."""
 
     data: bytes
     uuid: str | None
     source: str | None = None  # the URL it was fetched from (errors must not echo fetched content)
+    video: bool = False  # a video part (`video_url`, or a multipart `video` file)
 
 
 class Answer(NamedTuple):
@@ -72,8 +77,8 @@ class Phases:
 class _Keyed(NamedTuple):
     key: str  # the store key: the client's uuid, or the content key
     sha256: str  # of the image's bytes
-    header: ImageHeader  # read once, here; the decode reuses it
-    tokens: int  # output tokens by its header (1 when the header is unusable: the decode says why)
+    header: ImageHeader | media_video.VideoHeader  # read once, here; the decode reuses it
+    tokens: int  # output tokens by its header (1 when an image's header is unusable: the decode says why)
 
 
 async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
@@ -111,9 +116,13 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     # ahead of its grant. A speculative decode whose claim is not a grant gives its pixels back.
     loop = asyncio.get_running_loop()
     early: dict[str, asyncio.Future] = {}
+    def start_decode(i: int) -> Awaitable[Decoded]:
+        if inputs[i].video:
+            return decoder.decode_video(inputs[i].data, keyed[i].header, rt.video)
+        return decoder.decode(inputs[i].data, keyed[i].header, rt.params)
+
     if engines.travels and rt.requests_in_flight == 0:
-        early = {key: loop.create_task(decoder.decode(inputs[i].data, keyed[i].header, rt.params))
-                 for key, i in firsts.items()}
+        early = {key: loop.create_task(start_decode(i)) for key, i in firsts.items()}
     rt.requests_in_flight += 1
 
     def release_when_done(f: asyncio.Future) -> None:
@@ -127,7 +136,7 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     async def decode_and_submit(key: str, grant: Grant) -> None:
         i = firsts[key]
         try:
-            decoded: Decoded = await (early.pop(key, None) or decoder.decode(inputs[i].data, keyed[i].header, rt.params))
+            decoded: Decoded = await (early.pop(key, None) or start_decode(i))
         except Exception as p:
             raise _decode_failure(inputs, i, p)
         try:
@@ -188,6 +197,12 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     return [answers[k.key] for k in keyed]
 
 
+def video_salt(salt: bytes, video: media_video.VideoParams) -> bytes:
+    """A video's part of the content key: the model's salt and every video setting (sampling, sizes,
+    normalization), so the same file under other video settings is another key, and never an image's."""
+    return salt + b"|video|" + repr(video).encode()
+
+
 def content_key(salt: bytes, sha256: bytes) -> str:
     """The key of an image sent without a uuid: a hash of the model and preprocessing (`salt`) and of the
     image bytes' SHA-256, so the same bytes under another model are another key; its prefix keeps it out
@@ -207,22 +222,52 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
     params, limits, salt = rt.params, rt.settings.image_limits, rt.key_salt
+    vsalt = video_salt(salt, rt.video)
+    queue_tokens = rt.settings.max_queue_tokens
 
-    def one(inp: Input) -> _Keyed:
+    def one(i: int, inp: Input) -> _Keyed:
         digest = hashlib.sha256(inp.data).digest()
+        if inp.video:
+            return _video_keyed(i, inp, digest, vsalt, rt.video, rt.settings.video_limits, queue_tokens)
         key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
         header = read_header(inp.data, limits)
         return _Keyed(key, digest.hex(), header, header_tokens(header, params, limits))
 
     # Every image in one thread hop: a hop each cost an 8-image request 8 event-loop round trips through
     # the executor (~0.1-0.2 ms of a lone image's latency on an idle server).
-    keyed = await asyncio.to_thread(lambda: [one(inp) for inp in inputs])
+    keyed = await asyncio.to_thread(lambda: [one(i, inp) for i, inp in enumerate(inputs)])
     bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
     for i, k in enumerate(keyed):
         if bound.setdefault(k.key, k.sha256) != k.sha256:
             raise at_index(KeyConflict(f"images[{i}]: uuid {k.key!r} is also given to other image bytes earlier in "
                                        "this request; one uuid names one image"), i)
     return keyed
+
+
+def _video_keyed(i: int, inp: Input, digest: bytes, salt: bytes, params: media_video.VideoParams,
+                 limits, queue_tokens: int) -> _Keyed:
+    """A video's key and tokens from its container header alone (admission before decode: a long video
+    is refused or counted before any frame exists). Its VideoError, as the request's answer."""
+    key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
+    try:
+        header = media_video.read_header(inp.data, limits)
+        plan = plan_video(header, params)
+        if plan.tokens > queue_tokens:
+            raise VideoTooLarge(f"the video becomes {plan.tokens} tokens ({len(plan.indices)} frames sampled, grid "
+                                f"{list(plan.grid_thw)}), more than the queue ever holds ({queue_tokens}, "
+                                "--max-queue-tokens); send a shorter clip")
+    except VideoError as e:
+        raise _named(inp, i, e) from None
+    return _Keyed(key, digest.hex(), header, plan.tokens)
+
+
+def _named(inp: Input, i: int, p: ServiceError) -> ServiceError:
+    """An image's or video's own error, named by its place in the request (and never echoing fetched content)."""
+    if inp.source is not None:  # never echo fetched content (an SSRF read primitive)
+        what = "video" if inp.video else "image"
+        p.message = f"the content fetched from {inp.source} is not a usable {what} ({p.code}); check the URL"
+    p.message = f"images[{i}]: {p.message}"
+    return at_index(p, i)
 
 
 async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Future]) -> bool:
@@ -247,12 +292,8 @@ async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Fut
 
 def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceError:
     """The error to answer for image i whose decode raised `p` (raise it as it is: its cause is set)."""
-    if isinstance(p, ImageError):
-        if inputs[i].source is not None:  # never echo fetched content (an SSRF read primitive)
-            p.message = (f"the content fetched from {inputs[i].source} is not a usable image "
-                         f"({p.code}); check the URL")
-        p.message = f"images[{i}]: {p.message}"
-        return at_index(p, i)
+    if isinstance(p, (ImageError, VideoError)):
+        return _named(inputs[i], i, p)
     if isinstance(p, ServiceError):
         return p
     err = BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")

@@ -31,16 +31,18 @@ if TYPE_CHECKING:
     import numpy as np
 
     from service.media.images import ImageHeader
+    from service.media.video import VideoHeader, VideoParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Decoded:
-    """One decoded image, ready to submit: its geometry and where its pixels are."""
+    """One decoded image or video, ready to submit: its geometry and where its pixels are."""
 
     geometry: Geometry
-    pixels: Cell | np.ndarray  # an arena cell (API process) or a [H, W, 3] uint8 array (single process)
+    # an arena cell (API process) or a [H, W, 3] uint8 array (single process); a video's [frames, H, W, 3]
+    pixels: Cell | np.ndarray
 
 
 class Decoder(Protocol):
@@ -54,8 +56,12 @@ class Decoder(Protocol):
         """`header`: media.images.read_header's of `data`. Raises the image's ImageError, or
         Overloaded/Unavailable when it cannot take the work."""
 
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
+        """`header`: media.video.read_header's of `data`. Decodes the sampled frames and resizes them (off
+        the event loop). Raises the video's VideoError, or Overloaded/Unavailable."""
+
     def release(self, decoded: Decoded) -> None:
-        """Give back the pixels of an image that never reached an engine."""
+        """Give back the pixels of an image or video that never reached an engine."""
 
     def cell_free(self, cell: Cell) -> None:
         """An engine will not read this cell again (engine/messages.py's CellFree)."""
@@ -72,6 +78,7 @@ class Runtime:
         self.status: EnginesStatus | None = None  # the engines' last answer
         self.params: PreprocessParams | None = None  # how the engines preprocess (known once they answered)
         self.key_salt = b""
+        self.video: VideoParams | None = None  # how the engines sample and resize videos (likewise)
         self.mismatch: str | None = None  # the engines disagree on keys / preprocessing: never ready
         self.engine_lost = False
         self.requests_in_flight = 0  # requests between their keys and their last submit (an idle process decodes early)
@@ -92,6 +99,7 @@ class Runtime:
                 if st is not None:
                     if self.params is None:
                         self.params, self.key_salt = st.first.params, st.first.key_salt.encode()
+                        self.video = st.first.video
                         await self.decoder.start(self.params)
                     if st.ready:
                         break

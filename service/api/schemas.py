@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -18,8 +18,22 @@ class ImagePart(BaseModel):
     uuid: str | None = Field(None, description="optional store key; default: content hash")
 
 
+class VideoURL(BaseModel):
+    url: str = Field(description="data:video/...;base64,... (mp4, webm, mkv, ...: H.264, HEVC, VP8, VP9, AV1, MPEG-4, "
+                     "MJPEG) or an http(s) URL on the allow-list")
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"] = "video_url"
+    video_url: VideoURL
+    uuid: str | None = Field(None, description="optional store key; default: content hash (of the bytes and the "
+                             "video settings)")
+
+
 class EncodeRequest(BaseModel):
-    images: list[ImagePart] = Field(min_length=1)
+    images: list[Annotated[ImagePart | VideoPart, Field(discriminator="type")]] = Field(
+        min_length=1, description="image_url and video_url parts (the OpenAI / vLLM content-part shapes), answered "
+        "in order")
 
 
 # A request that works as it is (the /docs page prefills it): one 32x32 gradient PNG as a data URL, which
@@ -40,6 +54,12 @@ class EncodedItem(BaseModel):
                              "(<key>/encoder_cache.safetensors)")
     store_key: str | None = Field(None, description="Mooncake Store: the entry's whole key "
                                   "(<namespace>@id:<key>), what a reader of the pool gets")
+    modality: Literal["image", "video"] = "image"
+    frames_indices: list[int] | None = Field(None, description="a video: the source frames sampled (before an odd "
+                                             "count's padding with the last)")
+    fps: float | None = Field(None, description="a video: the source's average frame rate")
+    timestamps: list[float] | None = Field(None, description="a video: seconds of each temporal group (grid_thw's t "
+                                           "of them), what Qwen3-VL's prompt writes before each group's tokens")
 
 
 class EncodeResponse(BaseModel):

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, NamedTuple, TypeVar
 
 from service.config import BatchLimits  # the limits' type, derived from Settings there (Settings.batch_limits)
 from service.errors import Overloaded, Unavailable
@@ -66,6 +66,15 @@ class Batch(Generic[P]):
     items: list[WorkItem[P]]  # FIFO order, all now in flight
     tokens: int  # sum of items' tokens; > max_batch_tokens only for a single oversize item
     closed_by: CloseReason
+
+
+class Part(NamedTuple):
+    """One step's share of an item split across steps (a video over the token budget: the step loop splits
+    it at temporal groups, the writer joins the parts into one entry)."""
+
+    index: int  # this step's place among the item's steps, from 0
+    count: int  # the item's steps in all
+    error: BaseException | None = None  # this part failed to launch (then it comes without a Launched)
 
 
 @dataclass

@@ -291,7 +291,7 @@ class EngineRouter:
         states = list(await asyncio.gather(*(c.status() for c in self.clients)))
         first = states[0]
         for i, st in enumerate(states[1:], 1):
-            if (st.key_salt, st.params) != (first.key_salt, first.params):
+            if (st.key_salt, st.params, st.video) != (first.key_salt, first.params, first.video):
                 raise EngineMismatch(f"engine {i} keys or preprocesses images differently from engine 0 "
                                      f"({st.key_salt!r} vs {first.key_salt!r}): every engine must load the "
                                      "same model in the same dtype")

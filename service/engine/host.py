@@ -35,9 +35,10 @@ from service.engine.loader import LoadedModel
 from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
     MetricsQuery, MetricsText, ModelInfo, Queued, Result, Status, StatusQuery, Submit, ToEngine)
-from service.errors import BackendError, KeyConflict, ServiceError
+from service.errors import BackendError, KeyConflict, ServiceError, VideoTooLarge
 from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
+from service.media.video_preprocess import PreparedVideo, video_grid
 from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
 from service.store.mooncake import MooncakeStore
@@ -269,7 +270,7 @@ class EngineHost:
         # the first's encode can finish before this submit, when there is no queued item to join.
         self._with_entry(conn, msg, lambda hit: self._submitted(conn, msg, image, place, drop, release, hit), drop)
 
-    def _submitted(self, conn: Connection, msg: Submit, image: PreparedImage, place: QueuePlace | None,
+    def _submitted(self, conn: Connection, msg: Submit, image: PreparedImage | PreparedVideo, place: QueuePlace | None,
                    drop: Callable[[], None], release: Callable[[], None], hit: StoredItem | None) -> None:
         try:
             if hit is not None:
@@ -294,10 +295,12 @@ class EngineHost:
         self._wait(conn, msg.id, ticket)
         conn.send(Queued(msg.id, coalesced=ticket.coalesced))
 
-    def _image(self, msg: Submit, pixels: np.ndarray) -> PreparedImage:
+    def _image(self, msg: Submit, pixels: np.ndarray) -> PreparedImage | PreparedVideo:
         """The submitted pixels as the batcher's image, once their geometry is the one this model's
         preprocessing gives that size (a decoder is another process: trust nothing)."""
         g = msg.geometry
+        if g.video is not None:
+            return self._video(msg, pixels)
         h, w = g.height, g.width
         params = self.model.params
         ok = (h > 0 and w > 0 and h % params.factor == 0 and w % params.factor == 0 and pixels.size == h * w * 3
@@ -309,6 +312,24 @@ class EngineHost:
         t, gh, gw = g.grid_thw
         return PreparedImage(pixels=pixels.reshape(h, w, 3), grid_thw=g.grid_thw, num_patches=t * gh * gw,
                              num_tokens=g.tokens)
+
+    def _video(self, msg: Submit, pixels: np.ndarray) -> PreparedVideo:
+        """The submitted frames as the batcher's video, checked as `_image` checks an image's pixels."""
+        g, v, vp = msg.geometry, msg.geometry.video, self.model.video
+        h, w, n = g.height, g.width, v.frames
+        ok = (h > 0 and w > 0 and h % vp.factor == 0 and w % vp.factor == 0 and n > 0
+              and n % vp.temporal_patch_size == 0 and pixels.size == n * h * w * 3 and pixels.dtype == np.uint8
+              and g.grid_thw == video_grid(n, h, w, vp) and len(v.timestamps) == g.grid_thw[0] and v.indices
+              and g.tokens == g.grid_thw[0] * g.grid_thw[1] * g.grid_thw[2] // vp.merge_size**2)
+        if not ok:
+            raise BackendError(f"submit of video {msg.key}: inconsistent geometry {n} x {h}x{w}, {pixels.size} bytes, "
+                               f"grid {g.grid_thw}, {g.tokens} tokens")
+        t, gh, gw = g.grid_thw
+        if gh * gw > self.engine.runner.max_patches:  # (one temporal group must fit a step)
+            raise VideoTooLarge(f"a frame of this video is {gh * gw} patches, more than a step holds "
+                                f"({self.engine.runner.max_patches}); raise --max-batch-tokens")
+        return PreparedVideo(pixels.reshape(n, h, w, 3), g.grid_thw, t * gh * gw, g.tokens, tuple(v.indices), v.fps,
+                             tuple(v.timestamps))
 
     def _cancel(self, conn: Connection, rid: int) -> None:
         conn.pending.discard(rid)  # (its lookup's answer then gives back what it holds)
@@ -338,7 +359,7 @@ class EngineHost:
             failed = "the step loop is not running; see the log"
         return EngineStatus(ready=self.ready.is_set() and failed is None, failed=failed,
                             store_error=self.store.unwritable, key_salt=key_salt(self.model),
-                            params=self.model.params, pid=os.getpid(), info=self.model_info())
+                            params=self.model.params, video=self.model.video, pid=os.getpid(), info=self.model_info())
 
     def model_info(self) -> ModelInfo:
         m, runner = self.model, self.engine.runner

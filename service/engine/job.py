@@ -1,17 +1,22 @@
-"""The batcher's payload: what the engine knows of one distinct image (a key) while it is queued and
-encoded. Its own module: the step loop, the writer and the host all read it."""
+"""The batcher's payload: what the engine knows of one distinct image or video (a key) while it is queued
+and encoded. Its own module: the step loop, the writer and the host all read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from service.media.images import PreparedImage
+from service.media.video_preprocess import PreparedVideo
 
 
 @dataclass
 class EncodeJob:
-    """The batcher's payload for one distinct image (a key). Plain host data, no tensors."""
+    """The batcher's payload for one distinct image or video (a key). Plain host data, no tensors."""
 
     key: str
-    image: PreparedImage
-    content_sha256: str | None = None  # of the image's encoded bytes; recorded in the store entry
+    image: PreparedImage | PreparedVideo  # what the runner stages
+    content_sha256: str | None = None  # of the encoded bytes; recorded in the store entry
+
+    @property
+    def is_video(self) -> bool:
+        return isinstance(self.image, PreparedVideo)

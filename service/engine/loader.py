@@ -45,7 +45,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_s: float = 0.0  # seconds load_model took (reported in the start-up log line and /ready)
-    video: VideoParams = VideoParams()  # how a video becomes patches (not yet served: issue 22)
+    video: VideoParams = VideoParams()  # how a video becomes patches (its sampling, sizes and normalization)
 
 
 def load_model(settings: Settings) -> LoadedModel:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import msgspec
 
 from service.config import PreprocessParams
+from service.media.video import VideoParams
 from service.store.format import StoredItem
 
 
@@ -37,13 +38,23 @@ class Cell(msgspec.Struct, frozen=True):
     nbytes: int
 
 
+class VideoInfo(msgspec.Struct, frozen=True):
+    """What a decoded video is beside its shape: its frames, and what its store entry records."""
+
+    frames: int  # resized frames in the pixels, 2 per temporal group (an odd count padded with the last)
+    indices: tuple[int, ...]  # the source frames sampled
+    fps: float  # the source's average frame rate
+    timestamps: tuple[float, ...]  # seconds of each temporal group
+
+
 class Geometry(msgspec.Struct, frozen=True):
-    """A decoded image's shape as the decoder produced it; the host checks it against the pixels."""
+    """A decoded image's or video's shape as the decoder produced it; the host checks it against the pixels."""
 
     height: int  # resized pixels, multiples of patch * merge
     width: int
-    grid_thw: tuple[int, int, int]  # (1, height / patch, width / patch)
+    grid_thw: tuple[int, int, int]  # (1, height / patch, width / patch); a video: (groups, ...)
     tokens: int  # output tokens: grid patches / merge**2
+    video: VideoInfo | None = None  # None: an image
 
 
 # ---- API side -> engine host ------------------------------------------------------------------------
@@ -105,6 +116,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     # Every engine must key and preprocess alike: an API process hashes and resizes with these.
     key_salt: str
     params: PreprocessParams
+    video: VideoParams  # how a video is sampled and resized (and part of its key)
     pid: int
     info: ModelInfo
 

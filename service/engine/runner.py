@@ -1,7 +1,7 @@
 """The runner: the tower, the pinned staging pool, the device buffers, the CUDA graphs and the output
 ring of one device. No threads, no batcher, no store: the step loop calls it, one step at a time.
 
-    with runner.stage(images) as staged:  # host: pixels + geometry into pinned slot k (after its fence)
+    with runner.stage(items) as staged:   # host: pixels + geometry into pinned slot k (after its fence)
         launched = runner.run(staged)     # device: H2D, patchify, tower, async D2H; returns at once
 
 `run` never waits on the device for its own sake. Its only host waits are
@@ -11,6 +11,14 @@ ring of one device. No threads, no batcher, no store: the step loop calls it, on
   * back-pressure from the writer when all output buffers (pool.OutputRing) are still being written
     to the store.
 On CPU the same code runs: events are trivial and the "device" work is synchronous.
+
+A step's items are images, then videos (PreparedVideo: a whole video or a run of its temporal groups).
+A video's temporal group k is its frames 2k and 2k+1: patchified like an image's frame but with the
+video normalization table (video_preprocess.video_lut), frame 2k into the patch rows (after every
+image's), frame 2k+1 into the tower's `frame1` rows; one attention segment per group (tower.segments).
+The staged entry table holds the images, then every group's first frame, then every group's second,
+so each of the three is one contiguous slice for the patchify kernel. A step with video runs eagerly:
+CUDA graphs take seq_lens only, and a video's could equal an image step's.
 """
 
 from __future__ import annotations
@@ -23,17 +31,20 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.config import FAULT_ENV, FaultInjection, RunnerOptions
 from service.media.images import PreparedImage
+from service.media.video import VideoParams
+from service.media.video_preprocess import PreparedVideo, video_lut
 from service.engine.loader import LoadedModel
 from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize
-from service.media.preprocess import grid_for, normalize_lut, num_patches, patchify
+from service.media.preprocess import grid_for, normalize_lut, num_patches, patch_rows, patchify
 from service.engine import tower as tower_module
 from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
                                    padded_cu_seqlens)
-from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry
+from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry, segments
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +75,12 @@ class Staged:
     slot: Slot  # held until `run` has enqueued the last device work that reads it
     size: StepSize  # what the step filled of slot.buffers; its patches are the images' rows (a graph pads beyond)
     graph: GraphKey | None  # the CUDA graph that runs the step (see TowerGraphs), or None
-    seq_lens: tuple[int, ...]  # [B] patches per image
-    token_offsets: list[int]  # [B+1] output-row offsets per image
-    grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
+    seq_lens: tuple[int, ...]  # [S] patches per attention segment (an image, or one video group)
+    token_offsets: list[int]  # [B+1] output-row offsets per item
+    grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per item
+    image_entries: int = 0  # entries [0, image_entries) of the staged table are the images
+    groups: int = 0  # then `groups` first frames of video groups, then their `groups` second frames
+    video_row: int = 0  # the first video patch row (every row before it is an image's)
 
 
 @dataclass(kw_only=True)
@@ -94,8 +108,10 @@ class Runner:
         self.cuda = self.device.type == "cuda"
         merge2 = spec.merge_size**2
         pp = spec.patch_size**2
-        # A step holds up to the token budget, or one image above it (such an image runs alone).
-        self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp)
+        # A step holds up to the token budget, or one image above it (such an image runs alone), or one
+        # temporal group of the largest video frame (a longer video is split across steps by the loop).
+        self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp,
+                               max_group_patches(model.video))
         self.max_images = options.max_batch_images
         if self.max_patches > tower_module.max_block_rows(spec):
             raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
@@ -109,13 +125,18 @@ class Runner:
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
-        self.capacity = StepSize(pixel_bytes=self.max_patches * pp * 3, images=self.max_images, patches=self.max_patches,
-                                 cu_seqlens=self.cu_length)
+        # Video: a group holds at least merge**2 patches, so a step has at most this many groups; each is
+        # two frames of pixels (the pixel bytes double) and two entries of the table. The graphs see only
+        # the image layout's cu_length prefix of cu_seqlens; a video step writes its own segments.
+        self.max_groups = self.max_patches // merge2
+        self.capacity = StepSize(pixel_bytes=2 * self.max_patches * pp * 3, images=self.max_images + 2 * self.max_groups,
+                                 patches=self.max_patches, cu_seqlens=self.cu_length + self.max_groups)
         self.pool = StagingPool(self.capacity, options.pool_slots, self.device)
         # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
         self._np = [self.pool.slot(i).buffers.numpy() for i in range(options.pool_slots)]
         self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
+        self.video_lut = torch.from_numpy(video_lut(model.video)).to(self.device)  # [3, 256] float32: not the image's
         if self.cuda:
             from kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
 
@@ -125,6 +146,8 @@ class Runner:
             self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
             self._h2d = [_copy_table(self.pool.slot(i).buffers, self.dev) for i in range(options.pool_slots)]
             self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+            # The second frame of each video row (TowerBatch.frame1): allocated once, at the step's size.
+            self.frame1 = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
             # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
@@ -147,7 +170,7 @@ class Runner:
             t0 = time.perf_counter()
             d = self.dev
             self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d.pos_hw, d.interp_idx, d.interp_w,
-                                                                d.cu_seqlens),
+                                                                d.cu_seqlens[: self.cu_length]),
                                       self.buckets, self.compute_stream, smallest, self.equal_steps)
             self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
             self.startup["graphs"] = len(self.graphs)
@@ -197,64 +220,103 @@ class Runner:
 
     # ---- the step ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def stage(self, images: Sequence[PreparedImage]) -> Iterator[Staged]:
-        """Host: write one step's images (pixels and geometry) into the next pinned slot (after its
-        fence), for `run` inside the block. `run` releases the slot at its fence point; if anything
-        raises before that, the slot is released on the way out of the block (see StagingPool.acquired)."""
+    def stage(self, items: Sequence[PreparedImage | PreparedVideo]) -> Iterator[Staged]:
+        """Host: write one step's items (images, then videos: pixels and geometry) into the next pinned
+        slot (after its fence), for `run` inside the block. `run` releases the slot at its fence point; if
+        anything raises before that, the slot is released on the way out of the block (see StagingPool.acquired)."""
         with self.pool.acquired() as slot:  # blocks until the device has finished reading this slot's last step
-            yield self._stage_into(slot, images)
+            yield self._stage_into(slot, items)
 
-    def _stage_into(self, slot: Slot, images: Sequence[PreparedImage]) -> Staged:
+    def _stage_into(self, slot: Slot, items: Sequence[PreparedImage | PreparedVideo]) -> Staged:
         bufs = self._np[slot.index]
         spec = self.model.spec
         merge2 = spec.merge_size**2
+        images = [x for x in items if not isinstance(x, PreparedVideo)]
+        videos = items[len(images):]
+        assert all(isinstance(v, PreparedVideo) for v in videos), "a step's images come before its videos: this is a bug"
         off = row = 0
         seq_lens, grids, token_offsets = [], [], [0]
+
+        def place(gh: int, gw: int, at: int) -> None:  # one frame's positions at patch row `at`
+            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
+            n = gh * gw
+            bufs.pos_hw[at : at + n] = geo.pos_hw
+            bufs.interp_idx[at : at + n] = geo.interp_idx
+            bufs.interp_w[at : at + n] = geo.interp_w
+
         for i, img in enumerate(images):
             t, gh, gw = img.grid_thw
-            # NOTE: one frame per patch row and one segment per item: a video (t > 1) needs the
-            # tower's frame1 rows and segments(), which this staging does not write yet.
-            assert t == 1, f"grid {img.grid_thw}: the runner stages images only, not video: this is a bug"
+            assert t == 1, f"an image of grid {img.grid_thw}: this is a bug"
             h, w = img.pixels.shape[:2]
             n_bytes, n_patches = img.pixels.size, gh * gw
             assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
             bufs.pixels[off : off + n_bytes] = img.pixels.reshape(-1)
             bufs.images[i] = (off, h, w, row)
-            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
-            bufs.pos_hw[row : row + n_patches] = geo.pos_hw
-            bufs.interp_idx[row : row + n_patches] = geo.interp_idx
-            bufs.interp_w[row : row + n_patches] = geo.interp_w
+            place(gh, gw, row)
             off += n_bytes
             row += n_patches
             seq_lens.append(n_patches)
             grids.append((t, gh, gw))
             token_offsets.append(token_offsets[-1] + n_patches // merge2)
-        graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
-        padded = graph.patches if graph and graph.padded else row  # a varlen graph's bucket; else no padding
-        cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
-        if graph and graph.padded:
-            used = cu.index(padded) + 1  # real segments, padding, the leading 0
-            assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
-        bufs.cu_seqlens[:] = cu
-        size = StepSize(pixel_bytes=off, images=len(seq_lens), patches=row, cu_seqlens=self.cu_length)
+        ni, video_row = len(images), row
+        total_groups = sum(v.grid_thw[0] for v in videos)
+        assert total_groups <= self.max_groups, f"{total_groups} video groups in one step: this is a bug"
+        g = 0  # groups staged so far; group g's frames are entries ni + g and ni + total_groups + g
+        for v in videos:
+            t, gh, gw = v.grid_thw
+            nf, h, w, _ = v.frames.shape
+            assert nf == 2 * t and v.frames.dtype.itemsize == 1, f"{nf} frames for {t} groups: this is a bug"
+            n_patches, frame_bytes = gh * gw, h * w * 3
+            assert row + t * n_patches <= self.max_patches, "batch over staging capacity: this is a bug"
+            bufs.pixels[off : off + v.frames.size] = v.frames.reshape(-1)
+            for k in range(t):
+                rel = row - video_row  # the same row of `patches[video_row:]` and of `frame1`
+                bufs.images[ni + g] = (off + 2 * k * frame_bytes, h, w, rel)
+                bufs.images[ni + total_groups + g] = (off + (2 * k + 1) * frame_bytes, h, w, rel)
+                place(gh, gw, row)  # every group repeats the frame's positions
+                row += n_patches
+                g += 1
+            off += v.frames.size
+            seq_lens.extend(segments(v.grid_thw))
+            grids.append(v.grid_thw)
+            token_offsets.append(token_offsets[-1] + t * n_patches // merge2)
+        if videos:  # eager, never a graph; cu_seqlens is just the segments
+            graph, cu_entries = None, len(seq_lens) + 1
+            bufs.cu_seqlens[:cu_entries] = np.cumsum([0, *seq_lens])
+        else:
+            graph = self.graphs.graph_for(tuple(seq_lens)) if self.graphs else None
+            padded = graph.patches if graph and graph.padded else row  # a varlen graph's bucket; else no padding
+            cu = padded_cu_seqlens(seq_lens, padded, self.cu_length)
+            if graph and graph.padded:
+                used = cu.index(padded) + 1  # real segments, padding, the leading 0
+                assert used <= self.graphs.cu_len(padded), f"{used} cu_seqlens entries for bucket {padded}: this is a bug"
+            cu_entries = self.cu_length
+            bufs.cu_seqlens[:cu_entries] = cu
+        size = StepSize(pixel_bytes=off, images=ni + 2 * total_groups, patches=row, cu_seqlens=cu_entries)
         return Staged(slot=slot, size=size, graph=graph, seq_lens=tuple(seq_lens), token_offsets=token_offsets,
-                      grids=grids)
+                      grids=grids, image_entries=ni, groups=total_groups, video_row=video_row)
 
     def run(self, st: Staged) -> Launched:
         """Device: inputs -> patch rows -> tower -> async copy to host. Returns without waiting."""
         return self._run_cuda(st) if self.cuda else self._run_cpu(st)
 
     def _run_cpu(self, st: Staged) -> Launched:
-        b, n, nb = st.slot.buffers, st.size.patches, st.size.images
-        rows = []
-        for i in range(nb):
-            off, h, w, _ = (int(x) for x in b.images[i])
-            pixels = b.pixels[off : off + h * w * 3].view(h, w, 3)
-            rows.append(patchify(pixels, self.lut, self.model.params))
+        b, n, ni, g = st.slot.buffers, st.size.patches, st.image_entries, st.groups
+        spec = self.model.spec
+
+        def frame(entry: int) -> torch.Tensor:  # [h, w, 3] uint8, a view of the slot
+            off, h, w, _ = (int(x) for x in b.images[entry])
+            return b.pixels[off : off + h * w * 3].view(h, w, 3)
+
+        def video_rows(entries: range) -> list[torch.Tensor]:
+            return [patch_rows(frame(e)[None], self.video_lut, spec.patch_size, spec.merge_size, 1) for e in entries]
+
+        rows = [patchify(frame(i), self.lut, self.model.params) for i in range(ni)] + video_rows(range(ni, ni + g))
         batch = TowerBatch(
             patches=torch.cat(rows).to(self.model.dtype),
             pos_hw=b.pos_hw[:n], interp_idx=b.interp_idx[:n], interp_w=b.interp_w[:n],
-            cu_seqlens=b.cu_seqlens[: nb + 1], seq_lens=st.seq_lens,
+            cu_seqlens=b.cu_seqlens[: len(st.seq_lens) + 1], seq_lens=st.seq_lens,
+            frame1=torch.cat(video_rows(range(ni + g, ni + 2 * g))).to(self.model.dtype) if g else None,
         )
         with torch.inference_mode():
             out = self.model.tower(batch)
@@ -263,7 +325,8 @@ class Runner:
         return Launched(host_out=out, done=None, output=None, token_offsets=st.token_offsets, grids=st.grids)
 
     def _run_cuda(self, st: Staged) -> Launched:
-        slot, n, nb, nbytes = st.slot, st.size.patches, st.size.images, st.size.pixel_bytes
+        slot, n, nbytes = st.slot, st.size.patches, st.size.pixel_bytes
+        ni, g, vrow = st.image_entries, st.groups, st.video_row
         d = self.dev
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             try:
@@ -274,8 +337,13 @@ class Runner:
                 # The H2D copies above are the last device work that reads slot k: fence it here.
                 slot.release(self.compute_stream)
             patches = self.patches[:n]
-            self._patchify_cuda(d.pixels[:nbytes], d.images[:nb], self.lut, patches,
-                                patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
+            sizes = dict(patch_size=self.model.spec.patch_size, merge_size=self.model.spec.merge_size)
+            self._patchify_cuda(d.pixels[:nbytes], d.images[:ni], self.lut, self.patches[:vrow], **sizes)
+            if g:  # each group's first frames after the images' rows, its second frames into frame1
+                self._patchify_cuda(d.pixels[:nbytes], d.images[ni : ni + g], self.video_lut, self.patches[vrow:n],
+                                    **sizes)
+                self._patchify_cuda(d.pixels[:nbytes], d.images[ni + g : ni + 2 * g], self.video_lut,
+                                    self.frame1[: n - vrow], **sizes)
             tokens = st.token_offsets[-1]
             if st.graph is not None:
                 # One launch for the whole tower. The graph's output is static and the next replay
@@ -283,7 +351,8 @@ class Runner:
                 out = self.graphs.run(st.graph)[:tokens].clone()
             else:
                 batch = TowerBatch(patches, d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
-                                   d.cu_seqlens[: nb + 1], st.seq_lens)
+                                   d.cu_seqlens[: len(st.seq_lens) + 1], st.seq_lens,
+                                   frame1=self.frame1[: n - vrow] if g else None)
                 out = self.model.tower(batch)
         output = self.outputs.acquire()  # back-pressure: only blocks when the writer is pool_slots steps behind
         host, done = output.host[:tokens], output.done
@@ -307,3 +376,14 @@ def _copies(table: list[tuple[int, int, int]], size: StepSize) -> list[tuple[int
     """The raw copies (dst, src, bytes) that move what a step of `size` filled: one per buffer, of the
     rows StepSize.rows gives it (in the same field order as the table)."""
     return [(dst, src, row_bytes * rows) for (dst, src, row_bytes), rows in zip(table, size.rows().values())]
+
+
+def max_group_patches(video: VideoParams) -> int:
+    """An upper bound on the patches of one temporal group (one frame) of any video these params give:
+    clip_size keeps the whole clip (two frames or more) within max_pixels, or (the per-frame cap) a frame
+    within the cap, or lifts a tiny clip to min_pixels (rounded up to whole merge blocks: the slack)."""
+    frame = max(video.max_pixels // 2, int(video.min_pixels * 1.05) + 1)
+    if video.cap_pixels_per_frame:
+        frame = max(frame, video.max_video_tokens * video.factor**2)
+    side = video.factor
+    return (frame + 4 * side * int(frame**0.5) + 4 * side * side) // video.patch_size**2

@@ -2,8 +2,11 @@
 
     step():  schedule (batcher) -> stage (host, into pinned slot k) -> run (device) -> publish (writer)
 
-The runner sees only the step's images (the items' payloads); the writer gets the items back with
-the launched step, to store each image under its key and answer its waiters.
+The runner sees only the step's images and videos (the items' payloads, images first); the writer gets
+the items back with the launched step, to store each under its key and answer its waiters. A video over
+the step token budget runs alone (the batcher's rule for any oversize item) and is split here into steps
+of whole temporal groups, each as many as the budget holds; the writer joins their outputs, in order, into
+the one entry (groups never attend to each other: tower.video_groups).
 
 Continuous batching: the batcher closes a step at once when the device has nothing in flight, and
 holds it for company (at most max_wait) only while earlier steps still run (`runner.device_busy`).
@@ -19,7 +22,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from service.engine.batcher import Batch, Batcher
+from service.engine.batcher import Batch, Batcher, Part
 from service.errors import BackendError
 from service.metrics import Metrics
 
@@ -51,14 +54,46 @@ class StepLoop:
             return not self.batcher.closed
         self._step_no += 1
         t0 = time.perf_counter()
+        # Images first, then videos: the runner's layout (a video's rows are the last of a step).
+        items = [it for it in batch.items if not it.payload.is_video] + [it for it in batch.items if it.payload.is_video]
+        if len(items) == 1 and items[0].payload.is_video and items[0].tokens > self.batcher.limits.max_batch_tokens:
+            return self._split(batch, items[0], t0)
         try:
-            with self.runner.stage([item.payload.image for item in batch.items]) as staged:
+            with self.runner.stage([item.payload.image for item in items]) as staged:
                 launched = self.runner.run(staged)
         except Exception as e:  # a failed step fails only its own requests; the loop lives on
             self._fail(batch, e)
             return True
-        self.writer.publish(batch.items, launched)
+        self.writer.publish(items, launched)
         self._observe(batch, launched, t0)
+        return True
+
+    def _split(self, batch: Batch[EncodeJob], item, t0: float) -> bool:
+        """One video over the token budget, as steps of whole temporal groups (each step as many groups as
+        the budget holds, at least one), published as parts of one entry."""
+        video = item.payload.image
+        t = video.grid_thw[0]
+        per_step = max(1, self.batcher.limits.max_batch_tokens // (video.num_tokens // t))
+        starts = range(0, t, per_step)
+        for k, start in enumerate(starts):
+            if k:
+                self._step_no += 1
+            try:
+                with self.runner.stage([video.groups(start, min(t, start + per_step))]) as staged:
+                    launched = self.runner.run(staged)
+            except Exception as e:
+                if k == 0:
+                    self._fail(batch, e)
+                else:  # earlier parts are the writer's: it answers the item (and drops what it holds)
+                    self.failed_steps += 1
+                    self.metrics.steps.labels(result="failed").inc()
+                    log.error("step %d failed (part %d of %d of video %s): %r", self._step_no, k + 1, len(starts),
+                              item.key, e)
+                    self.writer.publish([item], None, part=Part(k, len(starts), error=self._error(e)))
+                return True
+            self.writer.publish([item], launched, part=Part(k, len(starts)))
+            self._observe(batch, launched, t0)
+            t0 = time.perf_counter()
         return True
 
     def _fail(self, batch: Batch[EncodeJob], e: Exception) -> None:
@@ -66,9 +101,12 @@ class StepLoop:
         self.metrics.steps.labels(result="failed").inc()
         log.error("step %d failed (%d images, keys %s...): %r", self._step_no, len(batch.items),
                   [it.key for it in batch.items[:3]], e, exc_info=log.isEnabledFor(logging.DEBUG))
-        err = BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
+        err = self._error(e)
         for item in batch.items:
             self.batcher.finish(item, error=err)
+
+    def _error(self, e: Exception) -> BackendError:
+        return BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
 
     def _observe(self, batch: Batch[EncodeJob], launched: Launched, t0: float) -> None:
         self.metrics.steps.labels(result="ok").inc()

@@ -2,6 +2,8 @@
 
     per step: reserve each image's entry (while the device computes) -> wait the step's copy-done
               event -> commit each entry -> finish its waiters -> release the output buffer to its ring
+    per part of a video split across steps (steploop.Part): wait its copy -> copy its rows into the
+              video's whole output, in order -> release the buffer; after the last part, one entry
 
 The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
 failed write answers only its own image.
@@ -15,12 +17,14 @@ import queue
 
 import torch
 
-from service.engine.batcher import Batcher, WorkItem
+from service.engine.batcher import Batcher, Part, WorkItem
 from service.engine.job import EncodeJob
 from service.engine.runner import Launched
 from service.errors import BackendError, ServiceError
 from service.metrics import Metrics
+from service.media.video_preprocess import PreparedVideo
 from service.store.directory import EmbeddingStore, PendingEntry
+from service.store.format import VideoMeta
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +35,18 @@ class Writer:
     def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
         """`threads`: --store-writers, this thread included."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
-        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched | None, Part | None] | None] = queue.Queue()
+        # A split video's output so far (key -> [its tokens, out_width] CPU tensor, None once it failed).
+        # NOTE: allocated per video, not from the ring: a video's parts outnumber the ring's buffers.
+        self._parts: dict[str, torch.Tensor | None] = {}
         self._writers = threads
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
         self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
 
-    def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched) -> None:
-        """Hand over a launched step and its items (in staging order), to be written once its copy is done."""
-        self._queue.put((items, launched))
+    def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched | None, part: Part | None = None) -> None:
+        """Hand over a launched step and its items (in staging order), to be written once its copy is done;
+        with `part`, the step is that part of its one video (None launched: the part failed to launch)."""
+        self._queue.put((items, launched, part))
 
     def close(self) -> None:
         """No more steps (the loop has drained): write what is queued, then `run` returns."""
@@ -46,7 +54,11 @@ class Writer:
 
     def run(self) -> None:
         while (step := self._queue.get()) is not None:
-            self.write(*step)
+            items, launched, part = step
+            if part is None:
+                self.write(items, launched)
+            else:
+                self.write_part(items[0], launched, part)
         self._put_pool.shutdown()
 
     def write(self, items: list[WorkItem[EncodeJob]], job: Launched) -> None:
@@ -87,6 +99,38 @@ class Writer:
                 job.output.release()  # every commit above has returned: the buffer is free
         # (The store's gauges are read at scrape time: Metrics.update_gauges.)
 
+    def write_part(self, item: WorkItem[EncodeJob], job: Launched | None, part: Part) -> None:
+        """One part of a video split across steps: its rows into the video's output; the last part stores it."""
+        video = item.payload.image
+        if part.index == 0:
+            assert job is not None, "a split video's first part failed in the step loop, which answers it: a bug"
+            self._parts[item.key] = torch.empty(video.num_tokens, job.host_out.shape[1], dtype=job.host_out.dtype)
+        out = self._parts.get(item.key)
+        if job is None:  # this part never launched: the step loop's error is the answer
+            self._parts.pop(item.key, None)
+            if out is not None:
+                self.batcher.finish(item, error=part.error)
+            return
+        try:
+            if job.done is not None:
+                job.done.synchronize()
+                self.batcher.wake()
+            if out is not None:
+                tokens = job.token_offsets[-1]
+                # Every part but the last holds the same groups: part k starts at k of them; the last ends the video.
+                start = out.shape[0] - tokens if part.index == part.count - 1 else part.index * tokens
+                out[start : start + tokens].copy_(job.host_out[:tokens])
+        except Exception as e:  # a device fault: the video fails, its later parts are dropped
+            log.error("part %d of %d of video %s failed on the device: %r", part.index + 1, part.count, item.key, e)
+            self._parts[item.key] = None
+            if out is not None:
+                self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+        finally:
+            if job.output is not None:
+                job.output.release()
+        if part.index == part.count - 1 and (out := self._parts.pop(item.key, None)) is not None:
+            self._commit(item, self._reserve(item, tuple(out.shape), out.dtype, video.grid_thw), out)
+
     def _in_parallel(self, fn, *columns: list) -> list:
         """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
         shares, one of them run by this thread. Why not Executor.map: one submit per image contends on
@@ -106,7 +150,8 @@ class Writer:
                  grid: tuple[int, int, int]) -> PendingEntry | None:
         """Reserve one entry's file, or answer its waiters with the error (then None)."""
         try:
-            return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256)
+            return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256,
+                                      video=video_meta(item.payload.image))
         except Exception as e:
             self._store_failed(item, e)
             return None
@@ -142,3 +187,10 @@ class Writer:
         else:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
+
+
+def video_meta(media) -> VideoMeta | None:
+    """What a video's store entry records beside its embeddings; None for an image."""
+    if not isinstance(media, PreparedVideo):
+        return None
+    return VideoMeta(frames_indices=media.indices, fps=media.fps, timestamps=media.timestamps)

@@ -24,23 +24,19 @@ import io
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from service.limits import VideoLimits  # (Settings.video_limits: service/limits.py says why it is there)
 from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
+
+if TYPE_CHECKING:
+    import numpy as np
+# NOTE: numpy is imported where it is used: VideoParams travels in engine/messages.py, which API processes
+# import without numpy.
 
 # The decoders PyAV's wheel carries that we accept: what browsers and phones record, and what vLLM's
 # video loaders are tested on. Anything else is UnsupportedCodec (415), named.
 CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
-
-
-@dataclass(frozen=True, kw_only=True)
-class VideoLimits:
-    max_bytes: int = 256 * 1024**2  # the encoded file
-    max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
-    max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
-    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
-    max_decode_s: float = 60.0  # wall time of one video's decode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +150,9 @@ def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
             if not streams:
                 raise NotAVideo("the file has no video stream" + (" (only audio)" if container.streams.audio else ""))
             s = streams[0]
-            codec = s.codec_context.name if s.codec_context is not None else "unknown"
+            # NOTE: the codec's canonical name, not its decoder's: PyAV decodes AV1 with a decoder named
+            # 'libdav1d' (and could pick 'libvpx-vp9' for VP9), whose codec is 'av1'.
+            codec = s.codec_context.codec.canonical_name if s.codec_context is not None else "unknown"
             width, height = s.codec_context.width, s.codec_context.height
             rate = float(s.average_rate or s.guessed_rate or 0)
             duration = (float(s.duration * s.time_base) if s.duration is not None and s.time_base is not None
@@ -183,6 +181,8 @@ def sample_indices(total_frames: int, video_fps: float, params: VideoParams) -> 
     """The frame indices transformers' Qwen3VLVideoProcessor.sample_frames picks (its `fps` mode):
     num = clamp(int(total / video_fps * fps), min_frames, max_frames, total), spread uniformly over
     [0, total - 1] and rounded (numpy's round: half to even). do_sample_frames false: every frame."""
+    import numpy as np
+
     if not params.do_sample_frames:
         return list(range(total_frames))
     num = int(total_frames / video_fps * params.fps)
@@ -195,6 +195,7 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
     frame dropped as soon as it is decoded. TruncatedVideo when the stream ends before the last index
     (a header that promised more frames than there are); VideoTooLong past the decode deadline."""
     import av
+    import numpy as np
 
     want = sorted(set(indices))
     assert want == list(indices), "indices must be ascending and distinct: this is a bug"
@@ -271,3 +272,4 @@ def timestamps(indices: list[int], video_fps: float, temporal_patch_size: int) -
     padded = list(indices) + [indices[-1]] * (-len(indices) % t)
     seconds = [i / video_fps for i in padded]
     return [(seconds[i] + seconds[i + t - 1]) / 2 for i in range(0, len(seconds), t)]
+

@@ -9,6 +9,8 @@ After sampling (media/video.py) it does, on the whole clip at once:
     an odd frame count padded by repeating the last frame; patchify: rows (t group, gh/m, gw/m, m, m),
     columns (c, t, py, px)
 
+    plan_video(header, params)           -> VideoPlan                  indices, size, grid, tokens: from the header alone
+    prepare_video(data, header, ...)     -> PreparedVideo              decode + resize: a decode worker's whole job
     resize_frames(frames, h, w)          -> uint8 [n, h, w, 3]         (decode side)
     video_lut(params)                    -> float32 [3, 256]           the fused rescale + normalize per level
     patchify_video(frames, lut, params)  -> float32 [grid_t*gh*gw, 3*t*p*p]
@@ -23,15 +25,17 @@ scaled by 255 ((x - 127.5) / 127.5), which rounds differently.
 from __future__ import annotations
 
 import typing
+from dataclasses import dataclass
 
 import numpy as np
 
+from service.limits import VideoLimits
+from service.errors import CorruptVideo, VideoTooLarge
 from service.media.preprocess import patch_rows
+from service.media.video import VideoHeader, VideoParams, clip_size, decode_frames, sample_indices, timestamps
 
 if typing.TYPE_CHECKING:
     import torch
-
-    from service.media.video import VideoParams
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -104,3 +108,73 @@ def patchify_video(
     if pad := -frames.shape[0] % params.temporal_patch_size:
         frames = torch.cat([frames, frames[-1:].expand(pad, *frames.shape[1:])])
     return patch_rows(frames, lut, params.patch_size, params.merge_size, params.temporal_patch_size, out=out)
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What a video's header alone says it becomes (admission counts `tokens` before any frame is decoded)."""
+
+    indices: tuple[int, ...]  # the source frames sampled (sample_indices), ascending
+    height: int  # clip_size: every frame resized to this
+    width: int
+    grid_thw: tuple[int, int, int]  # (temporal groups, height / patch, width / patch)
+    tokens: int  # output tokens: grid patches / merge**2
+
+
+def plan_video(header: VideoHeader, params: VideoParams) -> VideoPlan:
+    """The sampling, size and tokens of a video from its header. VideoError for one transformers' processor
+    refuses (fewer frames than a temporal patch, an aspect ratio over 200)."""
+    indices = sample_indices(header.frames, header.fps, params)
+    if len(indices) < params.temporal_patch_size:
+        raise CorruptVideo(f"the video has {header.frames} frame(s); Qwen3-VL needs at least "
+                           f"{params.temporal_patch_size}: send a longer one, or send the frame as an image")
+    ratio = max(header.width, header.height) / min(header.width, header.height)
+    if ratio > 200:
+        raise VideoTooLarge(f"video frames are {header.width}x{header.height}, an aspect ratio of {ratio:.0f}; "
+                            "the limit is 200")
+    h, w = clip_size(len(indices), header.height, header.width, params)
+    grid = video_grid(len(indices), h, w, params)
+    return VideoPlan(tuple(indices), h, w, grid, grid[0] * grid[1] * grid[2] // params.merge_size**2)
+
+
+@dataclass(frozen=True)
+class PreparedVideo:
+    """One decoded, resized video (or a run of its temporal groups, for a step): what crosses from a decode
+    worker to the batcher, as PreparedImage does for an image."""
+
+    # [2 * grid_t, h, w, 3] uint8, C-contiguous: the sampled frames resized, an odd count padded with the last
+    frames: np.ndarray
+    grid_thw: tuple[int, int, int]  # (temporal groups, h / patch, w / patch)
+    num_patches: int  # t*h*w: rows of pixel_values_videos
+    num_tokens: int  # num_patches // merge**2
+    indices: tuple[int, ...]  # the source frames sampled (unpadded)
+    fps: float  # the source's average frame rate
+    timestamps: tuple[float, ...]  # seconds of each temporal group
+
+    def groups(self, start: int, stop: int) -> PreparedVideo:
+        """Temporal groups [start, stop) as a video of their own (a step's share of a long video: groups
+        never attend to each other and repeat their positions, so tower.video_groups's rows are theirs)."""
+        t, h, w = self.grid_thw
+        assert 0 <= start < stop <= t, f"groups [{start}, {stop}) of {t}: this is a bug"
+        per = len(self.frames) // t
+        return PreparedVideo(self.frames[start * per : stop * per], (stop - start, h, w), (stop - start) * h * w,
+                             (stop - start) * (self.num_tokens // t), self.indices, self.fps,
+                             self.timestamps[start:stop])
+
+
+def prepare_video(data: bytes, header: VideoHeader, params: VideoParams, limits: VideoLimits,
+                  out=None) -> PreparedVideo:
+    """Decode the sampled frames and resize them (the decode worker's whole job for a video): uint8 frames,
+    padded to whole temporal patches. `out(nbytes)`, if given, returns a writable uint8 buffer of that size
+    for the frames (an arena cell); the result's frames are then a view of it."""
+    plan = plan_video(header, params)
+    frames = resize_frames(decode_frames(data, header, list(plan.indices), limits), plan.height, plan.width)
+    n = plan.grid_thw[0] * params.temporal_patch_size
+    shape = (n, plan.height, plan.width, 3)
+    target = (np.empty(shape, np.uint8) if out is None
+              else np.frombuffer(out(int(np.prod(shape))), np.uint8).reshape(shape))
+    target[: len(frames)] = frames
+    target[len(frames):] = frames[-1]  # patchify_video's padding: the last frame repeated
+    t, gh, gw = plan.grid_thw
+    return PreparedVideo(target, plan.grid_thw, t * gh * gw, plan.tokens, plan.indices, header.fps,
+                         tuple(timestamps(list(plan.indices), header.fps, params.temporal_patch_size)))

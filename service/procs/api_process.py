@@ -37,7 +37,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     async def make_runtime() -> Runtime:
         metrics = Metrics()
         decoder = ArenaDecoder(Arena(arena_name, settings.arena_bytes), settings.decode_worker_count(),
-                               settings.image_limits, metrics)
+                               settings.image_limits, metrics, video_limits=settings.video_limits)
         engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
         return Runtime(settings, decoder, engines, metrics)
 

@@ -1,10 +1,15 @@
-"""The two ways an app instance decodes images (api/runtime.py's Decoder), one per kind of process:
+"""The two ways an app instance decodes images and videos (api/runtime.py's Decoder), one per kind of process:
 
   * PoolDecoder: a single-process service. Decode processes (PIL decode and the bicubic resize hold
     the GIL most of the time), the pixels handed back as an array for the in-process engine host.
   * ArenaDecoder: an API process of a supervised service. Decode threads (this process does nothing
     but HTTP and decoding, and there are several such processes), the pixels written once into a cell
     of this process's shared-memory arena, which the engine process reads in place.
+
+A video is decoded the same way (media/video_preprocess.prepare_video: PyAV decode of the sampled frames,
+the resize): off the event loop, its uint8 frames [2 * groups, h, w, 3] one array or one arena cell. A
+video's clip is bounded by its processor's max_pixels (a few MB); one bigger than the whole arena can never
+be placed and is a 413 (VideoTooLarge), not a 429.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import time
 from collections.abc import Callable
 
 from service.api.runtime import Decoded
-from service.config import ImageLimits, PreprocessParams
-from service.engine.messages import Cell, Geometry
-from service.errors import Overloaded, Unavailable
+from service.config import ImageLimits, PreprocessParams, VideoLimits
+from service.engine.messages import Cell, Geometry, VideoInfo
+from service.errors import Overloaded, Unavailable, VideoTooLarge
 from service.media.images import ImageHeader, PreparedImage, prepare_image, warmup_png
+from service.media.video import VideoHeader, VideoParams
+from service.media.video_preprocess import PreparedVideo, prepare_video
 from service.metrics import Metrics
 from service.procs.arena import Arena, ArenaFull
 from service.procs.child import exit_with
@@ -36,7 +43,11 @@ DECODE_STALL_S = 30.0
 POOL_START_LIMIT_S = 120.0
 
 
-def _geometry(prep: PreparedImage) -> Geometry:
+def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
+    if isinstance(prep, PreparedVideo):
+        n, h, w, _ = prep.frames.shape
+        return Geometry(height=h, width=w, grid_thw=prep.grid_thw, tokens=prep.num_tokens,
+                        video=VideoInfo(frames=n, indices=prep.indices, fps=prep.fps, timestamps=prep.timestamps))
     h, w = prep.pixels.shape[:2]
     return Geometry(height=h, width=w, grid_thw=prep.grid_thw, tokens=prep.num_tokens)
 
@@ -45,9 +56,10 @@ class PoolDecoder:
     """Decode processes for a single-process service; the pixels come back as an array (pickled once)."""
 
     def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, video_limits: VideoLimits = VideoLimits()):
         """`clock` times the stall watch (tests inject a fake one)."""
         self.workers, self.limits, self.stall_s, self._clock = workers, limits, stall_s, clock
+        self.video_limits = video_limits
         self._decode_done = clock()  # when a decode last finished (a pool that finishes none is stuck)
         self.pool = self._new_pool()
         self.ready = False
@@ -93,10 +105,20 @@ class PoolDecoder:
         why was not found). So a decode that waits `stall_s` with no decode of its pool finishing
         meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and the images
         waiting on the old one are answered 503."""
+        return Decoded(_geometry(prep := await self._in_pool(prepare_image, data, params, self.limits, header)),
+                       prep.pixels)
+
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
+        """prepare_video in a decode worker, watched as `decode` is."""
+        prep = await self._in_pool(prepare_video, data, header, params, self.video_limits)
+        return Decoded(_geometry(prep), prep.frames)
+
+    async def _in_pool(self, fn, *args):
+        """fn(*args) in a decode worker; a dead or stuck pool replaced (see `decode`) and the work answered 503."""
         pool = self.pool
         waiting_since = self._clock()
         try:  # (a pool already broken raises here, at submit)
-            fut = asyncio.get_running_loop().run_in_executor(pool, prepare_image, data, params, self.limits, header)
+            fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
                 if self._stalled(pool, waiting_since) or pool is not self.pool:
                     fut.cancel()
@@ -110,7 +132,7 @@ class PoolDecoder:
                     raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
                                       retry_after_s=1)
             self._decode_done = self._clock()  # any outcome, a refused image too: the pool is alive
-            prep = fut.result()
+            return fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
             if self.pool is pool:
                 log.error("a decode worker died (killed, out of memory?); starting a new pool")
@@ -118,7 +140,6 @@ class PoolDecoder:
                 await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
             raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
                               "retry", retry_after_s=1) from None
-        return Decoded(_geometry(prep), prep.pixels)
 
     def release(self, decoded: Decoded) -> None:
         pass  # an array: the garbage collector has it
@@ -135,8 +156,9 @@ class PoolDecoder:
 class ArenaDecoder:
     """Decode threads for an API process; the pixels land in a cell of this process's arena."""
 
-    def __init__(self, arena: Arena, workers: int, limits: ImageLimits, metrics: Metrics):
-        self.arena, self.limits, self.metrics = arena, limits, metrics
+    def __init__(self, arena: Arena, workers: int, limits: ImageLimits, metrics: Metrics,
+                 video_limits: VideoLimits = VideoLimits()):
+        self.arena, self.limits, self.metrics, self.video_limits = arena, limits, metrics, video_limits
         # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
         # several such processes; PIL releases the GIL while it decodes and resizes.
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="decode")
@@ -145,11 +167,15 @@ class ArenaDecoder:
     async def start(self, params: PreprocessParams) -> None:
         pass  # threads start on demand, and cost nothing to start
 
-    def _decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+    def _decode(self, data: bytes, header: ImageHeader | VideoHeader, params: PreprocessParams | VideoParams) -> Decoded:
         """Decode + preprocess (a decode thread) straight into a new arena cell: the pixels are written once."""
         cells: list[Cell] = []  # the cell prepare_image asked for, once it has
+        video = isinstance(header, VideoHeader)
 
         def into_cell(nbytes: int):
+            if video and nbytes > self.arena.size:
+                raise VideoTooLarge(f"the video's resized frames are {nbytes} bytes, more than this process's pixel "
+                                    f"arena holds ({self.arena.size}); send a shorter clip or raise --arena-bytes")
             try:
                 off = self.arena.alloc(nbytes)
             except ArenaFull as e:
@@ -160,7 +186,8 @@ class ArenaDecoder:
             return self.arena.view(off, nbytes)
 
         try:
-            prep = prepare_image(data, params, self.limits, header, out=into_cell)
+            prep = (prepare_video(data, header, params, self.video_limits, out=into_cell) if video
+                    else prepare_image(data, params, self.limits, header, out=into_cell))
         except BaseException:
             for cell in cells:  # refused after it took its cell (a JPEG whose data is broken): no owner now
                 self.cell_free(cell)
@@ -168,6 +195,9 @@ class ArenaDecoder:
         return Decoded(_geometry(prep), cells[0])
 
     async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
+
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
     def release(self, decoded: Decoded) -> None:

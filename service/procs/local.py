@@ -24,7 +24,7 @@ async def local_runtime(settings: Settings, model: LoadedModel) -> Runtime:
     faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
     host = await asyncio.to_thread(build_host, model, settings.engine_options(faults))
     threading.Thread(target=host.warm_up, name="warmup", daemon=True).start()
-    decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits)
+    decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, video_limits=settings.video_limits)
     return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
 
 

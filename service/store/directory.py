@@ -43,6 +43,7 @@ from service.store.format import (
     TMP_PREFIX,
     StoreFormatError,
     StoredItem,
+    VideoMeta,
     tensor_bytes,
     _encode_header,
     _Header,
@@ -133,6 +134,7 @@ class PendingEntry:
     dtype: torch.dtype
     grid: tuple[int, int, int]
     content_sha256: str | None
+    video: VideoMeta | None = None
 
 
 class EmbeddingStore:
@@ -348,7 +350,8 @@ class EmbeddingStore:
             return None
         return entry.item
 
-    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
+    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None,
+            video: VideoMeta | None = None) -> StoredItem:
         """Write `ec_cache` for `key` atomically, then evict LRU entries (never this one) to fit.
 
         `ec_cache`: [num_tokens, out_hidden*(1+deepstack_levels)], CPU, contiguous, float32|bfloat16;
@@ -357,10 +360,11 @@ class EmbeddingStore:
         Overwrites an existing entry of the same key. On failure nothing new is visible and the
         previous version (if any) is untouched.
         """
-        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256), ec_cache)
+        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256, video),
+                           ec_cache)
 
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
-                content_sha256: str | None = None) -> PendingEntry:
+                content_sha256: str | None = None, video: VideoMeta | None = None) -> PendingEntry:
         """The first half of `put`, for before the embeddings exist: check room, create the temp file
         and allocate its pages. Why: on tmpfs most of a write's cost is allocating and zeroing fresh
         pages (~1.5 ms for one 448px image's 4 MB); the step loop reserves while the GPU computes, and
@@ -380,6 +384,8 @@ class EmbeddingStore:
         }
         if content_sha256 is not None:  # what lets a later request for this key check it is the same image
             metadata["content_sha256"] = content_sha256
+        if video is not None:
+            metadata.update(video.metadata())
         code = _CODE_OF[str(dtype)]
         data_bytes = n * width * dtype.itemsize
         header = _encode_header(code, (n, width), data_bytes, metadata)
@@ -395,7 +401,7 @@ class EmbeddingStore:
         with self._lock:
             key_dir.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, self.file_mode)
-        r = PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256)
+        r = PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256, video)
         try:
             try:
                 _allocate(fd, len(header) + data_bytes)
@@ -470,6 +476,7 @@ class EmbeddingStore:
             dtype=_DTYPES[_CODE_OF[str(r.dtype)]][0],
             nbytes=nbytes,
             content_sha256=content_sha256,
+            video=r.video,
         )
         with self._lock:
             os.replace(tmp, final)
@@ -532,6 +539,7 @@ class EmbeddingStore:
             and h.out_hidden_size == self.out_hidden_size
             and h.deepstack_levels == self.deepstack_levels
             and (self.dtype is None or h.dtype == self.dtype)
+            and _video_meta(h.metadata) is not False
         )
 
     def _rebuild_index(self) -> None:
@@ -583,6 +591,7 @@ class EmbeddingStore:
                     dtype=h.dtype,
                     nbytes=st.st_size,
                     content_sha256=h.metadata.get("content_sha256"),
+                    video=_video_meta(h.metadata),
                 )
             found.append((st.st_mtime_ns, key, _Entry(nbytes=st.st_size, item=item)))
         found.sort(key=lambda f: (f[0], f[1]))
@@ -670,3 +679,12 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _video_meta(metadata: dict[str, str]) -> VideoMeta | None | bool:
+    """A video entry's VideoMeta, None for an image's, False for a video entry whose fields do not parse
+    (not a hit: its answer would lack them)."""
+    try:
+        return VideoMeta.from_metadata(metadata)
+    except (KeyError, ValueError, TypeError):
+        return False

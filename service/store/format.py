@@ -14,6 +14,11 @@ One safetensors file per image, in vLLM's ECExampleConnector layout:
             grid_thw         "[1, 28, 28]"
             num_tokens       "196"        (redundant with the shape; for humans and `jq`)
             content_sha256   SHA-256 of the source image's bytes (a uuid bound to other bytes is a 409)
+        a video's entry also has (VideoMeta; an image's has none of these):
+            modality         "video"
+            frames_indices   "[0, 15, 30, 45]"  the source frames sampled (before an odd count's padding)
+            fps              "30.0"             the source's average frame rate
+            timestamps       "[0.25, 1.25]"     seconds of each temporal group (grid_thw's t of them)
 
 `read_embeddings` is the consumer (reader) side (`read_ec_cache` for the tensor unsplit, as vLLM's
 encoder cache holds it). It shares nothing with the writer (`store.EmbeddingStore`) but this format, so
@@ -72,6 +77,29 @@ class StoreFormatError(ValueError):
 
 
 @dataclass(frozen=True)
+class VideoMeta:
+    """What a video's entry records beside its embeddings: what the LM side needs for its prompt
+    (Qwen3-VL writes each temporal group's `<t seconds>` before its tokens)."""
+
+    frames_indices: tuple[int, ...]  # the source frames sampled, ascending (before an odd count's padding)
+    fps: float  # the source video's average frame rate
+    timestamps: tuple[float, ...]  # seconds of each temporal group, in order (media/video.timestamps)
+
+    def metadata(self) -> dict[str, str]:
+        """The entry's metadata fields (safetensors __metadata__ strings; lists as JSON)."""
+        return {"modality": "video", "frames_indices": json.dumps(list(self.frames_indices)),
+                "fps": repr(float(self.fps)), "timestamps": json.dumps(list(self.timestamps))}
+
+    @staticmethod
+    def from_metadata(metadata: dict[str, str]) -> VideoMeta | None:
+        """A video entry's VideoMeta from its metadata strings; None for an image's."""
+        if metadata.get("modality") != "video":
+            return None
+        return VideoMeta(frames_indices=tuple(int(i) for i in json.loads(metadata["frames_indices"])),
+                         fps=float(metadata["fps"]), timestamps=tuple(float(t) for t in json.loads(metadata["timestamps"])))
+
+
+@dataclass(frozen=True)
 class StoredItem:
     """What the service tells a client about one stored image (the /encode answer's item, minus `cached`)."""
 
@@ -84,6 +112,11 @@ class StoredItem:
     nbytes: int  # whole file (header + data): what counts against the capacity
     content_sha256: str | None = None  # SHA-256 of the source image's bytes (None: written without one)
     store_key: str | None = None  # Mooncake Store: the value's whole key, "<namespace>@id:<key>"; else None
+    video: VideoMeta | None = None  # a video's sampling and timestamps; None: an image
+
+    @property
+    def modality(self) -> str:
+        return "image" if self.video is None else "video"
 
 
 def shard_of(key: str, n: int) -> int:
@@ -326,6 +359,11 @@ class StoredEmbeddings:
             return json.loads(self.metadata[key])
         except json.JSONDecodeError:
             raise StoreFormatError(f"metadata {key} {self.metadata[key]!r} is not JSON") from None
+
+    @property
+    def video(self) -> VideoMeta | None:
+        """A video's frames_indices, fps and timestamps together (the writer's VideoMeta); None for an image."""
+        return VideoMeta.from_metadata(self.metadata)
 
 
 def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbeddings:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreFull, StoreUnavailable, Unavailable
-from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, validate_key
+from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta, validate_key
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +122,7 @@ class MooncakePending:
     dtype: str
     grid: tuple[int, int, int]
     content_sha256: str | None
+    video: VideoMeta | None = None
 
 
 class MooncakeStore:
@@ -229,7 +230,9 @@ class MooncakeStore:
         return StoredItem(key=key, path=None, store_key=value_key(self.namespace, key), num_tokens=meta["num_tokens"],
                           grid_thw=tuple(meta["grid_thw"]), shape=(meta["num_tokens"], meta["width"]),
                           dtype=meta["dtype"], nbytes=HEADER.size + meta["nbytes"],
-                          content_sha256=meta.get("content_sha256"))
+                          content_sha256=meta.get("content_sha256"),
+                          video=VideoMeta(tuple(meta["frames_indices"]), float(meta["fps"]), tuple(meta["timestamps"]))
+                          if meta.get("modality") == "video" else None)
 
     def _readable(self, vkeys: list[str]) -> list[bool]:
         """Whether each value's header reads back from its segment now: one replica lookup for them all
@@ -267,7 +270,7 @@ class MooncakeStore:
 
     # ---- writes ---------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
-                content_sha256: str | None = None) -> MooncakePending:
+                content_sha256: str | None = None, video: VideoMeta | None = None) -> MooncakePending:
         """The first half of a put (directory.EmbeddingStore's shape): checks only; Mooncake allocates in
         the put itself."""
         validate_key(key)
@@ -275,7 +278,7 @@ class MooncakeStore:
         n, width = shape
         assert name == self.dtype and width == self.out_hidden_size * (1 + self.deepstack_levels), \
             f"a {name} [{n}, {width}] entry for a {self.dtype} store of width {self.out_hidden_size}: this is a bug"
-        return MooncakePending(key, (n, width), name, tuple(int(g) for g in grid_thw), content_sha256)
+        return MooncakePending(key, (n, width), name, tuple(int(g) for g in grid_thw), content_sha256, video)
 
     def abort(self, pending: MooncakePending) -> None:
         pass  # nothing was written
@@ -308,10 +311,15 @@ class MooncakeStore:
             assert tuple(ec_cache.shape) == (rows, width) and ec_cache.is_contiguous(), "rows do not match: this is a bug"
             nbytes = ec_cache.numel() * ec_cache.element_size()
             shapes.append(nbytes)
-            metas.append(json.dumps({"format_version": FORMAT_VERSION, "model": self.model_id,
-                                     "out_hidden_size": self.out_hidden_size, "deepstack_levels": self.deepstack_levels,
-                                     "dtype": pending.dtype, "grid_thw": list(pending.grid), "num_tokens": rows,
-                                     "width": width, "nbytes": nbytes, "content_sha256": pending.content_sha256}).encode())
+            meta = {"format_version": FORMAT_VERSION, "model": self.model_id,
+                    "out_hidden_size": self.out_hidden_size, "deepstack_levels": self.deepstack_levels,
+                    "dtype": pending.dtype, "grid_thw": list(pending.grid), "num_tokens": rows,
+                    "width": width, "nbytes": nbytes, "content_sha256": pending.content_sha256}
+            if pending.video is not None:  # the same fields as a directory entry's (VideoMeta.metadata)
+                v = pending.video
+                meta.update(modality="video", frames_indices=list(v.frames_indices), fps=float(v.fps),
+                            timestamps=list(v.timestamps))
+            metas.append(json.dumps(meta).encode())
         # The headers and companions in one small buffer of their own (kept alive until the put returns).
         small = ctypes.create_string_buffer(HEADER.size * n + sum(map(len, metas)) or 1)
         view, base = memoryview(small).cast("B"), ctypes.addressof(small)
@@ -340,7 +348,7 @@ class MooncakeStore:
             rows, width = pending.shape
             item = StoredItem(key=pending.key, path=None, store_key=keys[i], num_tokens=rows, grid_thw=pending.grid,
                               shape=(rows, width), dtype=pending.dtype, nbytes=HEADER.size + shapes[i],
-                              content_sha256=pending.content_sha256)
+                              content_sha256=pending.content_sha256, video=pending.video)
             with self._lock:
                 self._written += 1
                 self._bytes += HEADER.size + shapes[i] + len(metas[i])
@@ -351,8 +359,9 @@ class MooncakeStore:
             out.append(item)
         return out
 
-    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None) -> StoredItem:
-        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256),
+    def put(self, key: str, ec_cache: torch.Tensor, grid_thw, content_sha256: str | None = None,
+            video: VideoMeta | None = None) -> StoredItem:
+        return self.commit(self.reserve(key, tuple(ec_cache.shape), ec_cache.dtype, grid_thw, content_sha256, video),
                            ec_cache)
 
     def _error(self, rc: int) -> Exception:

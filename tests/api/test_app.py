@@ -670,3 +670,100 @@ def test_the_docs_page_prefills_a_request_that_works_as_it_is(tmp_path, tiny_mod
             assert r.status_code == 200, (doc, r.text)
             (item,) = r.json()["items"]
             assert item["num_tokens"] > 0 and item["key"].startswith("sha256+")
+
+
+# ---- video --------------------------------------------------------------------------------------------
+def _video_part(blob: bytes, uuid: str | None = None, mime: str = "video/mp4") -> dict:
+    import base64
+
+    part = {"type": "video_url", "video_url": {"url": f"data:{mime};base64,{base64.b64encode(blob).decode()}"}}
+    return part if uuid is None else {**part, "uuid": uuid}
+
+
+def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_equal_each_alone(tmp_path, tiny_model):
+    from service.media.video import VideoParams, read_header, timestamps
+    from service.media.video_preprocess import plan_video
+    from tests import videodata as vd
+
+    clip = vd.clip()  # H.264 in MP4, 160x120, 24 frames at 8 fps
+    image = _png(700)
+    plan = plan_video(read_header(clip, Settings().video_limits), VideoParams())  # the tiny preset's: the defaults
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [json_body(image)["images"][0], _video_part(clip)]}, timeout=60)
+        assert r.status_code == 200, r.text
+        img, vid = r.json()["items"]
+        assert img["modality"] == "image" and "frames_indices" not in img and "timestamps" not in img
+        assert vid["modality"] == "video" and vid["cached"] is False and vid["key"].startswith("sha256+")
+        assert vid["grid_thw"] == list(plan.grid_thw) == [3, 8, 12] and vid["num_tokens"] == plan.tokens == 72
+        assert vid["frames_indices"] == list(plan.indices) == [0, 5, 9, 14, 18, 23] and vid["fps"] == 8.0
+        assert vid["timestamps"] == timestamps(list(plan.indices), 8.0, 2) and len(vid["timestamps"]) == 3
+        assert vid["shape"] == [72, 48 * 3] and vid["key"] != img["key"]
+        stored = read_embeddings(tmp_path / "store", vid["key"])
+        assert stored.modality == "video" and stored.grid_thw == (3, 8, 12)
+        assert stored.video.frames_indices == tuple(vid["frames_indices"]) and stored.video.fps == 8.0
+        # The video alone (under a uuid: encoded again) gives what it gave beside the image.
+        alone = httpx.post(url + "/encode", json={"images": [_video_part(clip, "clip-alone")]}, timeout=60)
+        assert alone.status_code == 200 and alone.json()["items"][0]["cached"] is False
+        again = read_embeddings(tmp_path / "store", "clip-alone")
+        assert (torch.cat([again.main, *again.deepstack], 1) - torch.cat([stored.main, *stored.deepstack], 1)).abs().max() <= 1e-5
+        # multipart: `video` file parts beside `image` parts, answered in their order; both stored already
+        multi = httpx.post(url + "/encode", files=[("video", ("c.mp4", clip, "video/mp4")), ("image", ("i.png", image, "image/png"))],
+                           timeout=60)
+        assert multi.status_code == 200, multi.text
+        mv, mi = multi.json()["items"]
+        assert mv == {**vid, "cached": True} and mi == {**img, "cached": True}
+        # The same bytes as an image are not the video's key (and not a usable image either).
+        as_image = httpx.post(url + "/encode", json=json_body(clip), timeout=60)
+        assert as_image.status_code == 422 and as_image.json()["error"]["code"] == "not_an_image"
+
+
+def test_a_video_key_covers_the_video_settings():
+    from service.api.encode import content_key, video_salt
+    from service.media.video import VideoParams
+
+    digest = hashlib.sha256(b"the same file").digest()
+    keys = {content_key(b"model|params", digest), content_key(video_salt(b"model|params", VideoParams()), digest),
+            content_key(video_salt(b"model|params", VideoParams(fps=3.0)), digest),
+            content_key(video_salt(b"model|params", VideoParams(max_pixels=65536)), digest)}
+    assert len(keys) == 4  # an image, and the video under three settings: four keys
+
+
+def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside_them_succeed(tmp_path, tiny_model):
+    from tests import videodata as vd
+
+    mkv = vd.clip("mpeg4", "matroska")
+    corrupt = bytearray(vd.clip())  # H.264 in MP4: its index intact, 3 kB of its frames overwritten
+    at = len(corrupt) // 5
+    corrupt[at : at + 3000] = bytes(i * 37 % 256 for i in range(3000))
+    cases = {  # name -> (the file, its status, its code)
+        "garbage": (b"\x1a\x45\xdf\xa3" + b"\x00\x01" * 1000, 422, "not_a_video"),
+        "corrupt frames": (bytes(corrupt), 422, "corrupt_video"),
+        "truncated": (mkv[: len(mkv) // 2], 422, "truncated_video"),
+        "audio only": (vd.audio_only(), 422, "not_a_video"),
+        "unsupported codec": (vd.clip("ffv1", "matroska"), 415, "unsupported_codec"),
+        "two hours by its header": (vd.clip(frames=2, pts_gap_s=7200), 413, "video_too_long"),
+        "8K frames": (vd.clip(width=7680, height=4320, frames=2), 413, "video_too_large"),
+        "one frame": (vd.clip(frames=1), 422, "corrupt_video"),
+        "more tokens than the queue holds": (vd.clip(frames=120), 413, "video_too_large"),
+    }
+    words = {"audio only": "only audio", "unsupported codec": "'ffv1' is not supported", "two hours by its header":
+             "the limit is 1200 s", "8K frames": "7680x4320", "truncated": "ends after",
+             "more tokens than the queue holds": "more than the queue ever holds (200", "one frame": "at least 2",
+             "corrupt frames": "cannot be decoded at frame"}
+    with live_server(_settings(tmp_path, max_wait_ms=300, max_queue_tokens=200), tiny_model) as (url, app):
+        # One hostile request at a time (the queue holds 200 tokens: a clip of 72 and an image of 70), images beside.
+        with ThreadPoolExecutor(3) as pool:
+            goods = [pool.submit(httpx.post, url + "/encode", json=json_body(_png(800 + i)), timeout=60) for i in range(3)]
+            for name, (blob, _, _) in cases.items():
+                r = httpx.post(url + "/encode", json={"images": [json_body(_png(900))["images"][0], _video_part(blob)]},
+                               timeout=60)
+                err = r.json()["error"]
+                assert (r.status_code, err["code"], err.get("index")) == (cases[name][1], cases[name][2], 1), (name, r.text)
+                assert err["message"].startswith("images[1]: ") and words.get(name, "") in err["message"], (name, err)
+            assert [g.result().status_code for g in goods] == [200] * 3
+        # The service keeps serving: the image of those requests, and a good video, now encode.
+        r = httpx.post(url + "/encode", json={"images": [json_body(_png(900))["images"][0], _video_part(vd.clip())]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert [it["modality"] for it in r.json()["items"]] == ["image", "video"]
+        assert httpx.get(url + "/health").status_code == 200

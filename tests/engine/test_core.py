@@ -143,3 +143,135 @@ def test_fault_injection_is_off_unless_asked_and_refuses_unknown_faults(model, m
     assert r.test_stall_cycles == 0 and r.pool.fence is False
     with pytest.raises(ValueError, match="unknown fault 'no-fense'"):
         FaultInjection.from_env({"QVE_FAULT_INJECT": "no-fense"})
+
+
+# ---- video -------------------------------------------------------------------------------------------
+def _video_fixture() -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parents[1] / "media" / "fixtures" / "video_reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def video_checkpoint(tmp_path_factory, tiny_checkpoint):
+    """The tiny checkpoint with a video_preprocessor_config.json unlike the defaults (the fixture's 'limits'
+    config: fps 3, max 12 frames, its own pixel bounds, CLIP's mean and std)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-qwen3vl-video")
+    shutil.copytree(tiny_checkpoint, path, dirs_exist_ok=True)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(_video_fixture()["configs"]["limits"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def video_model(video_checkpoint):
+    return load_model(_settings_from_cli(video_checkpoint))
+
+
+def _clip_cases() -> list[tuple[bytes, dict]]:
+    """(the clip, its fixture case) for the fixture's three clips under the 'limits' config."""
+    from tests import videodata as vd
+
+    out = []
+    for case in _video_fixture()["cases"]:
+        if case["config"] == "limits":
+            s = case["source"]
+            out.append((vd.clip(s["codec"], s["container"], frames=s["frames"], fps=s["fps"], width=s["width"],
+                                height=s["height"]), case))
+    return out
+
+
+def _prepare_video(blob: bytes, model, limits):
+    from service.media.video import read_header
+    from service.media.video_preprocess import prepare_video
+
+    return prepare_video(blob, read_header(blob, limits), model.video, limits)
+
+
+def _video_reference(ckpt, videos) -> list[torch.Tensor]:
+    """transformers' vision tower on pixel_values_videos made by OUR patchify_video from the same decoded
+    frames. Our pixels are bit-exact with transformers' Qwen3VLVideoProcessor (torchvision backend):
+    tests/media/test_video.py's fixture test proves it on these clips and this config."""
+    from service.media.video_preprocess import patchify_video, video_lut
+
+    visual = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).model.visual.eval()
+    outs = []
+    for v, params in videos:
+        pixels = patchify_video(torch.from_numpy(v.frames), torch.from_numpy(video_lut(params)), params)
+        with torch.no_grad():
+            out = visual(pixels, grid_thw=torch.tensor([v.grid_thw]))
+        outs.append(torch.cat([out.pooler_output, *out.deepstack_features], dim=1))
+    return outs
+
+
+def test_a_video_equals_transformers_on_its_patchified_frames_for_three_codecs(video_checkpoint, video_model):
+    from service.media.video import VideoParams
+
+    settings = _settings_from_cli(video_checkpoint)
+    model = video_model
+    assert model.video != VideoParams() and model.video.fps == 3 and model.video.max_frames == 12
+    cases = _clip_cases()
+    videos = [_prepare_video(blob, model, settings.video_limits) for blob, _ in cases]
+    for v, (_, case) in zip(videos, cases):
+        ref = case["reference"]
+        assert list(v.indices) == ref["frames_indices"] and list(v.grid_thw) == ref["video_grid_thw"], case["clip"]
+        assert v.timestamps == pytest.approx(ref["timestamps"], abs=1e-9) and v.fps == case["video_fps"]
+    engine = Engine(model, store=None, batcher=None, options=settings.runner_options(), metrics=Metrics())
+    outs = engine.encode_sync(videos)  # ONE step of three videos
+    refs = _video_reference(video_checkpoint, [(v, model.video) for v in videos])
+    for v, out, ref, (_, case) in zip(videos, outs, refs, cases):
+        assert out.shape == ref.shape == (v.num_tokens, model.spec.out_width), case["clip"]
+        diff = (out - ref).abs().max().item()
+        print(f"{case['clip']}: max abs diff {diff:.3g} vs transformers")
+        assert diff <= 1e-5, f"{case['clip']}: max abs diff {diff}"
+    # Images and videos in one step give what each gives alone.
+    images = [prepare_image(data.valid_images()[n], model.params, settings.image_limits) for n in PHOTOS[:3]]
+    alone = engine.encode_sync(images)
+    mixed = engine.encode_sync(images + videos)
+    for a, b in zip(alone + outs, mixed):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_a_video_split_across_steps_is_one_entry_equal_to_one_step(video_checkpoint, video_model, tmp_path):
+    from service.engine.batcher import Batcher
+    from service.engine.job import EncodeJob
+    from service.store.directory import EmbeddingStore
+    from service.store.format import read_embeddings
+
+    blob, case = _clip_cases()[0]
+    args = vars(build_parser().parse_args(["serve", "--model", str(video_checkpoint), "--device", "cpu", "--dtype",
+                                           "float32", "--max-batch-tokens", "25"]))
+    args.pop("command")
+    settings = Settings(**args)
+    model = video_model
+    video = _prepare_video(blob, model, settings.video_limits)
+    assert video.num_tokens == 60 and video.grid_thw == (5, 6, 8)  # 12 tokens a group: 2 groups a step, 3 steps
+    whole = Engine(model, store=None, batcher=None, options=settings.runner_options(), metrics=Metrics()).encode_sync(
+        [video])[0]
+    store = EmbeddingStore(tmp_path / "s", 1 << 30, model.model_id, out_hidden_size=model.spec.out_hidden_size,
+                           deepstack_levels=model.spec.deepstack_levels)
+    batcher = Batcher(settings.batch_limits())
+    engine = Engine(model, store, batcher, settings.runner_options(), Metrics())
+    engine.start()
+    try:
+        image = prepare_image(data.valid_images()["astronaut.png"], model.params, settings.image_limits)
+        tickets = [batcher.submit("v", EncodeJob("v", video, "ab" * 32), tokens=video.num_tokens),
+                   batcher.submit("i", EncodeJob("i", image), tokens=image.num_tokens)]
+        stored = [t.future.result(timeout=60) for t in tickets]
+    finally:
+        batcher.close()
+        engine.join(30)
+    steps = engine.metrics.registry.get_sample_value("qve_steps_total", {"result": "ok"})
+    assert engine.loop.failed_steps == 0 and steps == 4, steps  # the video's three parts, then the image
+    assert stored[0].grid_thw == (5, 6, 8) and stored[0].num_tokens == 60 and stored[0].modality == "video"
+    got = read_embeddings(tmp_path / "s", "v")
+    split = torch.cat([got.main, *got.deepstack], dim=1)
+    diff = (split - whole).abs().max().item()
+    print(f"split across 3 steps vs one step: max abs diff {diff:.3g}")
+    assert diff <= 1e-5, f"split vs one step: max abs diff {diff}"
+    assert got.video.frames_indices == tuple(case["reference"]["frames_indices"])
+    assert got.video.timestamps == pytest.approx(case["reference"]["timestamps"]) and got.video.fps == 8.0
+    assert read_embeddings(tmp_path / "s", "i").modality == "image"

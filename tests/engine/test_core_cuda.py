@@ -181,3 +181,30 @@ def test_fence_keeps_a_lagging_gpu_exact_and_without_it_embeddings_go_wrong(tmp_
     assert stats_on.waits_blocked > 0  # the stall really made the host wait: the fence was exercised
     assert wrong_on == []
     assert len(wrong_off) > 0  # the test can see the corruption the fence prevents
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_images_and_a_video_in_one_step_on_cuda_equal_the_cpu(tiny_checkpoint, dtype, tol):
+    """The CuPy kernel's three launches (images with the image LUT, each group's first frames and second
+    frames with the video LUT into patches and frame1) and an eager step, against the CPU runner (itself
+    equal to transformers within 1e-5: tests/engine/test_core.py)."""
+    from service.config import Settings as S
+    from service.media.video import read_header
+    from service.media.video_preprocess import prepare_video
+    from tests import videodata as vd
+
+    cpu_s = S(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_batch_tokens=4096)
+    cpu_m = load_model(cpu_s)
+    clip = vd.clip()
+    video = prepare_video(clip, read_header(clip, cpu_s.video_limits), cpu_m.video, cpu_s.video_limits)
+    images = [prepare_image(data.valid_images()[n], cpu_m.params, cpu_s.image_limits) for n in NAMES[:3]]
+    want = Engine(cpu_m, None, None, cpu_s.runner_options(), Metrics()).encode_sync(images + [video])
+    s, m, engine = _engine(tiny_checkpoint, dtype)
+    got = engine.encode_sync(images + [video])
+    alone = engine.encode_sync(images)  # an image-only step after it (a graph in bfloat16) is unharmed
+    for i, (g, w) in enumerate(zip(got, want)):
+        diff = (g.float() - w).abs().max().item()
+        print(f"{dtype} item {i}: max abs diff {diff:.3g} vs the CPU")
+        assert g.shape == w.shape and diff <= tol, (i, diff)
+    for a, w in zip(alone, want):
+        assert (a.float() - w).abs().max().item() <= tol

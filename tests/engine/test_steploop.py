@@ -71,7 +71,7 @@ def _loop(images_per_step: int, fail=None, max_wait_s: float = 0.0, fence_waits:
 
 def _submit(batcher: Batcher, keys: list[str]) -> dict:
     """Key i has 10 + i tokens; its payload's image (what the runner stages) names its key."""
-    return {k: batcher.submit(k, payload=SimpleNamespace(image=SimpleNamespace(key=k, num_tokens=10 + i)), tokens=10 + i)
+    return {k: batcher.submit(k, payload=SimpleNamespace(image=SimpleNamespace(key=k, num_tokens=10 + i), is_video=False), tokens=10 + i)
             for i, k in enumerate(keys)}
 
 
@@ -131,3 +131,40 @@ def test_an_open_batcher_with_nothing_queued_keeps_the_loop_going_and_a_closed_o
 def test_steploop_imports_no_torch_or_numpy():
     code = "import sys, service.engine.steploop; bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class FakeVideo:
+    """A payload video of `t` groups of 10 tokens; groups(a, b) names its share as the key 'v[a:b]'."""
+
+    def __init__(self, key: str, t: int, prefix: str = ""):
+        self.key, self.grid_thw, self.num_tokens, self.prefix = key, (t, 2, 20), 10 * t, prefix
+
+    def groups(self, start: int, stop: int):
+        return SimpleNamespace(key=f"{self.prefix}{self.key}[{start}:{stop}]", num_tokens=10 * (stop - start))
+
+
+class PartsWriter(FakeWriter):
+    def publish(self, items, launched, part=None) -> None:
+        self.log.append(("publish", tuple(it.key for it in items), launched and launched.keys, part))
+
+
+def test_a_video_over_the_token_budget_runs_alone_in_steps_of_whole_groups_published_as_parts():
+    log: list = []
+    batcher = Batcher(BatchLimits(max_batch_tokens=25, max_batch_images=8, max_wait_s=0.0, max_queue_images=100))
+    loop = StepLoop(batcher, FakeRunner(log, {"v[4:5]": "run"}), PartsWriter(log), Metrics())
+    image = SimpleNamespace(image=SimpleNamespace(key="i", num_tokens=5), is_video=False)
+    small = SimpleNamespace(image=FakeVideo("w", 1), is_video=True)
+    batcher.submit("w", small, tokens=10)  # a video within the budget shares a step, after the images
+    batcher.submit("i", image, tokens=5)
+    batcher.submit("v", SimpleNamespace(image=FakeVideo("v", 5), is_video=True), tokens=50)
+    batcher.close()
+    loop.run()
+    published = [e for e in log if e[0] == "publish"]
+    assert ("stage", ("i", "w")) in log  # images first: the runner's layout
+    assert published[0] == ("publish", ("i", "w"), ("i", "w"), None)
+    # 50 tokens, a budget of 25, 10 a group: steps of 2 groups; the third part failed to launch.
+    assert published[1:] == [("publish", ("v",), ("v[0:2]",), (0, 3, None)), ("publish", ("v",), ("v[2:4]",), (1, 3, None))] \
+        + [("publish", ("v",), None, published[3][3])]
+    part = published[3][3]
+    assert (part.index, part.count) == (2, 3) and isinstance(part.error, BackendError)
+    assert "injected run fault" in str(part.error) and loop.failed_steps == 1

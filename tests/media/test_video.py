@@ -279,3 +279,16 @@ def test_the_whole_path_equals_transformers_video_processor(case):
     assert pixels.reshape(-1)[:8].tolist() == ref["first8"] and pixels.reshape(-1)[-8:].tolist() == ref["last8"]
     assert hashlib.sha256(pixels.tobytes()).hexdigest() == ref["pixel_values_sha256"]
     assert timestamps(idx, header.fps, params.temporal_patch_size) == ref["timestamps"]
+
+
+def test_an_av1_clip_is_read_by_its_codec_not_its_decoders_name():
+    # PyAV's AV1 decoder is named 'libdav1d'; the header must say 'av1' (the bug: AV1 refused as unsupported).
+    import av
+
+    if "libsvtav1" not in av.codecs_available and "libaom-av1" not in av.codecs_available:
+        pytest.skip("this PyAV build has no AV1 encoder (libsvtav1 / libaom-av1) to make the clip with")
+    blob = vd.clip("libsvtav1" if "libsvtav1" in av.codecs_available else "libaom-av1", "mp4")
+    header = read_header(blob, VideoLimits())
+    assert (header.codec, header.width, header.height, header.frames) == ("av1", 160, 120, 24)
+    frames = decode_frames(blob, header, sample_indices(header.frames, header.fps, VideoParams()), VideoLimits())
+    assert frames.shape == (6, 120, 160, 3)

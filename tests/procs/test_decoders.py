@@ -81,3 +81,42 @@ def test_a_new_decode_pool_is_on_the_stall_clock_only_once_a_worker_of_it_answer
         assert decoder._stalled(object(), waiting_since=created - 10)  # a pool it did not start: clock at once
     finally:
         asyncio.run(decoder.shutdown())
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_an_api_process_decodes_a_video_into_one_cell_and_one_bigger_than_its_arena_is_a_413():
+    from service.errors import TruncatedVideo, VideoTooLarge
+    from service.media.video import VideoParams
+    from service.media.video import read_header as video_header
+    from service.media.video_preprocess import prepare_video
+    from tests import videodata as vd
+
+    settings = Settings()
+    vlimits, vparams = settings.video_limits, VideoParams()
+    decoder = ArenaDecoder(Arena(segment_name(os.getpid(), 0, 97), 1 << 20), 1, settings.image_limits, Metrics(),
+                           video_limits=vlimits)
+    arena = decoder.arena
+
+    def decode(blob: bytes, params=vparams):
+        return asyncio.run(decoder.decode_video(blob, video_header(blob, vlimits), params))
+
+    try:
+        clip = vd.clip()
+        decoded = decode(clip)
+        g, cell = decoded.geometry, decoded.pixels
+        assert (g.grid_thw, g.height, g.width, g.tokens, g.video.frames) == ((3, 8, 12), 128, 192, 72, 6)
+        assert g.video.indices == (0, 5, 9, 14, 18, 23) and g.video.fps == 8.0 and len(g.video.timestamps) == 3
+        assert cell.nbytes == 6 * 128 * 192 * 3
+        expected = prepare_video(clip, video_header(clip, vlimits), vparams, vlimits).frames
+        assert np.array_equal(arena.view(cell.offset, cell.nbytes), expected.reshape(-1))
+        decoder.release(decoded)
+        assert arena.used == 0
+        mkv = vd.clip("mpeg4", "matroska")
+        with pytest.raises(TruncatedVideo):  # failed after it took its cell: the cell is given back
+            decode(mkv[: len(mkv) // 2])
+        assert arena.used == 0
+        with pytest.raises(VideoTooLarge, match="more than this process's pixel arena holds"):
+            decode(clip, VideoParams(min_pixels=6 * 512 * 512, max_pixels=6 * 1024 * 1024))
+        assert arena.used == 0
+    finally:
+        asyncio.run(decoder.shutdown())

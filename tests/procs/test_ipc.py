@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from service import errors
+from service.media.video import VideoParams
 from service.config import PreprocessParams
 from service.engine.client import EngineRouter
 from service.errors import EngineMismatch
@@ -68,7 +69,7 @@ def _status(pid: int, salt: str, store_error: str | None = None) -> EngineStatus
                      deepstack_levels=3, compiled=False, cuda_graphs=0, startup_s={}, min_pixels=1, max_pixels=2,
                      store="/s")
     return EngineStatus(ready=True, failed=None, store_error=store_error, key_salt=salt, params=PreprocessParams(),
-                        pid=pid, info=info)
+                        video=VideoParams(), pid=pid, info=info)
 
 
 def test_router_sends_a_key_to_its_shard_and_a_cancel_to_the_engine_that_issued_the_id():

@@ -769,3 +769,21 @@ def test_shards_index_write_and_lock_only_their_own_keys(tmp_path):
     finally:
         root_lock.close()
     make_store(root, exclusive=True).close()  # all released: a one-engine service takes the root again
+
+
+def test_a_video_entry_keeps_its_sampling_and_timestamps_through_the_reader_and_a_restart(tmp_path):
+    from service.store.format import VideoMeta
+
+    store = make_store(tmp_path / "s")
+    video = VideoMeta(frames_indices=(0, 15, 30, 45), fps=29.97, timestamps=(0.25, 1.25))
+    ec = ec_for(4, 2)
+    item = store.put("v", ec, (2, 2, 4), content_sha256="cd" * 32, video=video)
+    assert item.video == video and item.modality == "video" and item.grid_thw == (2, 2, 4)
+    got = read_embeddings(tmp_path / "s", "v")
+    assert got.modality == "video" and got.video == video and got.grid_thw == (2, 2, 4)
+    assert got.metadata["frames_indices"] == "[0, 15, 30, 45]" and json.loads(got.metadata["timestamps"]) == [0.25, 1.25]
+    image = store.put("i", ec, (1, 4, 4))
+    assert image.video is None and image.modality == "image" and read_embeddings(tmp_path / "s", "i").video is None
+    store.close()
+    again = make_store(tmp_path / "s")
+    assert again.lookup("v") == item and again.lookup("i") == image

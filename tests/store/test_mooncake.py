@@ -188,3 +188,18 @@ def test_a_step_goes_in_two_calls_replacing_old_values_and_an_entry_the_pool_ref
     # (Not read back: the master answers a failed allocation by evicting, from anyone's entries.)
     assert writer.lookup("big") is None and client.is_exist(meta_key(writer.namespace, "big")) == 0
     assert writer.written_lately("big") is None and writer.written_lately("s4") == out[2]
+
+
+def test_a_video_entry_keeps_its_sampling_and_timestamps_in_the_companion(master):
+    from service.store.format import VideoMeta
+
+    writer = _store(master, model="mv")
+    video = VideoMeta(frames_indices=(0, 10, 20), fps=24.0, timestamps=(0.2, 0.8))
+    item = writer.put("vid", torch.randn(4, WIDTH).to(torch.bfloat16), (2, 2, 4), content_sha256="ab" * 32, video=video)
+    assert item.video == video and item.modality == "video"
+    found = writer.lookup("vid")
+    assert found is not None and found.video == video
+    meta = json.loads(bytes(writer.client.get(meta_key(writer.namespace, "vid"))))
+    assert meta["modality"] == "video" and meta["frames_indices"] == [0, 10, 20] and meta["timestamps"] == [0.2, 0.8]
+    read = open_reader(master.url, namespace=writer.namespace).read("vid", item.store_key)
+    assert read.modality == "video" and read.video == video and read.grid_thw == (2, 2, 4)
