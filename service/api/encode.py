@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from service.media import video as media_video
 from service.media.images import ImageHeader, header_tokens, read_header
 from service.media.video_preprocess import plan_video
 from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -296,6 +299,7 @@ def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceErr
         return _named(inputs[i], i, p)
     if isinstance(p, ServiceError):
         return p
-    err = BackendError(f"decoding images[{i}] failed: {type(p).__name__}: {p}")
+    log.error("decoding images[%d] failed: %r", i, p)
+    err = BackendError(f"decoding images[{i}] failed ({type(p).__name__}); the server's log has the error")
     err.__cause__ = p
     return err

@@ -377,7 +377,8 @@ class EngineHost:
 def _failed(rid: int, e: BaseException) -> Failed:
     if isinstance(e, ServiceError):
         return Failed(rid, e.code, e.message, getattr(e, "retry_after_s", None))
-    return Failed(rid, BackendError.code, f"{type(e).__name__}: {e}")
+    return Failed(rid, BackendError.code, f"the engine failed on this request ({type(e).__name__}); the server's log "
+                                          "has the error")  # (logged by EngineHost._fail)
 
 
 class LocalTransport:

@@ -106,7 +106,10 @@ class StepLoop:
             self.batcher.finish(item, error=err)
 
     def _error(self, e: Exception) -> BackendError:
-        return BackendError(f"encoding step {self._step_no} failed: {type(e).__name__}: {e}")
+        # NOTE: the exception's text goes to the log, not to the client: a device or allocator message
+        # (sizes, addresses, library internals) is no answer to a request.
+        return BackendError(f"encoding step {self._step_no} failed on the device ({type(e).__name__}); the "
+                            f"server's log has step {self._step_no}'s error")
 
     def _observe(self, batch: Batch[EncodeJob], launched: Launched, t0: float) -> None:
         self.metrics.steps.labels(result="ok").inc()

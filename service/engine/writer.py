@@ -20,7 +20,7 @@ import torch
 from service.engine.batcher import Batcher, Part, WorkItem
 from service.engine.job import EncodeJob
 from service.engine.runner import Launched
-from service.errors import BackendError, ServiceError
+from service.errors import BackendError, ServiceError, clip
 from service.metrics import Metrics
 from service.media.video_preprocess import PreparedVideo
 from service.store.directory import EmbeddingStore, PendingEntry
@@ -82,7 +82,7 @@ class Writer:
             for item, r in zip(items, held):
                 if r is not None:
                     self.store.abort(r)
-                    self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+                    self.batcher.finish(item, error=BackendError(f"encoding failed on the device ({type(e).__name__}); the server's log has the error"))
         else:
             rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
             # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
@@ -124,7 +124,7 @@ class Writer:
             log.error("part %d of %d of video %s failed on the device: %r", part.index + 1, part.count, item.key, e)
             self._parts[item.key] = None
             if out is not None:
-                self.batcher.finish(item, error=BackendError(f"encoding failed on the device: {e}"))
+                self.batcher.finish(item, error=BackendError(f"encoding failed on the device ({type(e).__name__}); the server's log has the error"))
         finally:
             if job.output is not None:
                 job.output.release()
@@ -186,7 +186,7 @@ class Writer:
             self.batcher.finish(item, error=e)
         else:
             log.error("store write for %s failed: %r", item.key, e)
-            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {e}"))
+            self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {clip(str(e), 120)}"))
 
 
 def video_meta(media) -> VideoMeta | None:
