@@ -75,10 +75,13 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     # request is inside the service (answered, queued or running) and some are not answered yet.
     # NOTE: conditions, not timing. SIGTERM before every request was accepted would refuse the late
     # ones (uvicorn stops accepting first), which is right for a server and not what this tests.
+    # NOTE: 4 MP images (about 15,600 patches): since CPU attention runs in SDPA's flash kernel, a 1 MP
+    # image's step took a fraction of a second and all 8 could be answered before 2 were seen waiting
+    # (a fresh-clone CI run failed so); attention grows with the square of the patches.
     server = CheckpointServer(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0",
-                              "--max-pixels", "1000000")
+                              "--max-pixels", "4000000")
     # 8 requests of ~1 s steps each: ample time for the condition below (all inside, 2 or more unanswered).
-    blobs = [data.encode(data.textured_rgb(900, 860, seed=900 + i), "PNG") for i in range(8)]
+    blobs = [data.encode(data.textured_rgb(2000, 1950, seed=900 + i), "PNG") for i in range(8)]
     with ThreadPoolExecutor(len(blobs)) as pool:
         futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
         deadline = time.monotonic() + 120
@@ -99,7 +102,7 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     assert "Waiting for connections to close" in log or "Shutting down" in log
 
     # restart on the existing store: the index is rebuilt from disk and every image is a cache hit
-    again = CheckpointServer(tiny_checkpoint, store, "--max-pixels", "1000000")  # same preprocessing: same keys
+    again = CheckpointServer(tiny_checkpoint, store, "--max-pixels", "4000000")  # same preprocessing: same keys
     try:
         m = httpx.get(again.url + "/metrics").text
         assert metric(m, "qve_store_items") == len(blobs)
