@@ -82,19 +82,22 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
                               "--max-pixels", "4000000")
     # 8 requests of ~1 s steps each: ample time for the condition below (all inside, 2 or more unanswered).
     blobs = [data.encode(data.textured_rgb(2000, 1950, seed=900 + i), "PNG") for i in range(8)]
-    with ThreadPoolExecutor(len(blobs)) as pool:
-        futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
-        deadline = time.monotonic() + 120
-        while True:
-            m = httpx.get(server.url + "/metrics").text
-            waiting = metric(m, "qve_queue_depth") + metric(m, "qve_in_flight")
-            answered = sum(metric(m, "qve_images_total", f'outcome="{o}"') for o in ("encoded", "cached", "coalesced"))
-            if answered + waiting == len(blobs) and waiting >= 2:
-                break
-            assert time.monotonic() < deadline, f"requests never piled up ({answered} answered, {waiting} waiting)"
-            time.sleep(0.002)
-        assert server.stop()  # SIGTERM, then a graceful exit
-        responses = [f.result() for f in futures]
+    try:
+        with ThreadPoolExecutor(len(blobs)) as pool:
+            futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
+            deadline = time.monotonic() + 120
+            while True:
+                m = httpx.get(server.url + "/metrics").text
+                waiting = metric(m, "qve_queue_depth") + metric(m, "qve_in_flight")
+                answered = sum(metric(m, "qve_images_total", f'outcome="{o}"') for o in ("encoded", "cached", "coalesced"))
+                if answered + waiting == len(blobs) and waiting >= 2:
+                    break
+                assert time.monotonic() < deadline, f"requests never piled up ({answered} answered, {waiting} waiting)"
+                time.sleep(0.002)
+            assert server.stop()  # SIGTERM, then a graceful exit
+            responses = [f.result() for f in futures]
+    finally:
+        server.stop()  # (nothing once it has stopped; a failed assertion above leaves no server behind)
     assert [r.status_code for r in responses] == [200] * len(blobs)
     keys = [r.json()["items"][0]["key"] for r in responses]
     assert all((store / k / "encoder_cache.safetensors").is_file() for k in keys)
