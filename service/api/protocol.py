@@ -52,10 +52,16 @@ class HeaderTimeout:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # (a 431 was sent: the rest is read and dropped until the connection closes)
+        head_before = self._awaiting_head()
         super().data_received(data)  # may complete a head (a new cycle), answer 400, or close
-        if self._awaiting_head():
-            # NOTE: counted after the parser saw the bytes, so that a chunk that completes a head (and
-            # carries the start of its body) is not counted; the parser holds at most the cap and one read.
+        if not self._awaiting_head():
+            self._disarm_head_timer()
+            return
+        if head_before:
+            # NOTE: counted only when the parser awaited a head before and after these bytes: a chunk that
+            # completes a head (and carries the start of its body) is not head, nor one that ends a body
+            # (of a request answered before its body was read) and starts the next head. The parser holds
+            # at most the cap and one read.
             self._head_len += len(data)
             if self._head_len > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._disarm_head_timer()
@@ -68,9 +74,9 @@ class HeaderTimeout:
                 self.loop.call_later(LINGER_S, self.transport.close)
                 return
             self._head_bytes = True
-            self._arm_head_timer()
-        else:
-            self._disarm_head_timer()
+        # (after a body's last bytes the timer closes an idle connection silently: uvicorn's keep-alive
+        # timer, armed when the answer went, was cancelled by those bytes)
+        self._arm_head_timer()
 
     def connection_lost(self, exc) -> None:
         self._disarm_head_timer()
@@ -82,7 +88,10 @@ class HeaderTimeout:
         self.transport.close()
 
     def _awaiting_head(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+        # NOTE: an answer can go before its request's body has arrived (a refusal that reads no body): the
+        # rest of that body is still the parser's body, not a head.
+        # (_body_arriving: from the protocol's own mixin below)
+        return (self.cycle is None or self.cycle.response_complete) and not self._body_arriving()
 
     def _arm_head_timer(self) -> None:
         # NOTE: armed once per head, never pushed back: a client trickling a byte now and then gains nothing.
@@ -105,6 +114,31 @@ class HeaderTimeout:
                 f"the request head (request line and headers) did not arrive within {self.header_timeout_s:g} s "
                 "(--header-timeout-s); send it without pauses")))
         self.transport.close()
+
+
+class _HttpToolsBody:
+    """httptools: between a head's end and its message's end the parser reads a body."""
+
+    _in_body = False
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._in_body = True
+
+    def on_message_complete(self) -> None:
+        self._in_body = False  # (before uvicorn's own, which returns early when the answer went already)
+        super().on_message_complete()
+
+    def _body_arriving(self) -> bool:
+        return self._in_body
+
+
+class _H11Body:
+    """h11: the peer's state says it."""
+
+    def _body_arriving(self) -> bool:
+        import h11  # (h11 is uvicorn's dependency; imported only where its protocol is used)
+        return self.conn.their_state is h11.SEND_BODY
 
 
 async def over_limit(scope, receive, send) -> None:
@@ -135,4 +169,5 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
     module = sys.modules[base.__module__]
     if hasattr(module, "service_unavailable"):
         module.service_unavailable = over_limit
-    return type(f"HeaderTimeout{base.__name__}", (HeaderTimeout, base), {"header_timeout_s": timeout_s})
+    body = _HttpToolsBody if hasattr(base, "on_headers_complete") else _H11Body
+    return type(f"HeaderTimeout{base.__name__}", (HeaderTimeout, body, base), {"header_timeout_s": timeout_s})
