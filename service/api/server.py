@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 
 import uvicorn
 from starlette.exceptions import HTTPException
@@ -31,11 +32,18 @@ def server_options(settings: Settings) -> dict:
 
 class Server(uvicorn.Server):
     """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
-    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first)."""
+    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first).
+    `on_stopped` runs once the graceful shutdown is done. NOTE: not after `run()`: uvicorn raises the
+    signal that stopped it again when `serve` ends, and the process dies of it there."""
 
-    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False):
+    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None):
         super().__init__(config)
-        self.ignore_sigint = ignore_sigint
+        self.ignore_sigint, self.on_stopped = ignore_sigint, on_stopped
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.on_stopped is not None:
+            self.on_stopped()
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGINT and self.ignore_sigint:

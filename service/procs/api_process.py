@@ -9,13 +9,14 @@ import socket
 import sys
 
 from service.config import MULTIPROC_ENV, Settings
-from service.procs.child import child_setup
+from service.procs.child import RunDirLease, child_setup
 
 
 def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
              metrics_dir: str, log_level: str, parent_pid: int) -> None:
     """Entry point of an API process (spawned by the supervisor)."""
     child_setup(parent_pid, log_level, f"api{index}")
+    rundir = RunDirLease(os.path.dirname(metrics_dir), parent_pid)
     # One /metrics for every API process (metrics.py): prometheus_client picks its multiprocess mode
     # from this variable when it is first imported, which must be after this line.
     assert "prometheus_client" not in sys.modules, "prometheus_client imported before its multiprocess set-up"
@@ -45,4 +46,4 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
     # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
     config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
-    Server(config, ignore_sigint=True).run(sockets=[sock])
+    Server(config, ignore_sigint=True, on_stopped=rundir.leave).run(sockets=[sock])

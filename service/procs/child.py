@@ -5,16 +5,20 @@ workers."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_RUNDIR_LEASE = ".children"  # the file in the supervisor's run dir that its children hold a shared lock on
 
 
 def _set_os_thread_name(name: str) -> None:
@@ -87,3 +91,31 @@ def child_setup(parent_pid: int, log_level: str, role: str) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
     die_with_parent(parent_pid)
     name_os_threads(role)
+
+
+class RunDirLease:
+    """A supervisor's child's hold on the supervisor's run directory (engine sockets, the API processes'
+    metrics files). The supervisor removes it when it stops; a SIGKILLed supervisor cannot, so then the
+    last of its children to exit does: each holds a shared flock on one file there from its start, and
+    at its exit, with the supervisor gone, the child that can take the lock exclusively is the last."""
+
+    def __init__(self, rundir: str | os.PathLike, supervisor_pid: int):
+        self.rundir, self.supervisor_pid = Path(rundir), supervisor_pid
+        self._fd = os.open(self.rundir / _RUNDIR_LEASE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def leave(self) -> None:
+        """At this child's exit. NOTE: the lock is given up before the exclusive try, so of two children
+        leaving at once one always sees the other's gone (the kernel drops a dead child's lock too)."""
+        try:
+            if os.getppid() == self.supervisor_pid:
+                return  # the supervisor is alive: it removes the directory after its children have gone
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # a sibling still runs: the last one removes it
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            logging.getLogger(__name__).info("the supervisor is gone: removed its run directory %s", self.rundir)
+        finally:
+            os.close(self._fd)

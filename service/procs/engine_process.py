@@ -14,11 +14,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from service.config import FaultInjection, Settings
 from service.engine.host import build_host
 from service.engine.loader import load_model
-from service.procs.child import child_setup
+from service.procs.child import RunDirLease, child_setup
 from service.procs.ipc import EngineServer
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
                 shard: tuple[int, int] = (0, 1)) -> None:
     """Entry point of an engine process (spawned by the supervisor): shard (i, n) of n, on settings.device."""
     child_setup(parent_pid, log_level, "engine" if shard[1] == 1 else f"engine{shard[0]}")
+    rundir = RunDirLease(Path(socket_path).parent, parent_pid)
     # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
     # share the GIL; a 1 ms switch interval keeps each hand-off short.
     sys.setswitchinterval(0.001)
@@ -46,4 +48,5 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
             os._exit(1)
     host.stop()  # no new work, the queued steps finish and are written, then the store is released
     server.stop()
+    rundir.leave()
     log.info("engine stopped")

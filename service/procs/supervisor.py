@@ -17,7 +17,8 @@ What happens when a process dies:
     the supervisor then stops the other processes and exits with status 1 (a process manager or
     container restart policy starts the service again; the store's entries survive a restart).
   * the supervisor, even by SIGKILL: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
-    drains; the arena segments go with their processes.
+    drains; the arena segments go with their processes, and the last child out removes the run
+    directory (procs/child.RunDirLease).
 SIGTERM / SIGINT to the supervisor drains: the API processes finish their open requests first, then
 the engine finishes its queued steps and releases the store. The children ignore SIGINT: a terminal's
 Ctrl-C reaches the whole process group, and the engine must not stop before the API processes have.
@@ -168,10 +169,7 @@ class Supervisor:
         for name in leaked_segments(self.pid):
             log.warning("removing leftover shared-memory segment %s", name)
             unlink_segment(name)
-        for path in self.engine_sockets:
-            Path(path).unlink(missing_ok=True)
-        shutil.rmtree(self.metrics_dir, ignore_errors=True)
-        os.rmdir(self.rundir)
+        shutil.rmtree(self.rundir, ignore_errors=True)  # the engine sockets, the metrics files, the children's lease
         self.sock.close()
 
 

@@ -171,15 +171,22 @@ def test_sigkill_of_the_engine_turns_health_503_and_the_supervisor_exits_1(tmp_p
     assert leaked_segments(server.proc.pid) == []
 
 
-def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint):
+def test_sigkill_of_the_supervisor_leaves_no_process(tmp_path, tiny_checkpoint, monkeypatch):
+    # The server's temporary directory is the test's: its run directory (engine sockets, metrics files) is
+    # made there, and must not be left behind (issue 23's finding: a SIGKILLed supervisor left it in /tmp).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     server = CheckpointServer(tiny_checkpoint, tmp_path / "store", "--api-processes", "2")
     sup = server.proc.pid
     children = descendants(sup)
     assert len(children) >= 3  # engine + 2 API processes (+ multiprocessing's resource tracker)
+    assert [p.name[:8] for p in tmp.iterdir()] == ["qve-run-"]
     os.kill(sup, signal.SIGKILL)
     server.proc.wait(10)
     wait_for(lambda: not any(alive(p) for p in children), 15, "every child gone after the supervisor's SIGKILL")
     wait_for(lambda: leaked_segments(sup) == [], 10, "the arenas' segments removed")
+    assert not [p for p in tmp.iterdir() if p.name.startswith("qve-run-")], "the run directory was left behind"
 
 
 def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_checkpoint):
