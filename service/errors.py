@@ -37,6 +37,7 @@ class ServiceError(QveError):
     code = "internal_error"
     retry_after_s: int | None = None
     index: int | None = None
+    closes_connection = False  # the answer closes its connection (`connection: close`)
 
     def __init__(self, message: str, retry_after_s: int | None = None):
         super().__init__(message)
@@ -80,18 +81,23 @@ class RequestTooLarge(ServiceError):
     """The whole request body is over --max-request-bytes (refused before or while it is read)."""
 
     code = "request_too_large"
+    closes_connection = True  # the body it did not read is still coming
 
 
 class HeaderTooLarge(ServiceError):
     """The request head (request line and headers) is over the HTTP layer's cap (api/protocol.py)."""
 
     code = "header_too_large"
+    closes_connection = True
 
 
 class RequestTimeout(ServiceError):
     """The client sent the request head or body too slowly (--header-timeout-s, --body-timeout-s)."""
 
     code = "request_timeout"
+    # NOTE: a request cut off mid-body leaves the connection in the middle of a message: it cannot carry
+    # another (kept open, it waited for the rest of a body that never came).
+    closes_connection = True
 
 
 # ---- an image could not be used (422 / 413 / 415) -------------------------------------------------
@@ -327,6 +333,8 @@ def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
         headers["retry-after"] = str(err.retry_after_s)
     if isinstance(err, Unauthorized):
         headers["www-authenticate"] = "Bearer"
+    if err.closes_connection:  # (uvicorn closes a connection after an answer that says so)
+        headers["connection"] = "close"
     return http_status(err), headers, json.dumps(error_body(err.code, err.message, err.index)).encode()
 
 

@@ -80,7 +80,6 @@ class _BodyLimit:
         if declared.isdigit() and int(declared) > self.limit:
             answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
                                                     f"{self.limit} (--max-request-bytes); send fewer or smaller images"))
-            answer.headers["connection"] = "close"  # the body it did not read is still coming
             return await answer(scope, receive, send)
         seen, body_done = 0, False
 

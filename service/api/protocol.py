@@ -30,9 +30,9 @@ LINGER_S = 0.5  # how long a connection refused with 431 is still read (and drop
 def _raw_response(err: ServiceError) -> bytes:
     """The whole HTTP/1.1 answer to `err` on a connection it then closes (errors.response builds it)."""
     status, headers, body = errors.response(err)
+    headers["connection"] = "close"
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}content-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}content-length: {len(body)}\r\n\r\n".encode() + body
 
 
 class HeaderTimeout:

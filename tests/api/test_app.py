@@ -446,6 +446,10 @@ def test_a_stalled_body_gets_408_and_idle_connections_close_after_keep_alive(tmp
             answer = c.recv(65536)
             assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:300]
             assert time.monotonic() - t0 < 8
+            # ... and its connection is closed, not kept for the rest of a body that never came (issue 23).
+            assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
+            while answer := c.recv(65536):
+                pass
         with socket.create_connection(addr, timeout=10) as c:  # an idle keep-alive connection is closed
             c.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
             assert c.recv(65536).startswith(b"HTTP/1.1 200")
