@@ -8,7 +8,8 @@ the first byte of its next request arrives, the whole head must be in within `he
 otherwise a 408 (when some of the head came) or a plain close (when nothing came: an idle connection
 is closed as uvicorn's keep-alive timeout closes one). Between requests uvicorn's keep-alive timeout
 applies, and once the head is in, the body timeout (app._BodyLimit). A head over MAX_HEAD_BYTES gets a
-431 at once: httptools has no cap of its own and buffered a 64 MB header line until the timer.
+431 at once: httptools has no cap of its own and buffered a 64 MB header line until the timer. At the
+connection limit, a new connection closes those that have waited longest for a head (`_make_room`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,38 @@ class HeaderTimeout:
     _head_bytes = False  # some of the awaited head has arrived
     _head_len = 0  # bytes received while the head is awaited
     _refused = False  # a 431 was sent; the connection closes after LINGER_S
+    _waiting_since = 0.0  # when this connection began to wait for its next head (loop time)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._waiting_since = self.loop.time()
         self._arm_head_timer()
+        self._make_room()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._waiting_since = self.loop.time()
+
+    def _make_room(self) -> None:
+        """At the connection limit (--max-connections), close the connections that have waited longest for
+        a request head, so that this one is served: a connection that sends nothing holds a file
+        descriptor and a place, not work. 2,500 idle connections made every new request 503 until the
+        head timer closed them, 20 s later (issue 23's finding). Busy connections (a request being read
+        or answered) are never closed for it: beyond them, a new request still gets 503.
+        NOTE: nginx reuses idle keep-alive connections so when it runs out of connections."""
+        limit = self.limit_concurrency
+        excess = len(self.connections) - limit + 1 if limit else 0  # (uvicorn counts this one too)
+        if excess <= 0:
+            return
+        waiting = sorted((c for c in self.connections if c is not self and isinstance(c, HeaderTimeout)
+                          and c._awaiting_head() and not c._refused and not c.transport.is_closing()),
+                         key=lambda c: c._waiting_since)
+        for c in waiting[:excess]:
+            c._disarm_head_timer()
+            c.transport.close()
+            # (uvicorn's connection_lost, a loop callback later, discards it too: under uvloop that can come
+            # after this connection's head has been read and counted against the limit)
+            self.connections.discard(c)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

@@ -41,11 +41,11 @@ async def _app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def _serve(base, limit: int | None = None):
+def _serve(base, limit: int | None = None, head_timeout: float = TIMEOUT):
     # NOTE: bound here on port 0 and handed to uvicorn: the port is ours from the start.
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, log_level="error", lifespan="off",
-                                           http=header_timeout_protocol(TIMEOUT, base), timeout_keep_alive=30,
+                                           http=header_timeout_protocol(head_timeout, base), timeout_keep_alive=30,
                                            limit_concurrency=limit, h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -221,13 +221,16 @@ def test_malformed_requests_get_400_in_the_json_error_shape(addr):
 @pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
 def test_beyond_the_connection_limit_a_request_gets_503_in_the_json_error_shape(base):
     request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
-    with _serve(base, limit=2) as addr:
+    slow = b"GET /x?sleep=3 HTTP/1.1\r\nHost: x\r\n\r\n"  # a request in progress for 3 s: a busy connection
+    with _serve(base, limit=3) as addr:
         with socket.create_connection(addr, timeout=10) as c:  # under the limit: served
             c.sendall(request)
             assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
-        with socket.create_connection(addr, timeout=10), socket.create_connection(addr, timeout=10):
-            # Two idle connections reach the limit of 2 once the server has accepted them: a third's
-            # request is then refused (until then it is served: try again, with a deadline).
+        with socket.create_connection(addr, timeout=10) as a, socket.create_connection(addr, timeout=10) as b:
+            a.sendall(slow)
+            b.sendall(slow)
+            # Two busy connections and a third reach the limit of 3 once the server has read the busy ones'
+            # heads: the third's request is then refused (until then it is served: try again, with a deadline).
             deadline = time.monotonic() + 10
             while True:
                 with socket.create_connection(addr, timeout=10) as c:
@@ -236,8 +239,38 @@ def test_beyond_the_connection_limit_a_request_gets_503_in_the_json_error_shape(
                 if not answer.startswith(b"HTTP/1.1 200 ") or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
+            for busy in (a, b):  # and the busy ones are answered, not closed for the newcomer
+                assert _read_response(busy).startswith(b"HTTP/1.1 200 ")
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 503 "), answer
     assert b"retry-after: 1" in head.lower() and b"application/json" in head.lower(), head
     error = json.loads(body)["error"]
     assert error["code"] == "unavailable" and "--max-connections" in error["message"], error
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_at_the_connection_limit_the_longest_idle_connections_make_room(base):
+    # Issue 23's finding: 2,500 idle connections made every new request 503 until the head timer closed them.
+    request = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"
+    once = request.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    with _serve(base, limit=3, head_timeout=30) as addr:  # (no head timer closes an idle one meanwhile)
+        served = socket.create_connection(addr, timeout=10)  # a kept-alive connection, idle after its answer
+        served.sendall(request)
+        assert _read_response(served).startswith(b"HTTP/1.1 200 ")
+        time.sleep(0.05)
+        silent = socket.create_connection(addr, timeout=10)  # one that sent nothing, opened later
+        time.sleep(0.05)
+        with served, silent:
+            # With the two idle ones, a newcomer is at the limit of 3: the one idle longest makes room for it.
+            with socket.create_connection(addr, timeout=10) as c:
+                c.sendall(once)
+                assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+            assert _read_until_closed(served) == b""
+            # Below the limit again: newcomers are served and the other idle connection stays open.
+            for _ in range(3):
+                with socket.create_connection(addr, timeout=10) as c:
+                    c.sendall(once)
+                    assert _read_until_closed(c).startswith(b"HTTP/1.1 200 ")
+            assert _quiet_for(silent, 0.2)
+            silent.sendall(request)
+            assert _read_response(silent).startswith(b"HTTP/1.1 200 ")
