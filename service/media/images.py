@@ -19,6 +19,7 @@ and how to fix it; PIL's exceptions are caught where they can occur and never es
 from __future__ import annotations
 
 import io
+import os
 import struct
 import warnings
 import zlib
@@ -282,6 +283,14 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
             f"{img.format} image with pixel mode {img.mode!r} cannot be converted to RGB ({e}); "
             "re-encode it as 8-bit RGB or RGBA"
         ) from e
+
+
+def loaded_pid() -> int:
+    """A decode worker's pid, answered once this module (and what prepare_image needs) is imported there:
+    the probe that puts a new decode pool on the stall clock (procs/decoders.py). A bare os.getpid answered
+    before those imports, and a fresh pool's first decode, paying seconds for them on a loaded machine,
+    read as a stuck pool."""
+    return os.getpid()
 
 
 def warmup_png() -> bytes:

@@ -26,7 +26,7 @@ from service.api.runtime import Decoded
 from service.config import ImageLimits, PreprocessParams, VideoLimits
 from service.engine.messages import Cell, Geometry, VideoInfo
 from service.errors import Overloaded, Unavailable, VideoTooLarge
-from service.media.images import ImageHeader, PreparedImage, prepare_image, warmup_png
+from service.media.images import ImageHeader, PreparedImage, loaded_pid, prepare_image, warmup_png
 from service.media.video import VideoHeader, VideoParams
 from service.media.video_preprocess import PreparedVideo, prepare_video
 from service.metrics import Metrics
@@ -72,7 +72,7 @@ class PoolDecoder:
         pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
                                                       initializer=exit_with, initargs=(os.getpid(),))
         # The pool is up once a worker has answered: until then its decodes are not on the stall clock.
-        self._started = (pool, self._clock(), pool.submit(os.getpid))
+        self._started = (pool, self._clock(), pool.submit(loaded_pid))
         self._up_at: float | None = None
         self._started[2].add_done_callback(lambda _f: setattr(self, "_up_at", self._clock()))
         return pool
