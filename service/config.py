@@ -387,9 +387,20 @@ class Settings(BaseSettings):
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
 
-    # logging
+    # logging and tracing
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every "
                                                                    "process of the service")
+    otlp_endpoint: str | None = Field(None, description="send OpenTelemetry traces (OTLP/HTTP) to this collector, "
+                                      "e.g. http://127.0.0.1:4318: a span per request and its phases, and the "
+                                      "engine's queue, step and store write per image, under the request's W3C "
+                                      "traceparent (needs the `tracing` extra); unset: no tracing")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _check_otlp_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
+            raise ValueError(f"the OTLP endpoint must be an http(s) URL such as http://127.0.0.1:4318, got {v!r}")
+        return v
 
     @field_validator("device")
     @classmethod

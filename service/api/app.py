@@ -27,6 +27,7 @@ from service.api.parse import parse_inputs
 from service.api.runtime import Runtime
 from service.api.schemas import EXAMPLE_REQUEST, EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
 from service.config import Settings
+from service import tracing
 from service.api.server import error_response, install_error_handlers
 from service.errors import (
     Overloaded,
@@ -115,6 +116,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
             yield
         finally:
             await rt.shutdown()
+            tracing.shutdown()  # this process's last spans (uvicorn's re-raised SIGTERM skips atexit)
 
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
@@ -159,28 +161,34 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         """Encode images; answer one item per image, in input order, once each is in the store. The
         `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
         rt: Runtime = request.app.state.rt
-        phases = encoding.Phases()
-        t0 = phases.start
         status = 500
-        try:
-            authorize(request)
-            await rt.require_ready()  # before the body is read (or any URL fetched)
-            inputs = await parse_inputs(rt, request)
-            phases.mark("parse")
-            answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
-            status = 200 if answers is not None else 499
-            if answers is None:  # client gone: nobody to answer
-                return PlainTextResponse("client disconnected", status_code=499)
-            response.headers["Server-Timing"] = phases.header()
-            return EncodeResponse(items=[_item(a) for a in answers])
-        except ServiceError as e:
-            status = http_status(e)
-            if isinstance(e, Overloaded):
-                rt.metrics.rejected.inc()
-            raise
-        finally:
-            rt.metrics.requests.labels(status=str(status)).inc()
-            rt.metrics.encode_latency.observe(time.perf_counter() - t0)
+        # (with tracing on: this request's span, current while it runs, so that its submits carry it to the
+        # engines; its phases become child spans at the end)
+        with tracing.server_span("encode request", request.headers) as span:
+            phases = encoding.Phases()
+            t0 = phases.start
+            try:
+                authorize(request)
+                await rt.require_ready()  # before the body is read (or any URL fetched)
+                inputs = await parse_inputs(rt, request)
+                phases.mark("parse")
+                answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
+                status = 200 if answers is not None else 499
+                if answers is None:  # client gone: nobody to answer
+                    return PlainTextResponse("client disconnected", status_code=499)
+                response.headers["Server-Timing"] = phases.header()
+                return EncodeResponse(items=[_item(a) for a in answers])
+            except ServiceError as e:
+                status = http_status(e)
+                if isinstance(e, Overloaded):
+                    rt.metrics.rejected.inc()
+                raise
+            finally:
+                rt.metrics.requests.labels(status=str(status)).inc()
+                rt.metrics.encode_latency.observe(time.perf_counter() - t0)
+                if span is not None:
+                    span.set_attribute("http.response.status_code", status)
+                    tracing.record_phases(phases.spans, phases.start)
 
     @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
                                                         "not running, warm-up failed, or the store cannot be written"}})

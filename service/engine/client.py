@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from service import errors
+from service import errors, tracing
 from service.errors import EngineMismatch
 from service.engine.messages import (
     Cancel,
@@ -170,7 +170,8 @@ class EngineClient:
         """Queue a decoded image under the claim `grant`: its pixels in an arena cell (over a socket) or
         an array (in process). The wait for its entry, or Hit when it was stored meanwhile."""
         in_cell = isinstance(pixels, Cell)
-        msg = Submit(next(self._ids), grant, key, sha256, geometry, cell=pixels if in_cell else None)
+        msg = Submit(next(self._ids), grant, key, sha256, geometry, cell=pixels if in_cell else None,
+                     traceparent=tracing.traceparent())
         answer, later = await self._ask(msg, keep_result=True, pixels=None if in_cell else pixels)
         if isinstance(answer, Hit):
             self._results.pop(msg.id, None)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from service import tracing
 from service.config import EngineOptions, StoreOptions
 from service.engine.batcher import Batcher, QueuePlace, Ticket
 from service.engine.core import Engine
@@ -43,6 +44,7 @@ from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
 from service.store.mooncake import MooncakeStore
 from service.store.format import StoredItem, validate_key
+from service.tracing import Stamps
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +279,8 @@ class EngineHost:
                 drop()
                 conn.send(Hit(msg.id, hit))
                 return
-            ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256), tokens=image.num_tokens,
+            stamps = Stamps(msg.traceparent, tracing.now_ns()) if msg.traceparent and tracing.enabled() else None
+            ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256, stamps), tokens=image.num_tokens,
                                          place=place)
         except Exception:
             drop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.tracing import Stamps
 from service.media.images import PreparedImage
 from service.media.video_preprocess import PreparedVideo
 
@@ -16,6 +17,7 @@ class EncodeJob:
     key: str
     image: PreparedImage | PreparedVideo  # what the runner stages
     content_sha256: str | None = None  # of the encoded bytes; recorded in the store entry
+    stamps: Stamps | None = None  # when traced (tracing on, a request's traceparent): its engine spans' times
 
     @property
     def is_video(self) -> bool:

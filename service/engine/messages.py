@@ -72,6 +72,7 @@ class Submit(msgspec.Struct, tag=True):
     sha256: str
     geometry: Geometry
     cell: Cell | None = None  # where the pixels are (socket); None in process (the array travels beside)
+    traceparent: str | None = None  # the submitting request's span (W3C), when tracing is on: the engine's spans' parent
 
 
 class Cancel(msgspec.Struct, tag=True):

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from service import tracing
 from service.engine.batcher import Batch, Batcher, Part
 from service.errors import BackendError
 from service.metrics import Metrics
@@ -54,6 +55,7 @@ class StepLoop:
             return not self.batcher.closed
         self._step_no += 1
         t0 = time.perf_counter()
+        _stamp_staged(batch.items)
         # Images first, then videos: the runner's layout (a video's rows are the last of a step).
         items = [it for it in batch.items if not it.payload.is_video] + [it for it in batch.items if it.payload.is_video]
         if len(items) == 1 and items[0].payload.is_video and items[0].tokens > self.batcher.limits.max_batch_tokens:
@@ -117,3 +119,10 @@ class StepLoop:
         self.metrics.step_tokens.observe(launched.token_offsets[-1])
         self.metrics.step_images.observe(len(batch.items))
         self.metrics.fence_waits.set(self.runner.pool.stats.waits_blocked)
+
+
+def _stamp_staged(items) -> None:
+    """A traced item's step begins (tracing.Stamps; only its first step, for a video split across steps)."""
+    for item in items:
+        if (s := item.payload.stamps) is not None and not s.staged:
+            s.staged = tracing.now_ns()

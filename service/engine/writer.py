@@ -17,6 +17,7 @@ import queue
 
 import torch
 
+from service import tracing
 from service.engine.batcher import Batcher, Part, WorkItem
 from service.engine.job import EncodeJob
 from service.engine.runner import Launched
@@ -77,6 +78,7 @@ class Writer:
             if job.done is not None:
                 job.done.synchronize()  # the writer's one device wait: this step's D2H copy
                 self.batcher.wake()  # the device may be idle now: a waiting batch can close
+            traced = _computed(items)
         except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
             log.error("step of %d images failed on the device: %r", n, e)
             for item, r in zip(items, held):
@@ -94,6 +96,7 @@ class Writer:
                 self._commit_step(items, held, rows)
             else:
                 self._in_parallel(self._commit, items, held, rows)
+            _record(traced, n)
         finally:
             if job.output is not None:
                 job.output.release()  # every commit above has returned: the buffer is free
@@ -115,6 +118,7 @@ class Writer:
             if job.done is not None:
                 job.done.synchronize()
                 self.batcher.wake()
+            _computed([item])
             if out is not None:
                 tokens = job.token_offsets[-1]
                 # Every part but the last holds the same groups: part k starts at k of them; the last ends the video.
@@ -130,6 +134,7 @@ class Writer:
                 job.output.release()
         if part.index == part.count - 1 and (out := self._parts.pop(item.key, None)) is not None:
             self._commit(item, self._reserve(item, tuple(out.shape), out.dtype, video.grid_thw), out)
+            _record([item.payload] if item.payload.stamps is not None else [], 1, parts=part.count)
 
     def _in_parallel(self, fn, *columns: list) -> list:
         """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
@@ -187,6 +192,22 @@ class Writer:
         else:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {clip(str(e), 120)}"))
+
+
+def _computed(items: list[WorkItem[EncodeJob]]) -> list[EncodeJob]:
+    """The traced items of a step whose output copy is done, stamped so (tracing.Stamps)."""
+    traced = [item.payload for item in items if item.payload.stamps is not None]
+    for job in traced:
+        job.stamps.computed = tracing.now_ns()
+    return traced
+
+
+def _record(traced: list[EncodeJob], images: int, **attributes) -> None:
+    """The queue, step and store-write spans of a step's traced items, once their entries are written."""
+    if traced:
+        stored = tracing.now_ns()
+        for job in traced:
+            job.stamps.record(stored, key=job.key, step_images=images, **attributes)
 
 
 def video_meta(media) -> VideoMeta | None:

@@ -24,6 +24,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     # NOTE: imported only now, for the line above: the app's modules import prometheus_client.
     import uvicorn
 
+    from service import tracing
     from service.api.app import create_app
     from service.api.runtime import Runtime
     from service.api.server import Server, server_options
@@ -34,6 +35,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     from service.procs.ipc import SocketTransport
 
     sys.setswitchinterval(0.001)
+    tracing.setup("qwen3vl-encoder", settings.otlp_endpoint)
 
     async def make_runtime() -> Runtime:
         metrics = Metrics()

@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from service import tracing
 from service.config import FaultInjection, Settings
 from service.engine.host import build_host
 from service.engine.loader import load_model
@@ -33,6 +34,7 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     # As in a single-process service (see __main__): the ipc thread, the step loop and the store writers
     # share the GIL; a 1 ms switch interval keeps each hand-off short.
     sys.setswitchinterval(0.001)
+    tracing.setup("qwen3vl-encoder-engine", settings.otlp_endpoint)
     faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
     host = build_host(load_model(settings), settings.engine_options(faults), shard)
     server = EngineServer(socket_path, host)
@@ -48,5 +50,6 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
             os._exit(1)
     host.stop()  # no new work, the queued steps finish and are written, then the store is released
     server.stop()
+    tracing.shutdown()
     rundir.leave()
     log.info("engine stopped")

@@ -5,6 +5,7 @@ second and one line instead of a model load and a traceback:
     --device  cuda asked for: the CUDA driver sees that GPU    (libcuda via ctypes, not torch)
     --devices the same for each of them
     --port    bound now, with uvicorn's SO_REUSEADDR; the socket is the one the server then serves on
+    --otlp-endpoint  OpenTelemetry's SDK installed
     --store   a Mooncake master that answers (mooncake://...), or the store's own ownership checks
               (service/store/directory.py): creatable, this user's, not writable
               by others, not locked by another service
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import importlib.util
 import socket
 from pathlib import Path
 
@@ -103,9 +105,24 @@ def check_mooncake(url: str, timeout_s: float = 3.0) -> None:
                            f"{e.strerror or e}; start mooncake_master there, or fix --store") from None
 
 
+def check_tracing(endpoint: str | None) -> None:
+    """--otlp-endpoint needs OpenTelemetry's SDK and OTLP exporter (the `tracing` extra); found, not imported."""
+    if endpoint is None:
+        return
+    for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise StartupError(f"--otlp-endpoint needs OpenTelemetry's SDK and OTLP exporter ({module} is not "
+                               "installed): pip install 'qwen3vl-encoder-service[tracing]'")
+
+
 def preflight(settings) -> socket.socket:
     """Every check above, cheapest first. Returns the bound socket; raises StartupError."""
     check_model(settings.model)
+    check_tracing(settings.otlp_endpoint)
     if len(settings.engine_devices) > 1:
         for device in settings.engine_devices:
             check_device(device, "--devices")

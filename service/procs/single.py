@@ -32,6 +32,7 @@ from collections.abc import Callable
 import uvicorn
 from starlette.responses import JSONResponse
 
+from service import tracing
 from service.api.server import Server, error_response, server_options
 from service.config import Settings
 from service.errors import StartupError, Unavailable
@@ -148,6 +149,7 @@ class Booting:
 
 def serve_single(settings: Settings, sock: socket.socket, load: Callable | None = None) -> int:
     """Serve on `sock` in this process until a stop signal; the exit status."""
+    tracing.setup("qwen3vl-encoder", settings.otlp_endpoint)
     server: Server | None = None
     booting = Booting(settings, stop=lambda: setattr(server, "should_exit", True), load=load)
     server = Server(uvicorn.Config(booting, log_level=settings.log_level, **server_options(settings)))

@@ -71,7 +71,7 @@ def _loop(images_per_step: int, fail=None, max_wait_s: float = 0.0, fence_waits:
 
 def _submit(batcher: Batcher, keys: list[str]) -> dict:
     """Key i has 10 + i tokens; its payload's image (what the runner stages) names its key."""
-    return {k: batcher.submit(k, payload=SimpleNamespace(image=SimpleNamespace(key=k, num_tokens=10 + i), is_video=False), tokens=10 + i)
+    return {k: batcher.submit(k, payload=SimpleNamespace(image=SimpleNamespace(key=k, num_tokens=10 + i), is_video=False, stamps=None), tokens=10 + i)
             for i, k in enumerate(keys)}
 
 
@@ -153,11 +153,11 @@ def test_a_video_over_the_token_budget_runs_alone_in_steps_of_whole_groups_publi
     log: list = []
     batcher = Batcher(BatchLimits(max_batch_tokens=25, max_batch_images=8, max_wait_s=0.0, max_queue_images=100))
     loop = StepLoop(batcher, FakeRunner(log, {"v[4:5]": "run"}), PartsWriter(log), Metrics())
-    image = SimpleNamespace(image=SimpleNamespace(key="i", num_tokens=5), is_video=False)
-    small = SimpleNamespace(image=FakeVideo("w", 1), is_video=True)
+    image = SimpleNamespace(image=SimpleNamespace(key="i", num_tokens=5), is_video=False, stamps=None)
+    small = SimpleNamespace(image=FakeVideo("w", 1), is_video=True, stamps=None)
     batcher.submit("w", small, tokens=10)  # a video within the budget shares a step, after the images
     batcher.submit("i", image, tokens=5)
-    batcher.submit("v", SimpleNamespace(image=FakeVideo("v", 5), is_video=True), tokens=50)
+    batcher.submit("v", SimpleNamespace(image=FakeVideo("v", 5), is_video=True, stamps=None), tokens=50)
     batcher.close()
     loop.run()
     published = [e for e in log if e[0] == "publish"]
