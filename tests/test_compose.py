@@ -9,13 +9,13 @@ Builds docker/Dockerfile.cpu (the plain CPU image, and MOONCAKE=1's) and, on a t
     photograph encoded on encoder-a is `cached: true` with the same `store_key` on encoder-b, and the
     consumer (asking encoder-b, reading encoder-a's segment) answers transformers' tokens too.
 Where no engine can run it is skipped with the reason. What it needs, in order of preference:
-  * an engine: DOCKER_HOST or the default socket; else, as root with `dockerd` installed, one started
-    here on a private socket (no iptables, no default bridge: the CPU stack uses host networking on
+  * an engine: DOCKER_HOST or the default socket; else, as root (with Debian's docker.io, installed here
+    with apt where it is missing, as a fresh CI machine has it), one started here on a private socket (no iptables, no default bridge: the CPU stack uses host networking on
     127.0.0.1; the Mooncake stack's own bridge network and its published loopback ports work without);
   * `docker compose` (v2): Debian 12's docker-compose is 1.29, which rejects the compose files (a
     top-level `name:`, build secrets); v2 comes from Debian trixie's `docker-compose` package unpacked
-    with `dpkg-deb -x` (COMPOSE_V2_HINT, docs/operations.md), or, with QVE_COMPOSE_V2_FETCH=1 as root,
-    is fetched that way for the run alone;
+    with `dpkg-deb -x` (COMPOSE_V2_HINT, docs/operations.md); as root with apt it is fetched that way for
+    the run alone (QVE_COMPOSE_V2_FETCH=0: not);
   * a base image: BASE_IMAGE, or python:3.11-slim-bookworm if present or pullable; else, as root with
     `debootstrap`, a Debian bookworm minbase with python3 imported as qve-base:bookworm.
 Both stacks run in one engine (the module's `compose_env`), so the second build reuses the first's layers.
@@ -71,8 +71,8 @@ COMPOSE_TEST = pytest.mark.skipif(os.environ.get("QVE_COMPOSE_TEST") != "1",
 COMPOSE_V2_HINT = ("Debian 12's docker-compose is 1.29, which rejects the compose files (top-level `name:`, build "
                    "secrets); take v2 from Debian trixie's docker-compose package: `dpkg-deb -x docker-compose_2.*.deb "
                    "/tmp/compose && mkdir -p ~/.docker/cli-plugins && cp /tmp/compose/usr/libexec/docker/cli-plugins/"
-                   "docker-compose ~/.docker/cli-plugins/`, or, as root with apt, QVE_COMPOSE_V2_FETCH=1 make "
-                   "compose-test fetches it for the run alone (docs/operations.md)")
+                   "docker-compose ~/.docker/cli-plugins/`; as root with apt, make compose-test fetches it for the "
+                   "run alone unless QVE_COMPOSE_V2_FETCH=0 (docs/operations.md)")
 # dockerd makes these itself whatever its flags say (its plugin directory); removed again if it made them.
 DOCKERD_RUN_DIRS = (Path("/run/docker"), Path("/run/docker/plugins"))
 # Where dockerd finds a containerd already running, it uses that one rather than starting its own.
@@ -210,12 +210,18 @@ def _stop_engine(proc: subprocess.Popen, env: dict, folders: list[Path]) -> None
 def _engine(env: dict, release: contextlib.ExitStack) -> dict:
     """env with a reachable engine, or pytest.skip with the reason. An engine started here is released by
     `release` (stopped, its folders deleted), on every path out, the skips below included."""
-    if shutil.which("docker") is None:
-        pytest.skip("no docker client on PATH: install Docker (or Debian's docker.io) to run the compose stack")
-    if subprocess.run(["docker", "info"], env=env, capture_output=True, timeout=30).returncode == 0:
+    reachable = shutil.which("docker") is not None and subprocess.run(
+        ["docker", "info"], env=env, capture_output=True, timeout=30).returncode == 0
+    if reachable:
         return env
+    # A fresh CI machine has no engine (at most the client): install Debian's docker.io where this is root with apt.
+    why = _install_docker_io() if shutil.which("docker") is None or shutil.which("dockerd") is None else ""
+    if shutil.which("docker") is None:
+        pytest.skip(f"no docker client on PATH and docker.io could not be installed ({why}): install Docker (or "
+                    "Debian's docker.io) to run the compose stack")
     if shutil.which("dockerd") is None or os.geteuid() != 0:
-        pytest.skip("no Docker engine is reachable and none can be started here (needs root and dockerd)")
+        pytest.skip("no Docker engine is reachable and none can be started here (needs root and dockerd"
+                    + (f"; {why}" if why else "") + ")")
     run = Path(tempfile.mkdtemp(prefix="qve-dockerd-"))
     release.callback(_remove, run)
     data = Path(tempfile.mkdtemp(prefix="qve-compose-test-", dir="/var/lib"))
@@ -250,7 +256,7 @@ def _compose_v2_missing(env: dict) -> str | None:
 
 
 def _fetch_compose_v2(env: dict, release: contextlib.ExitStack) -> dict:
-    """QVE_COMPOSE_V2_FETCH=1: Debian trixie's docker-compose package (v2) fetched and unpacked into a
+    """Unless QVE_COMPOSE_V2_FETCH=0: Debian trixie's docker-compose package (v2) fetched and unpacked into a
     folder of this run (/tmp/qve-compose-v2-*), used by this run's docker only (DOCKER_CONFIG): the
     system's packages, apt's own lists and caches and ~/.docker stay as they are; the folder is deleted at
     the end. env unchanged where it cannot be done (not root, no apt-get): the skip then says how."""
@@ -322,7 +328,7 @@ def _compose_engine(workdir: Path) -> Iterator[dict]:
     with contextlib.ExitStack() as release:
         env = _engine(env, release)
         missing = _compose_v2_missing(env)
-        if missing and os.environ.get("QVE_COMPOSE_V2_FETCH") == "1":
+        if missing and os.environ.get("QVE_COMPOSE_V2_FETCH") != "0":
             env = _fetch_compose_v2(env, release)
             missing = _compose_v2_missing(env)
         if missing:
@@ -519,7 +525,7 @@ def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_fol
     # DOCKER_HOST on a socket nobody listens on: the stack tests then start their own engine, as on a
     # machine with docker.io installed and no daemon running. Its log goes to tmp_path, not the committed one.
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'nobody.sock'}")
-    monkeypatch.delenv("QVE_COMPOSE_V2_FETCH", raising=False)  # the check below stands in for compose v2
+    monkeypatch.setenv("QVE_COMPOSE_V2_FETCH", "0")  # the check below stands in for compose v2: nothing fetched
     this = sys.modules[__name__]
     monkeypatch.setattr(this, "LOG", tmp_path / "compose-test.log")
     seen = {}
