@@ -205,7 +205,7 @@ def _check_part(p: object, where: str) -> None:
     if not isinstance(p, dict):
         raise BadRequest(f"{where} must be an object with a 'type'")
     kind = p.get("type")
-    if kind not in PART_KEYS:
+    if not isinstance(kind, str) or kind not in PART_KEYS:
         return  # media_parts says why (a part vLLM would read itself)
     if extra := sorted(set(p) - PART_KEYS[kind] - {"type"}):
         raise BadRequest(f"{where} ({kind}) has {clip(str(extra[0]))!r}; this router forwards its "
@@ -226,6 +226,8 @@ def _check_part(p: object, where: str) -> None:
         for key in PART_KEYS[kind] - {"closed"}:
             if not isinstance(p.get(key), str):
                 raise BadRequest(f"{where}.{key} must be a string")
+        if not isinstance(p.get("closed", False), bool):
+            raise BadRequest(f"{where}.closed must be true or false")
 
 
 def media_parts(chat: dict) -> list[dict]:
@@ -237,6 +239,8 @@ def media_parts(chat: dict) -> list[dict]:
         content = m.get("content") if isinstance(m, dict) else None
         for j, p in enumerate(content if isinstance(content, list) else []):
             kind = p.get("type") if isinstance(p, dict) else None
+            if not isinstance(kind, (str, type(None))):  # (a list is no set member: it would raise)
+                raise BadRequest(f"messages[{i}].content[{j}].type must be a string")
             if kind in ENCODED:
                 parts.append(p)
             elif kind not in PASSED:

@@ -342,6 +342,10 @@ def test_the_fields_it_knows_are_forwarded_as_sent_and_max_tokens_is_always_boun
      "image_url must be an object"),
     ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}, "uuid": 5}]}],
      "messages[0].content[0].uuid must be a string"),
+    ([{"role": "user", "content": [{"type": ["text"], "text": "x"}]}], "messages[0].content[0].type must be a string"),
+    ([{"role": "user", "content": [{"type": {"a": 1}}]}], "messages[0].content[0].type must be a string"),
+    ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "x", "closed": "yes"}]}],
+     "messages[0].content[0].closed must be true or false"),
 ])
 def test_messages_that_are_not_a_list_of_message_objects_are_a_json_400_never_a_500(messages, says):
     r, seen = _route("raw", {"messages": messages})
