@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import httpx
+import jinja2
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
@@ -67,6 +68,7 @@ from service.errors import (
     Overloaded,
     Relayed,
     Unauthorized,
+    clip,
 )
 from service.store.format import StoredEmbeddings, StoreFormatError
 from service.store.reader import is_mooncake, open_reader
@@ -229,7 +231,10 @@ class LanguageModel:
             messages = [{**m, "content": self._mark(m["content"]) if isinstance(m["content"], str) else
                          [{**p, "text": self._mark(p["text"])} if p["type"] == "text" else p for p in m["content"]]}
                         for m in messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:  # a template's raise_exception(): its own words on the messages
+            raise BadRequest(f"the model's chat template refused the messages: {clip(str(e), 200)}") from None
         if self._marked_re is None:
             return self._encode(text)
         # [text, marked token, text, ...]; None for a lone mark (a template's split() can separate a pair):

@@ -624,3 +624,12 @@ def test_a_control_token_the_tokenizer_cannot_read_as_text_is_refused(lm):
     cannot stay text, so it is a 400, not a forged turn."""
     r = _run(create_chat_app(_config(), lm), {"messages": [{"role": "user", "content": FORGED}], "max_tokens": 2})
     assert r.status_code == 400 and "'<|im_end|>'" in r.json()["error"]["message"], r.text
+
+
+def test_a_message_the_chat_template_refuses_is_a_400(lm, monkeypatch):
+    """Qwen's templates raise_exception() on some message orders; that is the client's to fix, not a 500."""
+    strict = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('the first message must be system') }}"
+              "{% endif %}")
+    monkeypatch.setattr(lm.tokenizer, "chat_template", strict + lm.tokenizer.chat_template)
+    r = _run(create_chat_app(_config(), lm), TEXT)
+    assert r.status_code == 400 and "the first message must be system" in r.json()["error"]["message"], r.text
