@@ -23,7 +23,16 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import Settings, describe_errors, env_name, format_size, is_size, setting_groups, unknown_env
+from service.config import (
+    Settings,
+    describe_errors,
+    env_name,
+    format_size,
+    is_size,
+    parse_size,
+    setting_groups,
+    unknown_env,
+)
 from service.errors import StartupError
 
 log = logging.getLogger("service")
@@ -88,6 +97,73 @@ def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--log-level", default="info", choices=levels, help="log level")
 
 
+def _positive(kind: type):
+    """argparse's type for a number > 0 (a limit of 0 would refuse everything)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # (argparse names the type in its messages)
+    return convert
+
+
+def _size(text: str) -> int:
+    """argparse's type for a SIZE (`64MiB`, bytes), as `serve` reads one."""
+    try:
+        value = int(parse_size(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+# The keys of the LM side's servers come from these variables where no flag gives them: a secret on a
+# command line is visible to every user of the machine (ps). QVE_API_KEY is the encoder's own variable:
+# a consumer or router started in the encoder's environment asks its clients for the same key.
+LM_KEY_ENV = {"api_key": "QVE_API_KEY", "encoder_api_key": "QVE_ENCODER_API_KEY", "vllm_api_key": "QVE_VLLM_API_KEY"}
+
+
+def _add_lm_limits(parser: argparse.ArgumentParser, max_tokens_limit: int, vllm: bool = False) -> None:
+    """The flags `consume` and `route` share: what one request may cost, and the keys (issue 23)."""
+    parser.add_argument("--max-tokens-limit", type=_positive(int), default=max_tokens_limit, metavar="N",
+                        help="the most tokens one request may ask for (max_tokens" + (
+                            " / max_completion_tokens; a request with neither gets this many" if vllm else "") + ")")
+    parser.add_argument("--max-request-bytes", type=_size, default="64MiB", metavar="SIZE",
+                        help="largest request body (bytes, or 64MiB, 1.5MB, ...); larger is a 413, before it is read "
+                        "when declared (the encoder's own default, so a body of images it would take passes here)")
+    parser.add_argument("--body-timeout-s", type=_positive(float), default=30.0, metavar="SECONDS",
+                        help="longest wait for the next part of a request body; then 408")
+    keys = "Authorization: Bearer <key>"
+    parser.add_argument("--api-key", default=argparse.SUPPRESS, metavar="LIST",
+                        help=f"require `{keys}` on the /v1/ routes; " + ("/health stays open" if vllm else
+                        "/health and /ready stay open (/ready's details need it)") + " (comma-separated: several "
+                        f"keys, e.g. while rotating) (default: none; env {LM_KEY_ENV['api_key']})")
+    parser.add_argument("--encoder-api-key", default=argparse.SUPPRESS, metavar="KEY",
+                        help="the key sent to the encoder (one of its --api-key keys), as `" + keys + "` (default: "
+                        f"none; env {LM_KEY_ENV['encoder_api_key']})")
+    if vllm:
+        parser.add_argument("--vllm-api-key", default=argparse.SUPPRESS, metavar="KEY",
+                            help=f"the key sent to vLLM (its --api-key), as `{keys}` (default: none; env "
+                            f"{LM_KEY_ENV['vllm_api_key']})")
+
+
+def _lm_keys(args: dict, names: list[str]) -> dict:
+    """The key flags `names` of `consume` or `route`, popped from `args`, else read from their variables."""
+    keys = {}
+    for name in names:
+        value = args.pop(name, None) or os.environ.get(LM_KEY_ENV[name], "")
+        if name == "api_key":
+            keys[name] = tuple(k.strip() for k in value.split(",") if k.strip())
+        else:
+            keys[name] = value.strip() or None
+    return keys
+
+
 def _local_url() -> str:
     """The server `serve` would start in this environment (QVE_HOST, QVE_PORT), seen from this machine."""
     host = os.environ.get("QVE_HOST", "127.0.0.1")
@@ -137,8 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                          help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
-    consume.add_argument("--max-tokens-limit", type=int, default=1024, metavar="N",
-                         help="the most tokens one request may ask for")
+    consume.add_argument("--max-prompt-tokens", type=_positive(int), default=32768, metavar="N",
+                         help="the longest prompt, counted after tokenising (text, chat markup, one token per image "
+                         "or video row); longer is a 400 before the LM is taken. 32768: two images at Qwen3-VL's "
+                         "largest size, or a long document; a prefill cannot be stopped midway")
+    consume.add_argument("--max-waiting", type=_positive(int), default=16, metavar="N",
+                         help="requests admitted behind the one generating (encoding, tokenising or waiting for the "
+                         "LM); one more is a 429 with Retry-After, at once")
+    consume.add_argument("--request-timeout-s", type=_positive(float), default=300.0, metavar="SECONDS",
+                         help="a request not answered this long after its body arrived is a 504; its generation "
+                         "stops at the next token, as it does when its client disconnects")
+    _add_lm_limits(consume, max_tokens_limit=1024)
     _add_server_flags(consume, port=8090)
 
     demo = sub.add_parser("demo", help="the whole pipeline on this machine: a tiny RANDOM checkpoint, the encoder "
@@ -158,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vLLM running as an EC consumer of the store")
     route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
                        help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
+    _add_lm_limits(route, max_tokens_limit=4096, vllm=True)
     _add_server_flags(route, port=8100)
     return parser
 
@@ -199,15 +285,15 @@ def _main(argv: list[str] | None) -> int:
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        keys = _lm_keys(args, list(LM_KEY_ENV) if command == "route" else ["api_key", "encoder_api_key"])
+        host, port = args.pop("host"), args.pop("port")
         if command == "route":
             from service.lm.router import RouterConfig, serve as serve_router
 
-            return serve_router(RouterConfig(args["encoder_url"], args["vllm_url"], args["image_parts"]),
-                                args["host"], args["port"], log_level)
+            return serve_router(RouterConfig(**args, **keys), host, port, log_level)
         from service.lm.chat import ChatConfig, serve
 
-        host, port = args.pop("host"), args.pop("port")
-        return serve(ChatConfig(**args), host, port, log_level)
+        return serve(ChatConfig(**args, **keys), host, port, log_level)
     return _serve(args)
 
 

@@ -566,6 +566,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # QVE_ variables that are not settings, so not worth a warning at start.
 OTHER_ENV = frozenset({
     FAULT_ENV,  # test-only fault injection (FaultInjection)
+    "QVE_ENCODER_API_KEY", "QVE_VLLM_API_KEY",  # the keys `consume` and `route` send (service/__main__.py)
     "QVE_COMPOSE_TEST", "QVE_COMPOSE_LOG", "QVE_TEST_SUPERVISOR_REQUESTS",  # read by the tests
 })
 

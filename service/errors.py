@@ -9,7 +9,7 @@ answers are built.
      │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
      │   ├─ VideoError: NotAVideo, UnsupportedCodec, CorruptVideo, TruncatedVideo, VideoTooLarge, VideoTooLong
      │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, StoreUnavailable, EngineMismatch
-     │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424): the LM side's
+     │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424), DeadlineExceeded (504): the LM side's
      │   └─ Relayed: another service's answer passed on with its own status
      └─ StartupError          a start-up check failed: one line, exit status 2 (never an HTTP answer)
          ├─ ModelLoadError
@@ -244,6 +244,14 @@ class EmbeddingsMissing(ServiceError):
     code = "embeddings_missing"
 
 
+class DeadlineExceeded(ServiceError):
+    """The LM side: a request was not answered within its deadline (the consumer's --request-timeout-s);
+    its generation was stopped, so the LM goes on to the next request. No Retry-After: the request itself
+    (its max_tokens, its prompt) may be what took too long, not the queue."""
+
+    code = "deadline_exceeded"
+
+
 class Relayed(ServiceError):
     """Another service's error answer, passed on as it came (its status, code and retry hint)."""
 
@@ -289,6 +297,7 @@ HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
     (Overloaded, 429),
     (Unavailable, 503),
     (EmbeddingsMissing, 424),
+    (DeadlineExceeded, 504),
     (BadGateway, 502),
     (BackendError, 500),
     (ServiceError, 500),

@@ -36,3 +36,33 @@ def edit_json(path: Path, **changes) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
     path.write_text(json.dumps(data))
+
+
+def make_byte_level_checkpoint(src: Path, path: Path) -> Path:
+    """The checkpoint `src` (make_full_checkpoint's) with a byte-level BPE tokenizer in place of its word-level
+    one, as Qwen's is: its special tokens keep their ids (500-506, the model's config), and no text but the
+    tokens themselves encodes to them (a BPE vocabulary has no merge that makes `<|im_end|>`), where the
+    word-level vocabulary reads the word `<|im_end|>` as its token. Trained on this project's README, 500
+    tokens (256 bytes and 244 merges)."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from service.lm.tiny import CHAT_TEMPLATE
+
+    shutil.copytree(src, path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (path / name).unlink(missing_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tok.train_from_iterator([readme], trainers.BpeTrainer(vocab_size=500, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == 500, "the README gave fewer merges than the special tokens' ids need"
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    assert all(tok.token_to_id(t) == i for t, i in SPECIAL_TOKENS.items())
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path

@@ -120,6 +120,26 @@ def live_server(settings, model, ready_timeout: float = 60.0):
         sock.close()
 
 
+@contextlib.contextmanager
+def app_server(app, log_level: str = "warning"):
+    """Yields the base URL of `app` (any ASGI app: the LM consumer's, the router's) served by uvicorn on a
+    loopback port in a thread of this process: a real connection, which a test can cut mid-request."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
 # The line each server command logs once its socket is bound, with the port the kernel gave it:
 # `serve` in one process ("listening on http://HOST:PORT; ..."), its supervisor ("supervisor PID:
 # http://HOST:PORT, ..."), `consume` and `route` (uvicorn's "Uvicorn running on http://HOST:PORT (...)",
@@ -143,12 +163,12 @@ class ServiceProcess:
     ROOT = Path(__file__).resolve().parents[1]
 
     def __init__(self, args: list[str], log: Path, ready_timeout: float = 120.0, ready_path: str = "/ready",
-                 wait: bool = True, prefix: list[str] = ()):
+                 wait: bool = True, prefix: list[str] = (), env: dict[str, str] | None = None):
         self.log, self.url, self.port, self.ready_path, self.command = log, None, None, ready_path, args[0]
         # NOTE: "--port 0" last: argparse takes the last value, so no caller's port can win over it.
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "service", *args, "--port", "0"], cwd=self.ROOT,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         if wait:
             self.wait_ready(ready_timeout)
 

@@ -31,7 +31,8 @@ def test_every_request_error_has_a_status_and_a_code_of_its_own():
                 errors.UnsupportedFormat: 415, errors.NotAnImage: 422, errors.InvalidKey: 422, errors.KeyConflict: 409,
                 errors.Unauthorized: 401, errors.NotFound: 404, errors.MethodNotAllowed: 405, errors.BadRequest: 400,
                 errors.Overloaded: 429, errors.ArenaFull: 429, errors.Unavailable: 503, errors.StoreFull: 503,
-                errors.EngineMismatch: 503, errors.EmbeddingsMissing: 424, errors.BackendError: 500}
+                errors.EngineMismatch: 503, errors.EmbeddingsMissing: 424, errors.BackendError: 500,
+                errors.DeadlineExceeded: 504}
     for cls, status in expected.items():
         assert errors.http_status(cls("x")) == status, cls
     assert errors.http_status(errors.BadGateway("x", code="lm_unavailable")) == 502

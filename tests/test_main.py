@@ -134,17 +134,51 @@ def test_a_secret_is_never_echoed_in_an_error(monkeypatch, capsys):
     assert "QVE_API_KEY_METRICS=maybe" in err and "s3cret" not in err
 
 
+def test_consume_and_route_take_limits_from_flags_and_keys_from_flags_or_variables(tmp_path, monkeypatch, capsys):
+    """The LM side's configs as the CLI builds them (their servers replaced): sizes as `serve` reads them,
+    the keys from a flag, else from QVE_API_KEY / QVE_ENCODER_API_KEY / QVE_VLLM_API_KEY, never shown in a
+    config's repr; a limit of 0 is refused by argparse."""
+    import service.lm.chat as chat
+    import service.lm.router as router
+
+    (tmp_path / "config.json").write_text("{}")  # (the CLI checks only that it is there before it imports)
+    built = []
+    monkeypatch.setattr(chat, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
+    monkeypatch.setattr(router, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
+    monkeypatch.setenv("QVE_API_KEY", "env-a, env-b")
+    monkeypatch.setenv("QVE_ENCODER_API_KEY", "env-enc")
+    monkeypatch.setenv("QVE_VLLM_API_KEY", "env-vllm")
+    assert main(["consume", "--model", str(tmp_path), "--max-request-bytes", "1.5MB", "--max-prompt-tokens", "100",
+                 "--max-waiting", "2", "--request-timeout-s", "9.5"]) == 0
+    assert main(["consume", "--model", str(tmp_path), "--api-key", "flag-key", "--encoder-api-key", "flag-enc"]) == 0
+    assert main(["route", "--max-tokens-limit", "64", "--max-request-bytes", "2MiB"]) == 0
+    env_cfg, flag_cfg, route_cfg = built
+    assert (env_cfg.max_request_bytes, env_cfg.max_prompt_tokens, env_cfg.max_waiting, env_cfg.request_timeout_s) == (
+        1_500_000, 100, 2, 9.5)
+    assert env_cfg.api_key == ("env-a", "env-b") and env_cfg.encoder_api_key == "env-enc"
+    assert flag_cfg.api_key == ("flag-key",) and flag_cfg.encoder_api_key == "flag-enc"  # a flag wins
+    assert (route_cfg.max_tokens_limit, route_cfg.max_request_bytes) == (64, 2 * 1024**2)
+    assert route_cfg.api_key == ("env-a", "env-b") and (route_cfg.encoder_api_key, route_cfg.vllm_api_key) == (
+        "env-enc", "env-vllm")
+    assert not any(k in repr(c) for c in built for k in ("env-a", "env-enc", "env-vllm", "flag-key", "flag-enc"))
+    for bad in (["--max-waiting", "0"], ["--max-request-bytes", "lots"], ["--request-timeout-s", "-1"]):
+        with pytest.raises(SystemExit):
+            main(["consume", "--model", str(tmp_path), *bad])
+        assert bad[0] in capsys.readouterr().err
+
+
 def test_unknown_variables_are_warned_with_the_closest_name_and_known_ones_are_not(monkeypatch, capsys):
     monkeypatch.setenv("QVE_MODLE", "tiny")
     monkeypatch.setenv("QVE_MAX_BATCH_TOKEN", "10")
     monkeypatch.setenv("QVE_FAULT_INJECT", "")  # test-only, read by the entry points (config.FaultInjection): not a typo
+    monkeypatch.setenv("QVE_ENCODER_API_KEY", "k")  # the key `consume` and `route` send: not a typo either
     monkeypatch.setenv("QVE_PORT", "not-a-port")
     assert main(["serve"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("invalid settings: QVE_PORT=not-a-port")
     assert "warning: QVE_MODLE is not a setting and is ignored; did you mean QVE_MODEL?" in lines
     assert "warning: QVE_MAX_BATCH_TOKEN is not a setting and is ignored; did you mean QVE_MAX_BATCH_TOKENS?" in lines
-    assert not any("QVE_FAULT_INJECT" in line for line in lines)
+    assert not any("QVE_FAULT_INJECT" in line or "QVE_ENCODER_API_KEY" in line for line in lines)
 
 
 def test_every_flag_has_a_working_variable(monkeypatch):

@@ -10,8 +10,6 @@ Every ServiceError becomes its HTTP status in one place (`errors.HTTP_STATUS`), 
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,15 +26,8 @@ from service.api.runtime import Runtime
 from service.api.schemas import EXAMPLE_REQUEST, EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
 from service.config import Settings
 from service import tracing
-from service.api.server import error_response, install_error_handlers
-from service.errors import (
-    Overloaded,
-    RequestTimeout,
-    RequestTooLarge,
-    ServiceError,
-    Unauthorized,
-    http_status,
-)
+from service.api.server import BodyLimit, bearer_auth, install_error_handlers
+from service.errors import Overloaded, ServiceError, Unauthorized, http_status
 
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
@@ -65,45 +56,6 @@ def _item(answer: Answer) -> EncodedItem:
 
 
 # ---- the app --------------------------------------------------------------------------------------
-class _BodyLimit:
-    """ASGI middleware: an /encode body over `limit` bytes is answered 413 before it is read (declared
-    Content-Length) or as soon as the bytes streamed in pass the limit (chunked), JSON and multipart
-    alike: nothing over the limit is buffered or spooled to disk. A body whose next part takes longer
-    than `timeout_s` to arrive is answered 408."""
-
-    def __init__(self, app, limit: int, timeout_s: float):
-        self.app, self.limit, self.timeout_s = app, limit, timeout_s
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != "/encode":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
-                                                    f"{self.limit} (--max-request-bytes); send fewer or smaller images"))
-            return await answer(scope, receive, send)
-        seen, body_done = 0, False
-
-        async def counted():
-            nonlocal seen, body_done
-            if body_done:  # later receives wait for a disconnect, as long as a request takes: no timeout
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise RequestTimeout(f"no part of the request body arrived for {self.timeout_s:g} s "
-                                     "(--body-timeout-s); send the body without pauses") from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                body_done = not message.get("more_body", False)
-                if seen > self.limit:
-                    raise RequestTooLarge(f"request body is over the limit of {self.limit} bytes "
-                                          "(--max-request-bytes); send fewer or smaller images")
-            return message
-
-        await self.app(scope, counted, send)
-
-
 def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]]) -> FastAPI:
     """The app of one serving process; its lifespan builds the Runtime (`make_runtime`: procs/ says what
     it holds), starts it, and shuts it down."""
@@ -121,11 +73,12 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
     mount_docs(app)  # /docs from the package, not a CDN
-    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s,
+                       paths=("/encode",), hint="send fewer or smaller images")
 
     install_error_handlers(app)
 
-    keys = [k.encode() for k in settings.api_key]
+    authorized = bearer_auth(settings.api_key)
 
     generate_openapi = app.openapi
 
@@ -135,16 +88,6 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         return doc
 
     app.openapi = openapi
-
-    def authorized(request: Request) -> bool:
-        """With --api-key: `Authorization: Bearer <one of the keys>`, compared in constant time."""
-        if not keys:
-            return True
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given_b = given.strip().encode()
-        # NOTE: every key is compared (no early exit), each with compare_digest: the time taken says
-        # nothing about which key or how much of it matched.
-        return scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys) > 0
 
     def authorize(request: Request) -> None:
         if not authorized(request):

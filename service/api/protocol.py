@@ -7,7 +7,7 @@ connection and sends nothing, or a few bytes of headers now and then (slowloris)
 the first byte of its next request arrives, the whole head must be in within `header_timeout_s`;
 otherwise a 408 (when some of the head came) or a plain close (when nothing came: an idle connection
 is closed as uvicorn's keep-alive timeout closes one). Between requests uvicorn's keep-alive timeout
-applies, and once the head is in, the body timeout (app._BodyLimit). A head over MAX_HEAD_BYTES gets a
+applies, and once the head is in, the body timeout (server.BodyLimit). A head over MAX_HEAD_BYTES gets a
 431 at once: httptools has no cap of its own and buffered a 64 MB header line until the timer. At the
 connection limit, a new connection closes those that have waited longest for a head (`_make_room`).
 """

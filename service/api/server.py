@@ -1,21 +1,25 @@
 """uvicorn serving this app (a single-process service, or each API process): its options, a server that
-says in one line which signal stops it, and the HTTP answer to a ServiceError (every server of this
-project answers errors through `error_response`)."""
+says in one line which signal stops it, and what every server of this project (the encoder, the LM
+consumer, the router) shares: the HTTP answer to a ServiceError (`error_response`), the request-body
+limit (`BodyLimit`) and the bearer-key check (`bearer_auth`)."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import uvicorn
+from starlette.requests import Request
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service import errors
 from service.api.protocol import MAX_HEAD_BYTES, header_timeout_protocol
 from service.config import Settings
-from service.errors import ServiceError
+from service.errors import RequestTimeout, RequestTooLarge, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +28,7 @@ def server_options(settings: Settings) -> dict:
     """uvicorn's options for serving this app (one process or each API process).
     NOTE: uvicorn's graceful shutdown on SIGTERM stops accepting, waits for open requests (whose images
     are queued or running), then runs the app's shutdown, which drains the step loop. The HTTP protocol is
-    uvicorn's with a request-head timeout (protocol.py); the body timeout is _BodyLimit's."""
+    uvicorn's with a request-head timeout (protocol.py); the body timeout is BodyLimit's."""
     return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
             "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s),
             "h11_max_incomplete_event_size": 2 * MAX_HEAD_BYTES}  # (protocol.py's cap answers first)
@@ -79,3 +83,59 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request, err: ServiceError):
         return error_response(err)
+
+
+class BodyLimit:
+    """ASGI middleware: a body sent to one of `paths` over `limit` bytes is answered 413 before it is read
+    (declared Content-Length) or as soon as the bytes streamed in pass the limit (chunked), JSON and
+    multipart alike: nothing over the limit is buffered or spooled to disk. A body whose next part takes
+    longer than `timeout_s` to arrive is answered 408. `hint` ends the 413's message (what to send instead)."""
+
+    def __init__(self, app, limit: int, timeout_s: float, paths: Iterable[str], hint: str):
+        self.app, self.limit, self.timeout_s, self.paths, self.hint = app, limit, timeout_s, frozenset(paths), hint
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
+                                                    f"{self.limit} (--max-request-bytes); {self.hint}"))
+            return await answer(scope, receive, send)
+        seen, body_done = 0, False
+
+        async def counted():
+            nonlocal seen, body_done
+            if body_done:  # later receives wait for a disconnect, as long as a request takes: no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"no part of the request body arrived for {self.timeout_s:g} s "
+                                     "(--body-timeout-s); send the body without pauses") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if seen > self.limit:
+                    raise RequestTooLarge(f"request body is over the limit of {self.limit} bytes "
+                                          f"(--max-request-bytes); {self.hint}")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def bearer_auth(keys: Iterable[str]) -> Callable[[Request], bool]:
+    """Whether a request may pass: with no keys, every request; else one with `Authorization: Bearer <one
+    of the keys>` (--api-key), compared in constant time."""
+    keys_b = [k.encode() for k in keys]
+
+    def authorized(request: Request) -> bool:
+        if not keys_b:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_b = given.strip().encode()
+        # NOTE: every key is compared (no early exit), each with compare_digest: the time taken says
+        # nothing about which key or how much of it matched.
+        return scheme.lower() == "bearer" and sum(hmac.compare_digest(given_b, k) for k in keys_b) > 0
+
+    return authorized

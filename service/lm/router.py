@@ -13,10 +13,18 @@ Two ways to forward an image (`--image-parts`):
 A video (`video_url` part, issue 22) is encoded the same way and forwarded as sent plus `"uuid": key`,
 in either mode: vLLM's processor decodes it for its grid and frame timestamps (docs/vllm.md says which
 vLLM settings make its frame sampling the encoder's), the encoder cache supplies the embeddings.
-Everything else in the request is forwarded untouched, and vLLM's answer is returned as it is, except what
-would let vLLM fetch or encode media itself (and so pass by the encoder's URL allow-list, or miss its
-entry): a content part this router does not route (`input_image`, `audio_url`, a part without `type`,
-...), and per-request `mm_processor_kwargs` / `media_io_kwargs` beside media, are refused with a 400.
+Only what this router knows is forwarded (issue 23: `n=1000`, `max_tokens=1e9` and `tools` reached vLLM as
+they came): the request fields in FIELDS, each checked (`n` 1, `max_tokens` / `max_completion_tokens` at
+most --max-tokens-limit, and that limit sent when a request gives neither), messages of `role`, `content`
+and `name`, and the content parts in PART_KEYS with their keys; anything else is a 400 that names it.
+What would let vLLM fetch or encode media itself (and so pass by the encoder's URL allow-list, or miss
+its entry) is refused too: a content part this router does not route (`input_image`, `audio_url`, a part
+without `type`, ...), and per-request `mm_processor_kwargs` / `media_io_kwargs` beside media. Every
+image and video URL goes to the encoder first, which fetches it through its allow-list: one it refuses is
+answered with the encoder's 4xx and never reaches vLLM. vLLM's answer is returned as it is.
+
+With --api-key the chat route needs `Authorization: Bearer <key>`; --encoder-api-key and --vllm-api-key
+are sent to the encoder and to vLLM. A body over --max-request-bytes is a 413 before it is read.
 
 Several encoder hosts (`--encoder-url` a comma-separated list; with a store that spans hosts, Mooncake
 Store): each image goes to the host its hash picks (`encoder_for`: its uuid, else its URL, data URLs
@@ -33,7 +41,8 @@ import io
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 import httpx
@@ -42,8 +51,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from service.lm.client import apost
-from service.api.server import error_response, install_error_handlers
-from service.errors import BadGateway, BadRequest
+from service.api.server import BodyLimit, bearer_auth, error_response, install_error_handlers
+from service.errors import BadGateway, BadRequest, Unauthorized, clip
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,12 @@ class RouterConfig:
     vllm_url: str
     image_parts: ImageParts = "raw"
     timeout_s: float = 600.0
+    max_tokens_limit: int = 4096  # the most max_tokens / max_completion_tokens forwarded (and the default sent)
+    max_request_bytes: int = 64 * 1024**2  # the encoder's own default: a body of images it would take passes
+    body_timeout_s: float = 30.0
+    api_key: tuple[str, ...] = field(default=(), repr=False)  # bearer keys this router takes; none: open
+    encoder_api_key: str | None = field(default=None, repr=False)  # sent to the encoders (their --api-key)
+    vllm_api_key: str | None = field(default=None, repr=False)  # sent to vLLM (its --api-key)
 
     @property
     def encoder_urls(self) -> list[str]:
@@ -79,11 +94,140 @@ def tensor_base64(t: torch.Tensor) -> str:
 
 
 ENCODED = ("image_url", "video_url")  # what goes to /encode first, then to vLLM with the key as uuid
-# Parts forwarded as they are: text, and image embeddings a client computed (vLLM fetches nothing for them).
-PASSED = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "image_embeds"})
+# The content parts forwarded, with the keys each may have besides `type` (vLLM's chat_utils param types):
+# image and video URLs (through the encoder), text, and image embeddings a client computed (vLLM
+# fetches nothing for them).
+PART_KEYS = {"image_url": {"image_url", "uuid"}, "video_url": {"video_url", "uuid"}, "text": {"text"},
+             "input_text": {"text"}, "output_text": {"text"}, "refusal": {"refusal"},
+             "thinking": {"thinking", "closed"}, "image_embeds": {"image_embeds", "uuid"}}
+PASSED = frozenset(PART_KEYS) - set(ENCODED)  # parts forwarded as they are
+URL_KEYS = {"image_url": {"url", "detail"}, "video_url": {"url"}}
+MESSAGE_KEYS = {"role", "content", "name"}
+ROLES = ("system", "user", "assistant")
 # Request fields that vLLM 0.33 hashes with every media item (vllm/multimodal/processing/inputs.py,
 # get_mm_hashes): with them a uuid is no longer the mm_hash, and the EC connector misses the entry.
 HASHED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _tokens(lowest: int):
+    def check(v, cfg: RouterConfig) -> str | None:
+        if _integer(v) and lowest <= v <= cfg.max_tokens_limit:
+            return None
+        return f"an integer from {lowest} to {cfg.max_tokens_limit} (this router's --max-tokens-limit)"
+    return check
+
+
+def _strings(v, cfg) -> str | None:
+    ok = isinstance(v, str) or (isinstance(v, list) and len(v) <= 16 and all(isinstance(x, str) for x in v))
+    return None if ok else "a string or a list of at most 16 strings"
+
+
+def _of(test: Callable[[object], bool], what: str):
+    return lambda v, cfg: None if test(v) else what
+
+
+_BOOL = _of(lambda v: isinstance(v, bool), "true or false")
+_NUMBER = _of(_number, "a number")
+_INTEGER = _of(_integer, "an integer")
+_OBJECT = _of(lambda v: isinstance(v, dict), "an object")
+# The request fields forwarded to vLLM, each with its check (None: fine; else what it must be). What is
+# bounded here is what makes a request's work grow: n, the token counts, top_logprobs, stop's length;
+# vLLM validates the sampling values' ranges itself (they cost nothing). `messages` is checked part by
+# part (check_request).
+FIELDS: dict[str, Callable[[object, RouterConfig], str | None]] = {
+    "model": _of(lambda v: isinstance(v, str), "a string"),
+    "messages": lambda v, cfg: None,
+    "max_tokens": _tokens(1), "max_completion_tokens": _tokens(1), "min_tokens": _tokens(0),
+    "n": _of(lambda v: _integer(v) and v == 1, "1 (one answer per request here)"),
+    "temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER, "top_k": _INTEGER, "seed": _INTEGER,
+    "stop": _strings,
+    "stream": _BOOL,
+    "stream_options": _of(lambda v: isinstance(v, dict) and all(
+        k in ("include_usage", "continuous_usage_stats") and isinstance(x, bool) for k, x in v.items()),
+        "an object of include_usage and continuous_usage_stats, true or false"),
+    "logprobs": _BOOL, "top_logprobs": _of(lambda v: _integer(v) and 0 <= v <= 20, "an integer from 0 to 20"),
+    "user": _of(lambda v: isinstance(v, str), "a string"),
+    "return_token_ids": _BOOL,
+    # (beside media these are refused: media_parts)
+    "mm_processor_kwargs": _OBJECT, "media_io_kwargs": _OBJECT,
+}
+
+
+def check_request(chat: object, cfg: RouterConfig) -> dict:
+    """The request to route, as the client sent it plus `max_tokens` (--max-tokens-limit) where it gives no
+    bound; BadRequest naming the first field, message or part this router does not forward as it is."""
+    if not isinstance(chat, dict):
+        raise BadRequest("the body must be a JSON object")
+    for name, value in chat.items():
+        check = FIELDS.get(name)
+        if check is None:
+            raise BadRequest(f"{clip(name)!r} is not a field this router forwards; it forwards "
+                             f"{', '.join(FIELDS)}: leave it out")
+        problem = check(value, cfg)
+        if problem is not None:
+            raise BadRequest(f"{name!r} must be {problem}")
+    messages = chat.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of message objects ({\"role\", \"content\"})")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'")
+        if extra := sorted(set(m) - MESSAGE_KEYS):
+            raise BadRequest(f"messages[{i}] has {clip(extra[0])!r}: this router forwards a message's role, content "
+                             "and name (no tools)")
+        if m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if not isinstance(m.get("name", ""), str):
+            raise BadRequest(f"messages[{i}].name must be a string")
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
+        for j, p in enumerate(content):
+            _check_part(p, f"messages[{i}].content[{j}]")
+    if "max_tokens" not in chat and "max_completion_tokens" not in chat:
+        # vLLM's own default is the whole context left after the prompt
+        chat = {**chat, "max_tokens": cfg.max_tokens_limit}
+    return chat
+
+
+def _check_part(p: object, where: str) -> None:
+    if not isinstance(p, dict):
+        raise BadRequest(f"{where} must be an object with a 'type'")
+    kind = p.get("type")
+    if not isinstance(kind, str) or kind not in PART_KEYS:
+        return  # media_parts says why (a part vLLM would read itself)
+    if extra := sorted(set(p) - PART_KEYS[kind] - {"type"}):
+        raise BadRequest(f"{where} ({kind}) has {clip(str(extra[0]))!r}; this router forwards its "
+                         f"{', '.join(sorted(PART_KEYS[kind]))}")
+    if "uuid" in p and not isinstance(p["uuid"], str):
+        raise BadRequest(f"{where}.uuid must be a string")
+    if kind in URL_KEYS:
+        url = p.get(kind)
+        if not isinstance(url, dict) or not isinstance(url.get("url"), str) or set(url) - URL_KEYS[kind]:
+            raise BadRequest(f"{where}.{kind} must be an object with a string 'url'"
+                             + (" (and 'detail')" if kind == "image_url" else ""))
+    elif kind == "image_embeds":
+        embeds = p.get("image_embeds")
+        if not (embeds is None or isinstance(embeds, str) or
+                (isinstance(embeds, dict) and all(isinstance(v, str) for v in embeds.values()))):
+            raise BadRequest(f"{where}.image_embeds must be a base64 string, an object of them, or null")
+    else:
+        for key in PART_KEYS[kind] - {"closed"}:
+            if not isinstance(p.get(key), str):
+                raise BadRequest(f"{where}.{key} must be a string")
+        if not isinstance(p.get("closed", False), bool):
+            raise BadRequest(f"{where}.closed must be true or false")
 
 
 def media_parts(chat: dict) -> list[dict]:
@@ -95,6 +239,8 @@ def media_parts(chat: dict) -> list[dict]:
         content = m.get("content") if isinstance(m, dict) else None
         for j, p in enumerate(content if isinstance(content, list) else []):
             kind = p.get("type") if isinstance(p, dict) else None
+            if not isinstance(kind, (str, type(None))):  # (a list is no set member: it would raise)
+                raise BadRequest(f"messages[{i}].content[{j}].type must be a string")
             if kind in ENCODED:
                 parts.append(p)
             elif kind not in PASSED:
@@ -127,11 +273,23 @@ def vllm_request(chat: dict, items: list[dict], mode: ImageParts) -> dict:
     return out
 
 
-def create_router_app(cfg: RouterConfig) -> FastAPI:
+def _bearer(key: str | None) -> dict[str, str] | None:
+    return {"authorization": f"Bearer {key}"} if key else None
+
+
+def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router's app; `transport` (tests): how its calls to the encoders and vLLM travel, httpx's own by
+    default."""
     app = FastAPI(title="Qwen3-VL encoder -> vLLM router", version="0.1.0")
+    # The body's size and pace, as the encoder bounds its /encode (a 100 MB body was read whole).
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes, timeout_s=cfg.body_timeout_s,
+                       paths=("/v1/chat/completions",), hint="send fewer or smaller images and videos")
     install_error_handlers(app)
-    app.state.encoders = [httpx.AsyncClient(base_url=url, timeout=cfg.timeout_s) for url in cfg.encoder_urls]
-    app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s)
+    authorized = bearer_auth(cfg.api_key)
+    app.state.encoders = [httpx.AsyncClient(base_url=url, timeout=cfg.timeout_s, transport=transport,
+                                            headers=_bearer(cfg.encoder_api_key)) for url in cfg.encoder_urls]
+    app.state.vllm = httpx.AsyncClient(base_url=cfg.vllm_url, timeout=cfg.timeout_s, transport=transport,
+                                       headers=_bearer(cfg.vllm_api_key))
 
     async def encode(parts: list[dict]) -> list[dict] | Response:
         """Each image on the encoder host its hash picks, the hosts' calls at once; the items in input
@@ -154,6 +312,10 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
             if isinstance(answer, BaseException):
                 raise answer
             positions, r = answer
+            if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
+                return error_response(BadGateway("the encoder refused this router's key; start the router with "
+                                                  "the encoder's key (--encoder-api-key or QVE_ENCODER_API_KEY)",
+                                                  code="encoder_unauthorized"))
             if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
                 return _relayed(r, positions)
             for pos, item in zip(positions, r.json()["items"]):
@@ -162,16 +324,15 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
+        if not authorized(request):
+            raise Unauthorized("this router needs an API key: send `Authorization: Bearer <key>`")
+        body = await request.body()  # (BodyLimit: 413 over --max-request-bytes, 408 on a stall)
         try:
-            chat = await request.json()
-        except ValueError as e:
-            return error_response(BadRequest(f"the body is not JSON: {e}"))
-        if not isinstance(chat, dict):
-            return error_response(BadRequest("the body must be a JSON object"))
-        try:
-            parts = media_parts(chat)
-        except BadRequest as e:
-            return error_response(e)
+            chat = json.loads(body)
+        except ValueError as e:  # (UnicodeDecodeError included)
+            raise BadRequest(f"the body is not JSON: {clip(str(e), 120)}") from None
+        chat = check_request(chat, cfg)
+        parts = media_parts(chat)
         items: list[dict] = []
         if parts:
             answer = await encode([{k: v for k, v in p.items() if k in ("type", *ENCODED, "uuid")} for p in parts])
@@ -188,6 +349,9 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
         except httpx.HTTPError as e:
             return error_response(BadGateway(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
+        if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
+            return error_response(BadGateway("vLLM refused this router's key; start the router with vLLM's key "
+                                              "(--vllm-api-key or QVE_VLLM_API_KEY)", code="lm_unauthorized"))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")

@@ -112,27 +112,33 @@ def test_embeds_parts_carry_only_the_grid_and_the_key():
     assert [p["type"] for p in req["messages"][1]["content"]] == ["image_embeds", "text", "image_embeds"]
 
 
-def _route(mode: str, body, encoder_status: int = 200, items: list[dict] | None = None):
-    """`body` through a router whose encoder answers `items` (default: ITEMS, one per part) or an error."""
-    seen = {"encode": [], "vllm": []}
+def _route(mode: str, body, encoder_status: int = 200, items: list[dict] | None = None, headers: dict | None = None,
+           encoder_error: str = "not_an_image", vllm_status: int = 200, **limits):
+    """`body` (an object as JSON, bytes as they are) through a router whose encoder answers `items`
+    (default: ITEMS, one per part) or an error, and whose vLLM answers `vllm_status`; `seen`: what each was
+    sent, and the Authorization each call carried."""
+    seen = {"encode": [], "vllm": [], "auth": []}
 
-    def encoder(request: httpx.Request) -> httpx.Response:
+    def backend(request: httpx.Request) -> httpx.Response:
+        seen["auth"].append((request.url.host, request.headers.get("authorization")))
+        if request.url.host == "vllm.test":
+            seen["vllm"].append(json.loads(request.read()))
+            if vllm_status != 200:
+                return httpx.Response(vllm_status, json={"error": {"message": "vLLM says no"}})
+            return httpx.Response(200, json={"object": "chat.completion", "choices": [{"message": {"content": "ok"}}]})
         seen["encode"].append(json.loads(request.read()))
         if encoder_status != 200:
-            return httpx.Response(encoder_status, json={"error": {"code": "not_an_image", "message": "images[0]: no"}})
+            return httpx.Response(encoder_status, json={"error": {"code": encoder_error, "message": "images[0]: no"}})
         return httpx.Response(200, json={"items": ITEMS[: len(seen["encode"][-1]["images"])] if items is None else items})
 
-    def vllm(request: httpx.Request) -> httpx.Response:
-        seen["vllm"].append(json.loads(request.read()))
-        return httpx.Response(200, json={"object": "chat.completion", "choices": [{"message": {"content": "ok"}}]})
-
-    app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", mode))
-    app.state.encoders = [httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")]
-    app.state.vllm = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url="http://vllm.test")
+    app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", mode, **limits),
+                            transport=httpx.MockTransport(backend))
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router.test") as c:
-            return await c.post("/v1/chat/completions", **({"json": body} if isinstance(body, dict) else {"content": body}))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router.test",
+                                     headers=headers) as c:
+            return await c.post("/v1/chat/completions", **({"json": body} if isinstance(body, (dict, list)) else
+                                                          {"content": body}))
 
     return asyncio.run(go()), seen
 
@@ -153,8 +159,8 @@ def test_router_passes_encoder_errors_and_text_only_requests_through():
     r, seen = _route("raw", CHAT, encoder_status=422)
     assert r.status_code == 422 and r.json()["error"]["code"] == "not_an_image" and seen["vllm"] == []
     text_only = {"messages": [{"role": "user", "content": "hello"}]}
-    r, seen = _route("raw", text_only)
-    assert r.status_code == 200 and seen["encode"] == [] and seen["vllm"] == [text_only]
+    r, seen = _route("raw", text_only)  # (with the router's max_tokens bound: the request gave none)
+    assert r.status_code == 200 and seen["encode"] == [] and seen["vllm"] == [{**text_only, "max_tokens": 4096}]
     r, _ = _route("raw", b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
 
@@ -259,7 +265,7 @@ def test_media_the_router_cannot_route_is_refused_not_passed_to_vllm(part, why):
     r, seen = _route("raw", body, items=[])
     assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert "messages[0].content[1]" in r.json()["error"]["message"]
-    assert seen == {"encode": [], "vllm": []}
+    assert seen["encode"] == seen["vllm"] == []
 
 
 @pytest.mark.parametrize("field,value", [("mm_processor_kwargs", {"fps": 4}),
@@ -267,12 +273,129 @@ def test_media_the_router_cannot_route_is_refused_not_passed_to_vllm(part, why):
 def test_per_request_processor_options_beside_media_are_refused(field, value):
     """vLLM hashes them into every item's mm_hash: the uuid would no longer name the encoder's entry."""
     r, seen = _route("raw", {**VIDEO_CHAT, field: value}, items=VIDEO_ITEMS)
-    assert r.status_code == 400 and field in r.json()["error"]["message"] and seen == {"encode": [], "vllm": []}
-    text_only = {"messages": [{"role": "user", "content": "hello"}], field: value}  # no media: nothing to miss
-    r, seen = _route("raw", text_only, items=[])
+    assert r.status_code == 400 and field in r.json()["error"]["message"] and seen["encode"] == seen["vllm"] == []
+    text_only = {"messages": [{"role": "user", "content": "hello"}], field: value, "max_tokens": 8}  # no media
+    r, seen = _route("raw", text_only, items=[])  # (nothing to miss)
     assert r.status_code == 200 and seen["vllm"] == [text_only]
 
 
 def test_an_encoder_that_answers_a_video_as_an_image_is_a_502():
     r, seen = _route("raw", VIDEO_CHAT, items=[VIDEO_ITEMS[0], {**VIDEO_ITEMS[1], "modality": "image"}])
     assert r.status_code == 502 and r.json()["error"]["code"] == "embeddings_mismatch" and seen["vllm"] == []
+
+
+# ---- what is forwarded, bounds, body limit and keys (issue 23) ------------------------------------------
+TEXT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("n", 1000, "'n' must be 1"),
+    ("max_tokens", 1_000_000_000, "'max_tokens' must be an integer from 1 to 4096"),
+    ("max_tokens", 1e9, "'max_tokens' must be an integer"),
+    ("max_completion_tokens", 4097, "--max-tokens-limit"),
+    ("min_tokens", 5000, "'min_tokens' must be"),
+    ("top_logprobs", 1000, "'top_logprobs' must be an integer from 0 to 20"),
+    ("stop", ["x"] * 100, "'stop' must be a string or a list of at most 16"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "'tools' is not a field this router forwards"),
+    ("best_of", 5, "'best_of' is not a field"),
+    ("chat_template", "{{ messages }}", "'chat_template' is not a field"),
+    ("response_format", {"type": "json_object"}, "'response_format' is not a field"),
+    ("x" * 500, 1, "... (500 characters)"),  # quoted, not echoed whole
+])
+def test_fields_the_router_does_not_know_or_over_their_bounds_are_refused(field, value, says):
+    r, seen = _route("raw", {**TEXT, field: value})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    assert says in r.json()["error"]["message"]
+    assert seen["encode"] == seen["vllm"] == []
+
+
+def test_the_fields_it_knows_are_forwarded_as_sent_and_max_tokens_is_always_bounded():
+    chat = {**CHAT, "n": 1, "max_completion_tokens": 4096, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 7,
+            "stop": ["\n\n", "END"], "stream": False, "stream_options": {"include_usage": True}, "logprobs": True,
+            "top_logprobs": 5, "user": "u-1", "presence_penalty": 0.5, "return_token_ids": True}
+    del chat["max_tokens"]
+    r, seen = _route("raw", chat)
+    assert r.status_code == 200, r.text
+    assert seen["vllm"] == [vllm_request(chat, ITEMS, "raw")]  # as sent, no max_tokens added beside the other bound
+    r, seen = _route("raw", {"messages": TEXT["messages"]}, max_tokens_limit=64)
+    assert seen["vllm"][0]["max_tokens"] == 64  # vLLM's own default would be the whole context left
+
+
+@pytest.mark.parametrize("messages,says", [
+    ("hello", "'messages' must be a non-empty list"),
+    ({"role": "user", "content": "hello"}, "'messages' must be a non-empty list"),
+    (None, "'messages' must be a non-empty list"),
+    (5, "'messages' must be a non-empty list"),
+    ([], "'messages' must be a non-empty list"),
+    (["hello"], "messages[0] must be an object"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role must be one of"),
+    ([{"role": "user"}], "messages[0].content must be a string or a list"),
+    ([{"role": "user", "content": {"type": "text"}}], "messages[0].content must be a string or a list"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0] has 'tool_calls'"),
+    ([{"role": "user", "content": ["x"]}], "messages[0].content[0] must be an object"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text must be a string"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}],
+     "messages[0].content[0] (text) has 'cache'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "http://elsewhere.test/a.png"}]}],
+     "messages[0].content[0].image_url must be an object with a string 'url'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x", "fetch": "y"}}]}],
+     "image_url must be an object"),
+    ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}, "uuid": 5}]}],
+     "messages[0].content[0].uuid must be a string"),
+    ([{"role": "user", "content": [{"type": ["text"], "text": "x"}]}], "messages[0].content[0].type must be a string"),
+    ([{"role": "user", "content": [{"type": {"a": 1}}]}], "messages[0].content[0].type must be a string"),
+    ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "x", "closed": "yes"}]}],
+     "messages[0].content[0].closed must be true or false"),
+])
+def test_messages_that_are_not_a_list_of_message_objects_are_a_json_400_never_a_500(messages, says):
+    r, seen = _route("raw", {"messages": messages})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] == "bad_request" and says in r.json()["error"]["message"], r.text
+    assert seen["encode"] == seen["vllm"] == []
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"chat"', b"\xff\xfe", b"{not json"])
+def test_a_body_that_is_not_a_json_object_is_a_400(body):
+    r, seen = _route("raw", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request" and seen["vllm"] == []
+
+
+def test_a_media_url_the_encoder_refuses_never_reaches_vllm():
+    """Every image and video URL goes through the encoder first, which fetches it through its allow-list: a
+    refused fetch is the client's 4xx, and vLLM, which would fetch the URL itself, is never asked."""
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}]}]}
+    r, seen = _route("raw", body, encoder_status=422, encoder_error="image_fetch_failed")
+    assert r.status_code == 422 and r.json()["error"]["code"] == "image_fetch_failed"
+    assert seen["encode"] == [{"images": body["messages"][0]["content"]}] and seen["vllm"] == []
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read():
+    big = json.dumps({**TEXT, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+    r, seen = _route("raw", big, max_request_bytes=4096)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large" and seen["vllm"] == []
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+
+
+def test_keys_guard_the_router_and_go_to_the_encoder_and_vllm():
+    keys = {"api_key": ("r-1", "r-2"), "encoder_api_key": "enc", "vllm_api_key": "vl"}
+    for headers in (None, {"authorization": "Bearer nope"}, {"authorization": "r-1"}):
+        r, seen = _route("raw", CHAT, headers=headers, **keys)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and seen["auth"] == []
+    r, seen = _route("raw", CHAT, headers={"authorization": "Bearer r-2"}, **keys)
+    assert r.status_code == 200, r.text
+    assert seen["auth"] == [("encoder.test", "Bearer enc"), ("vllm.test", "Bearer vl")]
+    app = create_router_app(RouterConfig("http://encoder.test", "http://vllm.test", api_key=("r-1",)))
+
+    async def health():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router.test") as c:
+            return await c.get("/health")
+
+    assert asyncio.run(health()).status_code == 200  # open: a load balancer's probe
+    # a refused key of the router's own (encoder or vLLM) is a 502 that names the flag, not a 401 for the client
+    r, _ = _route("raw", CHAT, encoder_status=401, encoder_error="unauthorized")
+    assert r.status_code == 502 and r.json()["error"]["code"] == "encoder_unauthorized"
+    assert "--encoder-api-key" in r.json()["error"]["message"]
+    r, _ = _route("raw", TEXT, vllm_status=401)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "lm_unauthorized"
+    assert "--vllm-api-key" in r.json()["error"]["message"]
