@@ -80,7 +80,7 @@ def test_serve_flags_come_in_the_groups_of_the_settings_headings():
     titles = [title for title, _ in shown]
     assert titles == ["Model and device", "Store", "HTTP serving", "Security: API keys and image URLs",
                       "Request limits", "Batching and admission", "Processes", "Step loop and GPU",
-                      "Logging"]  # no "Other": every setting is under a heading
+                      "Logging and tracing"]  # no "Other": every setting is under a heading
     where = {name: title for title, names in shown for name in names}
     assert sorted(where) == sorted(Settings.model_fields)  # each setting in exactly one group
     assert (where["store_writers"], where["decode_workers"], where["url_timeout_s"], where["max_image_bytes"]) == \
