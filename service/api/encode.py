@@ -30,7 +30,7 @@ from service.engine.messages import Grant, Hit
 from service.errors import (BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, VideoError, VideoTooLarge,
     at_index)
 from service.media import video as media_video
-from service.media.images import ImageHeader, header_tokens, read_header
+from service.media.images import ImageHeader, check_complexity, header_tokens, read_header
 from service.media.video_preprocess import plan_video
 from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
@@ -234,6 +234,10 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
             return _video_keyed(i, inp, digest, vsalt, rt.video, rt.settings.video_limits, queue_tokens)
         key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
         header = read_header(inp.data, limits)
+        try:
+            check_complexity(header, limits)  # a scan bomb is refused here: no queue place, no decode
+        except ImageError as e:
+            raise _named(inp, i, e) from None
         return _Keyed(key, digest.hex(), header, header_tokens(header, params, limits))
 
     # Every image in one thread hop: a hop each cost an 8-image request 8 event-loop round trips through
