@@ -199,7 +199,8 @@ class ImageLimits:
     # encoders that tune their progression (mozjpeg) a few more, a baseline JPEG 1 (3 when not interleaved):
     # 64 leaves room for unusual encoders and bounds a 64 MP image's scans to a few seconds of one core.
     max_jpeg_scans: int = 64
-    # Wall time one image's decode may take (checked between the decoder's chunks of input). The largest
+    # Wall time one image's decode may take (checked between the decoder's chunks of input; a decoder that
+    # cannot be stopped is ended with its decode process, procs/decoders.py's PoolDecoder). The largest
     # admitted image (64 MP) took 1.2 s to decode as a baseline JPEG and 2.8 s as a progressive one, 4 s with
     # its resize, on one core of a 2-core development machine: 10 s leaves room for a busy machine.
     decode_timeout_s: float = 10.0
