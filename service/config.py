@@ -354,7 +354,8 @@ class Settings(BaseSettings):
                                 "image_too_complex, before it is decoded (scan bombs)")
     decode_timeout_s: float = Field(10.0, gt=0, description="wall time one image's decode may take; longer is stopped "
                                     "and answered 422 image_too_complex (the largest admitted image decodes in a few "
-                                    "seconds on one core)")
+                                    "seconds on one core). In a single-process service, a decoder that cannot be "
+                                    "stopped has its decode process ended after this and 5 s more of CPU time")
     video_max_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest encoded video; larger is a 413, before it "
                                    "is decoded (a JSON body is also bounded by --max-request-bytes)")
     video_max_duration_s: float = Field(20 * 60.0, gt=0, description="longest video by its header; longer is a 413, "
