@@ -193,6 +193,17 @@ class ImageLimits:
     max_image_bytes: int = 32 * 1024 * 1024
     max_input_pixels: int = 64_000_000  # width * height as declared in the header
     max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
+    # Scans (SOS markers) of a JPEG's image. Each scan is a pass over every block of the image whatever its
+    # size in bytes: a 4096x4096 progressive JPEG whose 33-byte last scan was repeated 200 times took 4 s
+    # to decode, 20,000 times about 350 s. libjpeg's own progressive files have 10 scans (6 in grayscale),
+    # encoders that tune their progression (mozjpeg) a few more, a baseline JPEG 1 (3 when not interleaved):
+    # 64 leaves room for unusual encoders and bounds a 64 MP image's scans to a few seconds of one core.
+    max_jpeg_scans: int = 64
+    # Wall time one image's decode may take (checked between the decoder's chunks of input; a decoder that
+    # cannot be stopped is ended with its decode process, procs/decoders.py's PoolDecoder). The largest
+    # admitted image (64 MP) took 1.2 s to decode as a baseline JPEG and 2.8 s as a progressive one, 4 s with
+    # its resize, on one core of a 2-core development machine: 10 s leaves room for a busy machine.
+    decode_timeout_s: float = 10.0
 
 
 def _named_device(d: str) -> bool:
@@ -338,6 +349,13 @@ class Settings(BaseSettings):
                                    "before it is decoded")
     max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
+    max_jpeg_scans: int = Field(64, gt=0, description="most scans a JPEG may have (each is a pass over the whole "
+                                "image: progressive JPEGs have about 10, baseline ones 1); more is a 422 "
+                                "image_too_complex, before it is decoded (scan bombs)")
+    decode_timeout_s: float = Field(10.0, gt=0, description="wall time one image's decode may take; longer is stopped "
+                                    "and answered 422 image_too_complex (the largest admitted image decodes in a few "
+                                    "seconds on one core). In a single-process service, a decoder that cannot be "
+                                    "stopped has its decode process ended after this and 5 s more of CPU time")
     video_max_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest encoded video; larger is a 413, before it "
                                    "is decoded (a JSON body is also bounded by --max-request-bytes)")
     video_max_duration_s: float = Field(20 * 60.0, gt=0, description="longest video by its header; longer is a 413, "
@@ -491,7 +509,8 @@ class Settings(BaseSettings):
 
     @property
     def image_limits(self) -> ImageLimits:
-        return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels)
+        return ImageLimits(max_image_bytes=self.max_image_bytes, max_input_pixels=self.max_input_pixels,
+                           max_jpeg_scans=self.max_jpeg_scans, decode_timeout_s=self.decode_timeout_s)
 
     @property
     def video_limits(self) -> VideoLimits:

@@ -6,7 +6,7 @@ answers are built.
      │   ├─ Unauthorized, BadRequest, NotFound, MethodNotAllowed, InvalidKey, KeyConflict,
      │   │  RequestTooLarge, RequestTimeout, HeaderTooLarge
      │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
-     │   │  ImageTooLarge, BadAspectRatio, ImageFetchError
+     │   │  ImageTooLarge, BadAspectRatio, ImageTooComplex, ImageFetchError
      │   ├─ VideoError: NotAVideo, UnsupportedCodec, CorruptVideo, TruncatedVideo, VideoTooLarge, VideoTooLong
      │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, StoreUnavailable, EngineMismatch
      │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424), DeadlineExceeded (504): the LM side's
@@ -135,6 +135,14 @@ class ImageTooLarge(ImageError):
 
 class BadAspectRatio(ImageError):
     code = "aspect_ratio_too_extreme"
+
+
+class ImageTooComplex(ImageError):
+    """An image whose decode would cost more than its size explains: a JPEG of more scans than
+    --max-jpeg-scans (each scan is a pass over the whole image: a few KB of repeated scans took minutes), or
+    a decode that ran past --decode-timeout-s. 422: the same bytes are refused again; re-encoding fixes it."""
+
+    code = "image_too_complex"
 
 
 class ImageFetchError(ImageError):

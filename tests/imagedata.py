@@ -26,6 +26,7 @@ from service.errors import (
     CorruptImage,
     EmptyImage,
     ImageError,
+    ImageTooComplex,
     ImageTooLarge,
     NotAnImage,
     TruncatedImage,
@@ -256,6 +257,41 @@ def corrupt_jpeg() -> bytes:
     return bytes(data)
 
 
+def scans(jpeg: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each scan of a JPEG PIL wrote: its SOS marker up to the next scan's (the last: up to EOI).
+    (PIL writes no thumbnail and no other segment between scans, so each 0xFF 0xDA is a scan's.)"""
+    starts = [i for i in range(len(jpeg) - 1) if jpeg[i : i + 2] == b"\xff\xda"]
+    return list(zip(starts, starts[1:] + [jpeg.rindex(b"\xff\xd9")]))
+
+
+@functools.cache
+def progressive_photo(side: int, smooth: bool = False) -> bytes:
+    """A photograph (astronaut.png) at side x side as a progressive JPEG (PIL's progressive=True: libjpeg's
+    script of 10 scans). smooth: upscaled from 64x64 (a blurred photo), so that some scans are a few dozen
+    bytes: the cheapest scans for a scan bomb."""
+    img = Image.open(SKIMAGE_DATA / "astronaut.png").convert("RGB")
+    if smooth:
+        img = img.resize((64, 64), Image.Resampling.LANCZOS)
+    return encode(img.resize((side, side), Image.Resampling.BICUBIC), "JPEG", quality=75, progressive=True)
+
+
+def scan_bomb(jpeg: bytes, repeats: int, which: str = "smallest") -> bytes:
+    """Issue 23's decode-time bomb: a progressive JPEG with one of its scans (its `smallest` in bytes, or its
+    `last`) repeated `repeats` more times, right after itself. libjpeg warns of the bogus progression and
+    decodes every repetition, each a pass over every block of the image however few bytes it takes (a
+    4096x4096 image's last scan repeated 20,000 times took about 350 s)."""
+    spans = scans(jpeg)
+    start, end = min(spans, key=lambda s: s[1] - s[0]) if which == "smallest" else spans[-1]
+    return jpeg[:end] + jpeg[start:end] * repeats + jpeg[end:]
+
+
+def jpeg_marker_flood(segments: int = 300_000) -> bytes:
+    """A small JPEG with `segments` empty COM segments after its SOI: each costs PIL's header parser (Python)
+    about 3 us, libjpeg nothing to speak of."""
+    jpeg = encode(textured_rgb(32, 32, seed=16), "JPEG", quality=90)
+    return jpeg[:2] + b"\xff\xfe\x00\x02" * segments + jpeg[2:]
+
+
 def truncated(data: bytes, keep: float = 0.6) -> bytes:
     return data[: int(len(data) * keep)]
 
@@ -277,6 +313,8 @@ def bad_images() -> dict[str, tuple[bytes, type[ImageError], str]]:
         "bomb_9000x9000": (png_header_only(9000, 9000), ImageTooLarge, "9000x9000 = 81.0M pixels"),
         "aspect_4020x20": (png_header_only(4020, 20), BadAspectRatio, "201.0:1"),
         "zero_width": (png_header_only(0, 20), CorruptImage, "0x20"),
+        "jpeg_scan_bomb": (scan_bomb(progressive_photo(512), 100), ImageTooComplex, "more than 64 scans"),
+        "jpeg_marker_flood": (jpeg_marker_flood(), ImageTooComplex, "marker segments"),
     }
 
 

@@ -3,6 +3,7 @@
 import io
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from service.store.format import read_embeddings
 from tests import imagedata as data
-from tests.live import json_body, metric
+from tests.live import ServiceProcess, json_body, metric
 from tests.processes import (IMAGES, CheckpointServer, alive, descendants, stalled_heads_are_cut_off, two_image_client,
                              wait_for)
 
@@ -163,8 +164,6 @@ def test_a_16_megapixel_image_on_the_cpu_is_encoded_in_bounded_memory_beside_a_s
     # grows with the image: the tiny preset's step of 65,536 patches peaks at a few hundred MB.
     from PIL import Image
 
-    from tests.live import ServiceProcess
-
     big = Image.open(io.BytesIO(data.photo("astronaut.png"))).convert("RGB").resize((4096, 4096), Image.BICUBIC)
     small = data.encode(data.textured_rgb(96, 96, seed=7), "PNG")
     server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store")],
@@ -187,3 +186,78 @@ def _rss_mb(pid: int, peak: bool = False) -> float:
     field = "VmHWM:" if peak else "VmRSS:"
     line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith(field))  # noqa: E741
     return int(line.split()[1]) / 1024
+
+
+def _flat_scan_bomb(repeats: int) -> bytes:
+    """Issue 23's bomb as the review built it: a 4096x4096 progressive JPEG of one colour whose last scan (33
+    bytes: the luma's last refinement, a pass over all 262,144 of its blocks) is repeated `repeats` times:
+    about 20 ms of decoding per repetition on one core of the development machine."""
+    from PIL import Image
+
+    return data.scan_bomb(data.encode(Image.new("RGB", (4096, 4096), (120, 130, 140)), "JPEG", quality=90,
+                                      progressive=True), repeats, which="last")
+
+
+def _victim_image(i: int) -> bytes:
+    """A small real photograph, another crop for each `i` (so each is decoded and encoded, not a cache hit)."""
+    from PIL import Image
+
+    photo = Image.open(io.BytesIO(data.photo("astronaut.png")))
+    x, y = (i * 37) % 384, (i * 53) % 384
+    return data.encode(photo.crop((x, y, x + 128, y + 128)).convert("RGB"), "JPEG", quality=90)
+
+
+@pytest.mark.slow  # a server of its own per mode, and bombs that each take their whole decode deadline
+@pytest.mark.parametrize("api_processes", ["0", "2"], ids=["one-process", "api-processes"])
+def test_scan_bombs_get_a_4xx_within_their_deadline_while_a_client_beside_them_is_served(tmp_path, api_processes):
+    """Issue 23's finding, black-box: two clients post scan bombs over and over while a third posts small
+    photographs. Before: with --api-processes 0 two such files pinned both decode workers and 30 s later the
+    stall watch answered every waiting image 503; with API processes nothing bounded them at all. Now a bomb
+    over --max-jpeg-scans is refused at once, one under it is stopped at --decode-timeout-s (a 422 both),
+    and the victim's requests are answered meanwhile."""
+    deadline_s, slack_s = 2.0, 6.0
+    over_cap, under_cap = _flat_scan_bomb(2000), _flat_scan_bomb(900)  # about 40 s and 18 s to decode in full
+    server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store"),
+                             "--api-processes", api_processes, "--decode-workers", "2", "--max-jpeg-scans", "1000",
+                             "--decode-timeout-s", str(deadline_s)], tmp_path / "server.log")
+    bombs: list[tuple[str, int, str, float]] = []
+    victim: list[int] = []
+    done = threading.Event()
+
+    def post(blob: bytes) -> tuple[httpx.Response, float]:
+        start = time.monotonic()
+        r = httpx.post(server.url + "/encode", json=json_body(blob), timeout=120)
+        return r, time.monotonic() - start
+
+    def bomber(n: int) -> None:
+        for i in range(3):
+            blob = over_cap if i == 0 else under_cap + b"\0" * (n * 3 + i)  # (other bytes: no coalescing)
+            r, took = post(blob)
+            bombs.append(("over" if i == 0 else "under", r.status_code, r.json()["error"]["code"]
+                          if r.status_code >= 400 else "", took))
+
+    def victim_client() -> None:
+        i = 0
+        while not done.is_set() or i < 10:
+            r, _ = post(_victim_image(i))
+            victim.append(r.status_code)
+            i += 1
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            bombers = [pool.submit(bomber, n) for n in range(2)]
+            victims = pool.submit(victim_client)
+            for b in bombers:
+                b.result()
+            done.set()
+            victims.result()
+        assert len(bombs) == 6
+        for kind, status, code, took in bombs:
+            assert (status, code) == (422, "image_too_complex"), bombs
+            assert took < (slack_s if kind == "over" else deadline_s + slack_s), bombs
+        ok = victim.count(200)
+        print(f"bombs (kind, status, code, seconds): {bombs}; the victim: {ok} of {len(victim)} answered 200")
+        assert ok >= 0.95 * len(victim), f"the victim's statuses: {victim}"
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        assert server.stop()

@@ -10,7 +10,9 @@ Per request:
     keys     each image's key (its uuid or a content hash) and header tokens, in one thread hop; a video's
              from its container header (no frame decoded): its sampled frames, clip size and so its tokens
     admit    one Claim per distinct key, all in flight at once: Hit | Pending (joined) | Grant
-    decode   each granted image decoded, then submitted under its grant
+    decode   each granted image decoded, then submitted under its grant; the first failure, or the client
+             leaving, answers the request at once and gives back every grant (a decode still running
+             gives its pixels back when it ends, and submits nothing)
     encode   every Pending answered (or the client gone: everything of the request given back)
 """
 
@@ -30,7 +32,7 @@ from service.engine.messages import Grant, Hit
 from service.errors import (BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, VideoError, VideoTooLarge,
     at_index)
 from service.media import video as media_video
-from service.media.images import ImageHeader, header_tokens, read_header
+from service.media.images import ImageHeader, check_complexity, header_tokens, read_header
 from service.media.video_preprocess import plan_video
 from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
 
@@ -105,8 +107,13 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     answers: dict[str, Answer] = {}
     waits: dict[str, Pending] = {}
     grants: dict[str, Grant] = {}  # key -> its grant, until its image is submitted
+    # Set once the request is answered without its images (an error, or its client gone): a decode that ends
+    # later gives its pixels back and submits nothing.
+    abandoned = False
 
     def give_back() -> None:
+        nonlocal abandoned
+        abandoned = True
         for p in waits.values():
             p.result.cancel()
             engines.cancel(p.id)
@@ -141,7 +148,12 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
         try:
             decoded: Decoded = await (early.pop(key, None) or start_decode(i))
         except Exception as p:
+            if abandoned:
+                return  # (answered already: its grant was given back)
             raise _decode_failure(inputs, i, p)
+        if abandoned:  # its grant was given back when the request was answered; nobody wants these pixels
+            decoder.release(decoded)
+            return
         try:
             submitted = await engines.submit(grant.id, key, keyed[i].sha256, decoded.geometry, decoded.pixels)
         except KeyConflict as e:
@@ -154,12 +166,16 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
             del grants[key]  # a submit uses its grant up, answered or not
         if isinstance(submitted, Hit):  # stored meanwhile (another request's identical image)
             answers[key] = Answer(submitted.item, cached=True)
+        elif abandoned:  # answered while the submit travelled: its wait goes, as give_back's would have
+            submitted.result.cancel()
+            engines.cancel(submitted.id)
         else:
             waits[key] = submitted
 
     def first_error(outcomes: list) -> BaseException | None:
         return next((o for o in outcomes if isinstance(o, BaseException)), None)
 
+    stayed = False
     try:
         claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens) for k, i in firsts.items()),
                                       return_exceptions=True)
@@ -176,18 +192,23 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
             raise err
         phases.mark("admit")
         drop_early(keep=set(grants))
-        # Each image is submitted as soon as it is decoded.
-        done = await asyncio.gather(*(decode_and_submit(k, g) for k, g in list(grants.items())),
-                                    return_exceptions=True)
-        if (err := first_error(done)) is not None:
-            raise err
-        phases.mark("decode")
+        # Each image is submitted as soon as it is decoded. The request is answered at its first failure or
+        # when its client leaves, not when its slowest decode ends: its queue places are given back then
+        # (issue 23: clients of scan bombs that left after 5 s held the whole queue while their decodes ran).
+        decoding = [_finish_alone(loop.create_task(decode_and_submit(k, g))) for k, g in list(grants.items())]
+        stayed = await _done_or_disconnect(client_gone, decoding)
+        if stayed:
+            phases.mark("decode")
     except BaseException:
         drop_early(keep=set())  # those not submitted (a submitted one has left `early`)
         give_back()  # the request is answered with its error as a whole: nothing of it stays queued
         raise
     finally:
         rt.requests_in_flight -= 1
+    if not stayed:
+        drop_early(keep=set())
+        give_back()
+        return None
     if not await _wait_or_disconnect(client_gone, [p.result for p in waits.values()]):
         give_back()
         return None
@@ -234,6 +255,10 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
             return _video_keyed(i, inp, digest, vsalt, rt.video, rt.settings.video_limits, queue_tokens)
         key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
         header = read_header(inp.data, limits)
+        try:
+            check_complexity(header, limits)  # a scan bomb is refused here: no queue place, no decode
+        except ImageError as e:
+            raise _named(inp, i, e) from None
         return _Keyed(key, digest.hex(), header, header_tokens(header, params, limits))
 
     # Every image in one thread hop: a hop each cost an 8-image request 8 event-loop round trips through
@@ -273,15 +298,58 @@ def _named(inp: Input, i: int, p: ServiceError) -> ServiceError:
     return at_index(p, i)
 
 
+async def _watch(client_gone: ClientGone, first_after_s: float = 0.0) -> None:
+    """Returns once the client has gone (polled every 50 ms, the first time after `first_after_s`)."""
+    await asyncio.sleep(first_after_s)
+    while not await client_gone():
+        await asyncio.sleep(0.05)
+
+
+# Tasks that outlive the request that started them (a decode still running when its request was answered):
+# held here until done, as the event loop keeps only weak references to tasks.
+_finishing: set[asyncio.Task] = set()
+
+
+def _finish_alone(task: asyncio.Task) -> asyncio.Task:
+    """`task`, kept alive until it is done, its outcome retrieved then (never 'exception was never retrieved':
+    one that fails after its request was answered has nobody to tell)."""
+    _finishing.add(task)
+
+    def done(t: asyncio.Task) -> None:
+        _finishing.discard(t)
+        if not t.cancelled():
+            t.exception()
+
+    task.add_done_callback(done)
+    return task
+
+
+async def _done_or_disconnect(client_gone: ClientGone, tasks: list[asyncio.Task]) -> bool:
+    """Wait until every task is done: True; the first to fail raises its error at once, and False if the
+    client went away first. Either way the tasks not done go on running (each must cope with that)."""
+    pending = set(tasks)
+    if not pending:
+        return True
+    # The first poll after 50 ms: a decode done by then (most are) costs no check of the connection.
+    watcher = asyncio.create_task(_watch(client_gone, first_after_s=0.05))
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                return False
+            pending.discard(watcher)
+            for t in done:
+                if (err := t.exception()) is not None:
+                    raise err
+        return True
+    finally:
+        watcher.cancel()
+
+
 async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Future]) -> bool:
     """Wait for all futures; False if the client went away first."""
     gathered = asyncio.gather(*futures)
-
-    async def watch():
-        while not await client_gone():
-            await asyncio.sleep(0.05)
-
-    watcher = asyncio.create_task(watch())
+    watcher = asyncio.create_task(_watch(client_gone))
     try:
         done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:

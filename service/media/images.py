@@ -4,9 +4,14 @@ Runs in decode worker processes (`prepare_image` is a module-level function so a
 can pickle it). Hostile input must cost little, so every limit that the header can answer is checked
 before the pixels are decoded:
 
-    empty / over max_image_bytes  ->  format (by PIL's header parsers, restricted to SUPPORTED_FORMATS)
-    ->  declared width*height and aspect ratio  ->  full decode (load)  ->  EXIF orientation  ->  RGB
-    ->  smart_resize + resize  (service.media.preprocess, bit-exact with transformers)
+    empty / over max_image_bytes  ->  a JPEG's scans (max_jpeg_scans)  ->  format (by PIL's header parsers,
+    restricted to SUPPORTED_FORMATS)  ->  declared width*height and aspect ratio  ->  full decode (load, within
+    decode_timeout_s)  ->  EXIF orientation  ->  RGB  ->  smart_resize + resize  (service.media.preprocess,
+    bit-exact with transformers)
+
+Decode time is bounded as well as memory: a JPEG's scans are counted from its bytes (each scan is a pass
+over the whole image, however few bytes it takes), and PIL's decode reads its input through a file whose
+reads stop it past the image's deadline (`_Budgeted`); see prepare_image.
 
 The header is parsed once, before any of that, by `read_header` (admission counts an image's tokens
 from it, `header_tokens`); given to `prepare_image`, it picks the decode path without a second parse:
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
+import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -47,6 +54,7 @@ from service.errors import (
     CorruptImage,
     EmptyImage,
     ImageError,
+    ImageTooComplex,
     ImageTooLarge,
     NotAnImage,
     TruncatedImage,
@@ -96,6 +104,9 @@ class ImageHeader:
     format: str | None  # the supported format the data's signature names (_sniff_format); None: none does
     size: tuple[int, int] | None  # (width, height) as declared, before EXIF orientation; None: no parser read it
     plain_jpeg: bool  # simplejpeg may decode it straight to the RGB pixels (see _decode_plain_jpeg)
+    # A JPEG's scans (_jpeg_scans: counted up to one more than the limit); 0 for other formats; None: a JPEG of
+    # more marker segments than are worth walking (refused, and never given to PIL's header parser).
+    scans: int | None = 0
 
 
 # Where prepare_image writes the final pixels: called with their size in bytes, it returns a writable flat
@@ -110,6 +121,9 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
     fmt = _sniff_format(data)
     if fmt == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
         return ImageHeader(len(data), fmt, _declared_size("WEBP", data), plain_jpeg=False)
+    scans = _count_scans(data, limits) if fmt == "JPEG" else 0
+    if scans is None:  # PIL's parser walks the segments before the first scan in Python: 3 s per million
+        return ImageHeader(len(data), fmt, None, plain_jpeg=False, scans=None)
     size, plain = None, False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -119,8 +133,24 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
                 plain = fmt == "JPEG" and _is_plain_jpeg(img)
         except Exception:  # noqa: BLE001 - whatever the header's fault: the decode says what it is
             pass
-    # simplejpeg never sees what decode_image refuses on its byte count alone (empty, over max_image_bytes).
-    return ImageHeader(len(data), fmt, size, plain_jpeg=plain and 0 < len(data) <= limits.max_image_bytes)
+    # simplejpeg never sees what decode_image refuses on its byte count alone (empty, over max_image_bytes),
+    # nor a JPEG of more scans than _FAST_JPEG_SCANS: it cannot be stopped, PIL's decode can (_Budgeted).
+    plain = plain and 0 < len(data) <= limits.max_image_bytes and scans <= _FAST_JPEG_SCANS
+    return ImageHeader(len(data), fmt, size, plain_jpeg=plain, scans=scans)
+
+
+def check_complexity(header: ImageHeader, limits: ImageLimits) -> None:
+    """ImageTooComplex for a JPEG of more scans than limits.max_jpeg_scans (or of more marker segments than
+    are worth counting): from the header alone, before a queue place or a decode is spent on it."""
+    if header.scans is None:
+        raise ImageTooComplex(
+            f"the JPEG has more than {_max_jpeg_segments(_most_scans(limits)):,} marker segments (a photograph "
+            "has a few dozen); re-encode it")
+    if header.scans > limits.max_jpeg_scans:
+        raise ImageTooComplex(
+            f"the JPEG has more than {limits.max_jpeg_scans} scans (a progressive JPEG has about 10, a baseline "
+            "one 1), and each scan is a pass over the whole image; re-encode it as a baseline JPEG, or raise "
+            "--max-jpeg-scans")
 
 
 def _is_plain_jpeg(img: ImageFile.ImageFile) -> bool:
@@ -160,6 +190,8 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits, he
       arena) propagates as it is. If prepare_image raises after calling it, the buffer is still the
       caller's to release. Without it the pixels are a new array. The same pixels either way.
     """
+    # The decode's budget starts now: what it costs before PIL's decode (a header parse) counts too.
+    deadline = time.monotonic() + limits.decode_timeout_s
     if header is None and _sniff_format(data) == "JPEG":
         # Only a JPEG's header picks its path: any other image goes to PIL's open (its one parse) at once.
         header = read_header(data, limits)
@@ -167,9 +199,10 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits, he
     dest = _Destination(out)
     pixels = None
     if header is not None and header.plain_jpeg:
+        check_complexity(header, limits)  # (_FAST_JPEG_SCANS may be over a lowered --max-jpeg-scans)
         pixels = _decode_plain_jpeg(data, header.size, params, limits, dest)
     if pixels is None:
-        img = decode_image(data, limits)
+        img = decode_image(data, limits, header, deadline)
         new_h, new_w = preprocess.smart_resize(img.height, img.width, params)  # (what resize raises, it raises first)
         pixels = preprocess.resize(img, params, out=dest.get(new_h, new_w))
     grid = preprocess.grid_for(pixels.shape[0], pixels.shape[1], params)
@@ -246,11 +279,17 @@ def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessPar
     return preprocess.resize(Image.fromarray(rgb), params, out=dest.get(*target))
 
 
-def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
+def decode_image(data: bytes, limits: ImageLimits, header: ImageHeader | None = None,
+                 deadline: float | None = None) -> Image.Image:
     """Encoded bytes -> an RGB PIL image, EXIF orientation applied, first frame of animations.
 
     The RGB conversion is transformers' (transparency composited on white), see preprocess.to_rgb.
+    header: `read_header(data, limits)` if the caller has it (a JPEG's scans are not counted again).
+    deadline: time.monotonic() past which the decode is stopped (ImageTooComplex); default
+    limits.decode_timeout_s from now.
     """
+    if deadline is None:
+        deadline = time.monotonic() + limits.decode_timeout_s
     if len(data) == 0:
         raise EmptyImage("the image is empty (0 bytes); send the encoded file's bytes")
     if len(data) > limits.max_image_bytes:
@@ -259,6 +298,9 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
             "compress or downscale it, or raise --max-image-bytes"
         )
     sniffed = _sniff_format(data)
+    if sniffed == "JPEG":  # before PIL's parser walks its segments, and before any scan is decoded
+        scans = header.scans if header is not None else _count_scans(data, limits)
+        check_complexity(ImageHeader(len(data), sniffed, None, False, scans), limits)
     if sniffed == "WEBP" and (declared := _declared_size("WEBP", data)) is not None:
         # Before PIL sees the file: PIL's WebP parser allocates the whole canvas when it opens it.
         _check_geometry(declared, limits)
@@ -272,7 +314,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
-        img = _open(data, sniffed, limits)
+        img = _open(data, sniffed, limits, deadline)
         _check_geometry(img.size, limits)
         _load(img, data)
         img = _apply_exif_orientation(img)
@@ -310,10 +352,11 @@ def warmup_image(params: PreprocessParams) -> PreparedImage:
 # ---- stages ---------------------------------------------------------------------------------------
 
 
-def _open(data: bytes, sniffed: str | None, limits: ImageLimits) -> ImageFile.ImageFile:
-    """Parse the header with the supported formats' parsers only; nothing is decoded yet."""
+def _open(data: bytes, sniffed: str | None, limits: ImageLimits, deadline: float) -> ImageFile.ImageFile:
+    """Parse the header with the supported formats' parsers only; nothing is decoded yet. The image reads
+    its data through _Budgeted: its decode (load) stops past `deadline`."""
     try:
-        img = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
+        img = Image.open(_Budgeted(data, deadline, limits.decode_timeout_s), formats=SUPPORTED_FORMATS)
     except UnidentifiedImageError:
         raise _unidentified(data, sniffed) from None
     except Image.DecompressionBombError as e:
@@ -348,14 +391,54 @@ def _check_geometry(size: tuple[int, int], limits: ImageLimits) -> None:
 
 
 def _load(img: ImageFile.ImageFile, data: bytes) -> None:
-    """Decode the pixels (the first frame of an animation: Image.open leaves the file on frame 0)."""
+    """Decode the pixels (the first frame of an animation: Image.open leaves the file on frame 0), within the
+    deadline its file (_Budgeted) enforces."""
     fmt = _FORMAT_ALIASES.get(img.format, img.format)
+    budget = img.fp if isinstance(img.fp, _Budgeted) else None  # (load drops img.fp)
+    if budget is not None:
+        budget.split_scans = fmt == "JPEG"
     try:
         img.load()
     except Image.DecompressionBombError as e:  # GIF frames can be larger than the logical screen
         raise _pil_bomb_error(e) from e
     except (OSError, *_PIL_DATA_ERRORS) as e:
         raise _data_error(fmt, data, e, stage="pixels") from e
+    if budget is not None:
+        budget.check()  # the last chunk's decode (a progressive JPEG's whole output pass) ran past it
+
+
+class _Budgeted(io.BytesIO):
+    """The file PIL parses and decodes an image from: a read past `deadline` raises ImageTooComplex.
+
+    Why this stops a decode: PIL's ImageFile.load feeds its decoder the file in chunks (decodermaxblock,
+    64 KiB), and libjpeg (a suspending source), zlib (PNG), GIF's LZW and BMP's RLE decode each chunk and
+    return for the next, with the GIL released meanwhile; a raise between chunks ends the decode and frees
+    the decoder. Decoders that take the whole file at once (WebP, libtiff's TIFF) are bounded by their pixels.
+
+    With `split_scans` (a JPEG's load; never its header parse, whose reads must return all they ask for),
+    a chunk also ends before each scan (SOS marker), so that one chunk is never hundreds of scans: a scan
+    of a few bytes is a pass over the whole image (20 ms at 16 MP), and 64 KiB of such scans were 40 s in
+    one chunk. Measured on a 16 MP (64 MP) scan bomb: at most 64 ms (129 ms) between two reads."""
+
+    def __init__(self, data: bytes, deadline: float, timeout_s: float):
+        super().__init__(data)  # (shares the bytes: no copy until written)
+        self._data, self._deadline, self._timeout_s = data, deadline, timeout_s
+        self.split_scans = False
+
+    def check(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise ImageTooComplex(
+                f"decoding the image took over {self._timeout_s:g} s, its limit (a JPEG of many progressive scans "
+                "is the usual cause); re-encode it as a baseline JPEG or PNG, downscale it, or raise --decode-timeout-s")
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.check()
+        if self.split_scans and size is not None and size > 0:
+            start = self.tell()
+            # (a marker's 0xFF may also appear in an APP segment: then a chunk ends early, which is harmless)
+            if (sos := self._data.find(b"\xff\xda", start + 1, start + size)) != -1:
+                size = sos - start
+        return super().read(size)
 
 
 def _apply_exif_orientation(img: Image.Image) -> Image.Image:
@@ -450,6 +533,58 @@ def _describe(e: Exception) -> str:
 
 
 # ---- container-level facts read from the raw bytes -------------------------------------------------
+
+
+# A plain JPEG of at most this many scans is decoded by simplejpeg (fast, but it cannot be stopped); one of
+# more goes through PIL's decode, which is stopped at the deadline. libjpeg's progressive files have 10 scans,
+# so they keep the fast path; 16 scans of a 64 MP image cost simplejpeg about 1.3 s.
+_FAST_JPEG_SCANS = 16
+# Any marker but a stuffed 0xFF (0x00), a restart marker (0xD0-0xD7) or a fill byte (0xFF): what ends a scan's
+# entropy-coded data, in which every 0xFF is followed by 0x00 or a restart marker.
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
+def _max_jpeg_segments(max_scans: int) -> int:
+    """Marker segments _jpeg_scans walks at most: a photograph has a few dozen (APPn, DQT, SOF, DHT, SOS, ...),
+    a progressive one two per scan (DHT and SOS). Each costs about a microsecond of Python; past this the
+    file is refused (a million empty COM segments cost PIL's header parser 3 s)."""
+    return 1024 + 8 * max_scans
+
+
+def _most_scans(limits: ImageLimits) -> int:
+    """How far a JPEG's scans are counted: past the limit, and past the fast path's (read_header)."""
+    return max(limits.max_jpeg_scans, _FAST_JPEG_SCANS)
+
+
+def _count_scans(data: bytes, limits: ImageLimits) -> int | None:
+    return _jpeg_scans(data, _most_scans(limits))
+
+
+def _jpeg_scans(data: bytes, most: int) -> int | None:
+    """The scans (SOS markers) of a JPEG's first image, walked as libjpeg reads them: a segment's length
+    skips its contents (an EXIF thumbnail's scans are not the image's), a scan's entropy-coded data is
+    skipped to the next marker (_JPEG_MARKER), and the image ends at EOI (an MPO's other pictures, or a
+    video a phone appended, are never decoded). Counting every 0xFF 0xDA pair of the file instead would
+    count those of such appended data too (one per 64 KiB of compressed data: the few MB of video of a
+    phone's motion photo would make it a scan bomb).
+    Stops at `most + 1` (more than `most`); None past _max_jpeg_segments(most) segments."""
+    pos, scans, segments, cap = 2, 0, 0, _max_jpeg_segments(most)  # (after SOI)
+    while (m := _JPEG_MARKER.search(data, pos)) is not None:
+        segments += 1
+        if segments > cap:
+            return None
+        marker = data[m.start() + 1]
+        if marker == 0xD9:  # EOI
+            break
+        if marker == 0xDA:
+            scans += 1
+            if scans > most:
+                break
+        if marker in (0x01, 0xD8):  # TEM, SOI: no length (RSTn, the others, never match _JPEG_MARKER)
+            pos = m.end()
+            continue
+        pos = m.end() + int.from_bytes(data[m.end() : m.end() + 2], "big")  # (a scan's data follows its header)
+    return scans
 
 
 def _sniff_format(data: bytes) -> str | None:

@@ -10,6 +10,14 @@ A video is decoded the same way (media/video_preprocess.prepare_video: PyAV deco
 the resize): off the event loop, its uint8 frames [2 * groups, h, w, 3] one array or one arena cell. A
 video's clip is bounded by its processor's max_pixels (a few MB); one bigger than the whole arena can never
 be placed and is a 413 (VideoTooLarge), not a 429.
+
+An image's decode time is bounded where it runs (media/images.py: a JPEG's scans are capped, and PIL's
+decode is stopped between chunks past --decode-timeout-s). What cannot be stopped there (simplejpeg, WebP,
+libtiff, the resize) is ended in a decode process by the kernel, once the process has spent the timeout and
+DECODE_KILL_GRACE_S of CPU on the image (a CPU-time timer: a legitimate decode on a busy machine is not
+killed for waiting on a core); that image is answered 422 and the images that shared its pool are decoded
+again on the new one, not answered 503. Decode threads cannot be killed: an API process has only the
+bounds inside the decode.
 """
 
 from __future__ import annotations
@@ -19,13 +27,15 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import signal
 import time
+import weakref
 from collections.abc import Callable
 
 from service.api.runtime import Decoded
 from service.config import ImageLimits, PreprocessParams, VideoLimits
 from service.engine.messages import Cell, Geometry, VideoInfo
-from service.errors import Overloaded, Unavailable, VideoTooLarge
+from service.errors import ImageTooComplex, Overloaded, Unavailable, VideoTooLarge
 from service.media.images import ImageHeader, PreparedImage, loaded_pid, prepare_image, warmup_png
 from service.media.video import VideoHeader, VideoParams
 from service.media.video_preprocess import PreparedVideo, prepare_video
@@ -41,6 +51,40 @@ DECODE_STALL_S = 30.0
 # A new pool is on that clock only once a worker of it has answered (starting one through the forkserver
 # took seconds on a loaded 2-core machine); one that has not answered by this time is stuck too.
 POOL_START_LIMIT_S = 120.0
+# An image's decode process is ended once it has spent --decode-timeout-s plus this of CPU on the image. The
+# deadline inside the decode answers first where the decode can be stopped (PIL's); this covers what runs
+# after its last check (a 64 MP image's resize took about a second) and decoders that cannot be stopped.
+DECODE_KILL_GRACE_S = 5.0
+# How often an image is decoded again because another image's kill took its worker with it (a process pool
+# breaks whole); beyond that it is answered 503.
+RESUBMITS = 3
+
+# In a decode process: its pool's job slots, the pid of the process running each job that has a CPU budget
+# (0: none). The pool's owner reads it once a process was ended, to learn whose image it was (_within_budget).
+_slot_pids = None
+
+
+def _init_worker(parent: int, slot_pids) -> None:
+    """A decode process's initializer: exit with the service (exit_with); the pool's job slots."""
+    global _slot_pids
+    exit_with(parent)
+    _slot_pids = slot_pids
+
+
+def _within_budget(slot: int, cpu_s: float | None, fn, *args):
+    """fn(*args) in a decode process that the kernel ends (SIGPROF, whose default action is to terminate) once
+    it has spent `cpu_s` seconds of CPU time on it: wherever it is, a C decoder that cannot be stopped
+    included. A timer of CPU time, not wall time: a decode waiting for a core on a busy machine is not ended.
+    The job's slot holds this process's pid meanwhile, so that its pool's owner knows whose image it was."""
+    if cpu_s is None:
+        return fn(*args)
+    _slot_pids[slot] = os.getpid()
+    signal.setitimer(signal.ITIMER_PROF, cpu_s)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        _slot_pids[slot] = 0
 
 
 def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
@@ -52,15 +96,32 @@ def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
     return Geometry(height=h, width=w, grid_thw=prep.grid_thw, tokens=prep.num_tokens)
 
 
+class _PoolBroke(Exception):
+    """A decode's pool broke (a worker process ended) while it ran or when it was handed over."""
+
+    def __init__(self, pool: concurrent.futures.ProcessPoolExecutor):
+        super().__init__()
+        self.pool = pool
+
+
 class PoolDecoder:
     """Decode processes for a single-process service; the pixels come back as an array (pickled once)."""
 
     def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S,
-                 clock: Callable[[], float] = time.monotonic, video_limits: VideoLimits = VideoLimits()):
-        """`clock` times the stall watch (tests inject a fake one)."""
+                 clock: Callable[[], float] = time.monotonic, video_limits: VideoLimits = VideoLimits(),
+                 kill_grace_s: float = DECODE_KILL_GRACE_S):
+        """`clock` times the stall watch (tests inject a fake one). An image's decode process is ended after
+        limits.decode_timeout_s + kill_grace_s of CPU on it."""
         self.workers, self.limits, self.stall_s, self._clock = workers, limits, stall_s, clock
-        self.video_limits = video_limits
+        self.video_limits, self.kill_grace_s = video_limits, kill_grace_s
         self._decode_done = clock()  # when a decode last finished (a pool that finishes none is stuck)
+        self._slot_pids = weakref.WeakKeyDictionary()  # pool -> its job slots' pids (_within_budget)
+        self._verdicts = weakref.WeakKeyDictionary()  # broken pool -> future of the slots its CPU budgets ended
+        # At most `workers` decodes in a pool at a time, each in a job slot of its own: a decode handed to the
+        # pool starts at once (the stall clock's waiting time is a decode's), and a slot names it.
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
+        self._free_slots: list[int] = []
         self.pool = self._new_pool()
         self.ready = False
 
@@ -69,8 +130,11 @@ class PoolDecoder:
         # Each worker exits when this process does: a SIGKILL of the service leaves no worker behind (and
         # then no forkserver: the workers were what kept it alive).
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
-                                                      initializer=exit_with, initargs=(os.getpid(),))
+        context = multiprocessing.get_context(method)
+        slot_pids = context.Array("l", self.workers, lock=False)  # (shared memory: each slot has one writer)
+        pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                                      initargs=(os.getpid(), slot_pids))
+        self._slot_pids[pool] = slot_pids
         # The pool is up once a worker has answered: until then its decodes are not on the stall clock.
         self._started = (pool, self._clock(), pool.submit(loaded_pid))
         self._up_at: float | None = None
@@ -104,21 +168,61 @@ class PoolDecoder:
         worker's SIGKILL the pool finished no more decodes and the executor never reported it broken;
         why was not found). So a decode that waits `stall_s` with no decode of its pool finishing
         meanwhile takes the pool for stuck: its workers are killed, a new pool starts, and the images
-        waiting on the old one are answered 503."""
-        return Decoded(_geometry(prep := await self._in_pool(prepare_image, data, params, self.limits, header)),
-                       prep.pixels)
+        waiting on the old one are answered 503.
+
+        An image whose decode process spends its CPU budget (limits.decode_timeout_s + kill_grace_s) is
+        ended by the kernel: that image is answered 422 (ImageTooComplex), and the others on the pool are
+        decoded again on the new pool (up to RESUBMITS times)."""
+        prep = await self._in_pool(prepare_image, data, params, self.limits, header,
+                                   cpu_s=self.limits.decode_timeout_s + self.kill_grace_s)
+        return Decoded(_geometry(prep), prep.pixels)
 
     async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
         """prepare_video in a decode worker, watched as `decode` is."""
         prep = await self._in_pool(prepare_video, data, header, params, self.video_limits)
         return Decoded(_geometry(prep), prep.frames)
 
-    async def _in_pool(self, fn, *args):
-        """fn(*args) in a decode worker; a dead or stuck pool replaced (see `decode`) and the work answered 503."""
+    def _slots(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._sem_loop is not loop:  # (made in the loop that uses it: tests run several loops in turn)
+            self._sem, self._sem_loop, self._free_slots = asyncio.Semaphore(self.workers), loop, list(range(self.workers))
+        return self._sem
+
+    async def _in_pool(self, fn, *args, cpu_s: float | None = None):
+        """fn(*args) in a decode worker, in a job slot of its own (`cpu_s`: its process's CPU budget, see
+        _within_budget); a dead or stuck pool replaced (see `decode`)."""
+        async with self._slots():
+            slot = self._free_slots.pop()
+            try:
+                for attempt in range(RESUBMITS + 1):
+                    try:
+                        return await self._attempt(slot, cpu_s, fn, args)
+                    except _PoolBroke as broke:
+                        ended = await self._verdict(broke.pool)
+                        if slot in ended:
+                            raise ImageTooComplex(
+                                f"decoding the image took over {cpu_s:g} s of CPU, past its limit "
+                                f"(--decode-timeout-s {self.limits.decode_timeout_s:g}) in a decoder that "
+                                "cannot be interrupted, so its process was stopped; re-encode the image (as a "
+                                "baseline JPEG or PNG) or downscale it") from None
+                        if not ended:
+                            raise Unavailable("an image decode worker died while decoding (out of memory?); it has "
+                                              "been replaced: retry", retry_after_s=1) from None
+                        # Another image's decode was ended, and this one's process with it (a pool breaks whole).
+                        log.info("decoding again on the new pool an image whose worker went with another's (%d)",
+                                 attempt + 1)
+                raise Unavailable("image decode workers were stopped repeatedly by other images' decodes: retry",
+                                  retry_after_s=1)
+            finally:
+                self._free_slots.append(slot)
+
+    async def _attempt(self, slot: int, cpu_s: float | None, fn, args):
+        """One run of fn(*args) in the current pool (_PoolBroke: that pool broke); a stuck pool replaced and the
+        work answered 503."""
         pool = self.pool
         waiting_since = self._clock()
         try:  # (a pool already broken raises here, at submit)
-            fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+            fut = asyncio.get_running_loop().run_in_executor(pool, _within_budget, slot, cpu_s, fn, *args)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
                 if self._stalled(pool, waiting_since) or pool is not self.pool:
                     fut.cancel()
@@ -134,12 +238,31 @@ class PoolDecoder:
             self._decode_done = self._clock()  # any outcome, a refused image too: the pool is alive
             return fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
-            if self.pool is pool:
-                log.error("a decode worker died (killed, out of memory?); starting a new pool")
+            raise _PoolBroke(pool) from None
+
+    async def _verdict(self, pool) -> frozenset[int]:
+        """The job slots of broken `pool` whose process its CPU budget ended (empty: a worker died otherwise,
+        e.g. the OOM killer's SIGKILL). The first to ask replaces the pool at once, then waits for the old
+        one's processes to be reaped to read how each ended; the others wait for its answer."""
+        if pool not in self._verdicts:
+            verdict = self._verdicts[pool] = asyncio.get_running_loop().create_future()
+            replaced = self.pool is pool  # (else the stall watch replaced it, and said so)
+            if replaced:
                 self.pool = self._new_pool()
-                await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
-            raise Unavailable("an image decode worker died while decoding (out of memory?); it has been replaced: "
-                              "retry", retry_after_s=1) from None
+            processes = dict(pool._processes or {})  # (private, stable since 3.2; None once shut down)
+            # NOTE: exit codes only after shutdown(wait=True) has reaped every process: read while the
+            # executor's own thread reaps them, a forkserver child's exit code can come back as 255.
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+            ended = {pid for pid, p in processes.items() if p.exitcode == -signal.SIGPROF}
+            pids = self._slot_pids.get(pool)
+            slots = frozenset(s for s in range(len(pids)) if pids[s] in ended) if pids is not None else frozenset()
+            if slots:
+                log.warning("an image's decode ran past its CPU budget and its process was stopped (answered 422); "
+                            "the other images on that pool are decoded again on a new one")
+            elif replaced:
+                log.error("a decode worker died (killed, out of memory?); started a new pool")
+            verdict.set_result(slots)
+        return await asyncio.shield(self._verdicts[pool])
 
     def release(self, decoded: Decoded) -> None:
         pass  # an array: the garbage collector has it

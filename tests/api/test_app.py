@@ -133,6 +133,22 @@ def test_client_that_disconnects_is_dropped_before_running(tmp_path, tiny_model)
         assert metric(m, "qve_dropped") == 1 and metric(m, "qve_steps_total", 'result="ok"') == 1
 
 
+def test_a_client_that_leaves_while_its_scan_bomb_decodes_gives_its_queue_place_back_at_once(tmp_path, tiny_model):
+    """Issue 23: clients of scan bombs that left after 5 s kept their queue places while the bombs decoded
+    (the whole --max-queue-tokens: everyone else got 429). The place goes back when the client leaves; the
+    decode itself ends at its deadline."""
+    bomb = data.scan_bomb(data.progressive_photo(4096, smooth=True), 2000)  # 9 s to decode in full
+    settings = _settings(tmp_path, max_jpeg_scans=10**6, decode_timeout_s=6)
+    with live_server(settings, tiny_model) as (url, app):
+        batcher = local_host(app.state.rt).batcher
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/encode", json=json_body(bomb), timeout=httpx.Timeout(60, read=1.0))
+        left = time.monotonic()  # its decode goes on, for up to 6 s
+        _wait_for(lambda: batcher.reserved() == 0, timeout=10)
+        assert time.monotonic() - left < 2.5, "the place went back only when the decode ended"
+        assert httpx.post(url + "/encode", json=json_body(_png(310)), timeout=60).status_code == 200
+
+
 @pytest.mark.parametrize("bad", [
     "../escape", "..", ".", "/etc/passwd", "a/b", "a\\b", "", "x" * 129, ".hidden", "key\x00nul", "ключ",
     "a b", "~root", "key\n",

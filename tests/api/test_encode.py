@@ -162,3 +162,67 @@ def test_an_image_that_fails_to_decode_fails_its_request_with_its_4xx(tmp_path, 
         assert ok.stored.num_tokens > 0 and ok.cached is (kept == 1)  # a hit exactly when it was kept
 
     _with_runtime(tmp_path, tiny_model, test)
+
+
+def _held_decodes(rt, held: set[bytes]):
+    """rt.decoder.decode, with the images in `held` waiting for the returned event before they decode; and the
+    list of what rt.decoder.release was given (pixels nobody submitted)."""
+    go, released = asyncio.Event(), []
+    real_decode, real_release = rt.decoder.decode, rt.decoder.release
+
+    async def decode(blob, *rest):
+        if blob in held:
+            await go.wait()
+        return await real_decode(blob, *rest)
+
+    def release(decoded):
+        released.append(decoded)
+        real_release(decoded)
+
+    rt.decoder.decode, rt.decoder.release = decode, release
+    return go, released
+
+
+def test_a_client_that_leaves_while_its_image_decodes_gives_its_queue_place_back_at_once(tmp_path, tiny_model):
+    """Issue 23: the clients of 4 scan bombs left after 5 s, and their queue places (the whole
+    --max-queue-tokens) stayed held until the decodes ended: every other request got 429 meanwhile. A
+    request now stops waiting for its decodes when its client leaves; a decode that ends later gives its
+    pixels back and submits nothing."""
+    slow = _png(40)
+
+    async def test(rt):
+        go, released = _held_decodes(rt, {slow})
+        gone = asyncio.Event()
+
+        async def client_gone() -> bool:
+            return gone.is_set()
+
+        leaving = asyncio.create_task(encoding.encode(rt, [Input(slow, None)], client_gone))
+        await _until(lambda: local_host(rt).batcher.reserved() == 1)  # granted, decoding (held)
+        gone.set()
+        assert await asyncio.wait_for(leaving, 10) is None  # before its decode ended
+        assert local_host(rt).batcher.reserved() == 0
+        go.set()  # the decode ends now: its pixels go back, nothing is queued
+        await _until(lambda: len(released) == 1)
+        assert local_host(rt).batcher.queue_depth() == 0 and local_host(rt).batcher.in_flight() == 0
+        (again,) = await encoding.encode(rt, [Input(slow, None)], _here)  # the image itself is fine
+        assert again.cached is False and len(local_host(rt).store) == 1
+
+    _with_runtime(tmp_path, tiny_model, test)
+
+
+def test_a_request_is_answered_at_its_first_failed_image_not_after_its_slowest_decode(tmp_path, tiny_model):
+    slow, broken = _png(41), b"\x89PNG\r\n\x1a\n broken"
+
+    async def test(rt):
+        go, released = _held_decodes(rt, {slow})
+        failing = asyncio.create_task(encoding.encode(rt, [Input(slow, None), Input(broken, None)], _here))
+        with pytest.raises(TruncatedImage) as e:
+            await asyncio.wait_for(failing, 10)  # while images[0] still decodes
+        assert e.value.index == 1
+        assert local_host(rt).batcher.reserved() == 0  # images[0]'s place too
+        go.set()
+        await _until(lambda: len(released) == 1)
+        assert local_host(rt).batcher.queue_depth() == 0 and len(local_host(rt).store) == 0
+
+    _with_runtime(tmp_path, tiny_model, test)

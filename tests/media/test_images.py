@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from service.errors import (
     BadAspectRatio,
     CorruptImage,
     ImageError,
+    ImageTooComplex,
     ImageTooLarge,
     TruncatedImage,
     UnsupportedFormat,
@@ -31,8 +33,11 @@ from tests.imagedata import (
     encode,
     exif_rotated,
     gif_bytes,
+    jpeg_marker_flood,
     png_header_only,
+    progressive_photo,
     quadrants,
+    scan_bomb,
     shaped_png,
     textured_rgb,
     truncated,
@@ -382,9 +387,9 @@ def test_header_tokens_are_the_tokens_decoding_gives_without_decoding():
 
 def test_read_header_names_the_format_the_declared_size_and_whether_simplejpeg_may_decode_it(monkeypatch):
     plain = encode(textured_rgb(64, 48), "JPEG", quality=90)
-    assert read_header(plain, LIMITS) == ImageHeader(len(plain), "JPEG", (64, 48), plain_jpeg=True)
+    assert read_header(plain, LIMITS) == ImageHeader(len(plain), "JPEG", (64, 48), plain_jpeg=True, scans=1)
     rotated = exif_rotated("JPEG", 6)
-    assert read_header(rotated, LIMITS) == ImageHeader(len(rotated), "JPEG", (96, 64), False)  # as stored
+    assert read_header(rotated, LIMITS) == ImageHeader(len(rotated), "JPEG", (96, 64), False, 1)  # as stored
     mpo = encode(quadrants(64, 48), "MPO", save_all=True, append_images=[textured_rgb(64, 48)])
     for data in (encode(textured_rgb(64, 48).convert("L"), "JPEG"), valid_images()["cmyk.jpg"], mpo):
         header = read_header(data, LIMITS)
@@ -545,6 +550,115 @@ def test_broken_and_oversized_jpegs_get_the_same_errors_with_or_without_simplejp
             outcomes.append((type(e.value), e.value.message))
         assert outcomes[0] == outcomes[1] == outcomes[2], outcomes
     assert read_header(bad_images()["corrupt_jpeg"][0], LIMITS).plain_jpeg  # so simplejpeg met it first
+
+
+# ---- decode time: scans counted before decoding, a deadline inside the decode (issue 23) -------------------
+
+
+def _no_decode(*args, **kwargs):
+    raise AssertionError("a decode started")
+
+
+def test_a_progressive_photo_with_its_last_scan_repeated_is_refused_before_anything_is_decoded(monkeypatch):
+    """Issue 23's finding: a progressive JPEG whose last scan repeats thousands of times decodes for minutes
+    (each scan is a pass over the whole image). Its scans are counted from its bytes, before a decode."""
+    photo = progressive_photo(512)
+    assert read_header(photo, LIMITS).scans == 10  # libjpeg's progression (PIL's progressive=True)
+    bomb = scan_bomb(photo, 100, which="last")
+    header = read_header(bomb, LIMITS)
+    assert header.scans == LIMITS.max_jpeg_scans + 1 and not header.plain_jpeg  # (counted no further)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", _no_decode)
+    monkeypatch.setattr(images, "_simplejpeg", type("SJ", (), {"decode_jpeg": staticmethod(_no_decode)}))
+    for given in (None, header):
+        with pytest.raises(ImageTooComplex) as e:
+            prepare_image(bomb, P, LIMITS, header=given)
+        assert e.value.code == "image_too_complex" and http_status(e.value) == 422
+        assert "more than 64 scans" in e.value.message and "--max-jpeg-scans" in e.value.message
+    _raises(bomb, ImageTooComplex)  # decode_image alone too
+    with pytest.raises(ImageTooComplex):
+        images.check_complexity(header, LIMITS)  # what admission asks (api/encode.py), from the header alone
+    images.check_complexity(read_header(bomb, ImageLimits(max_jpeg_scans=110)), ImageLimits(max_jpeg_scans=110))
+
+
+def test_the_decode_deadline_stops_a_scan_bomb_between_its_scans():
+    """A JPEG under the scan limit can still cost more than its size explains (a raised limit here): PIL's
+    decode is stopped at the deadline, between two chunks of its input, each ending before a scan. This bomb
+    (a 4096x4096 photo, its 65-byte scan repeated 2000 times: 0.5 MB) took 9 s to decode in full."""
+    bomb = scan_bomb(progressive_photo(4096, smooth=True), 2000)
+    limits = ImageLimits(max_jpeg_scans=10**6, decode_timeout_s=0.5)
+    assert not read_header(bomb, limits).plain_jpeg  # (over _FAST_JPEG_SCANS: simplejpeg cannot be stopped)
+    for header in (None, read_header(bomb, limits)):
+        start = time.monotonic()
+        with pytest.raises(ImageTooComplex) as e:
+            prepare_image(bomb, P, limits, header=header)
+        took = time.monotonic() - start
+        assert "took over 0.5 s" in e.value.message and "--decode-timeout-s" in e.value.message
+        assert took < 0.5 + 2.5, f"stopped {took:.2f} s after it started"  # (slack for a busy machine)
+
+
+def test_a_scan_bomb_under_the_limits_decodes_as_pil_decodes_it():
+    """A JPEG of more scans than simplejpeg is given (16) but within the limit goes through PIL's decode,
+    whose input is cut before each scan: the same pixels as PIL's decode of the file in one piece."""
+    bomb = scan_bomb(progressive_photo(448), 20)
+    header = read_header(bomb, LIMITS)
+    assert header.scans == 30 and not header.plain_jpeg
+    whole = np.asarray(Image.open(io.BytesIO(bomb)).convert("RGB"))
+    assert np.array_equal(prepare_image(bomb, P, LIMITS, header=header).pixels, whole)
+
+
+@pytest.mark.parametrize("side", [448, 1000])
+def test_pils_decode_cut_before_each_scan_gives_the_pixels_of_the_file_in_one_piece(side):
+    """decode_image feeds PIL's decoder chunks that end before each scan (_Budgeted): libjpeg's output does
+    not depend on where its input is cut. Baseline and progressive photographs, a COM segment holding a
+    whole JPEG (0xFF 0xDA pairs that are no scan of this image), and simplejpeg's decode of the same files."""
+    import simplejpeg
+
+    photo = Image.open(SKIMAGE_DATA / "coffee.png").convert("RGB").resize((side, side), Image.Resampling.BICUBIC)
+    baseline = encode(photo, "JPEG", quality=90)
+    progressive = encode(photo, "JPEG", quality=90, progressive=True)
+    inner = progressive_photo(448)
+    commented = progressive[:2] + b"\xff\xfe" + (len(inner) + 2).to_bytes(2, "big") + inner + progressive[2:]
+    for data in (baseline, progressive, commented):
+        whole = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        assert np.array_equal(np.asarray(decode_image(data, LIMITS)), whole)
+        assert np.array_equal(simplejpeg.decode_jpeg(data, colorspace="RGB"), whole)
+    assert [read_header(d, LIMITS).scans for d in (baseline, progressive, commented)] == [1, 10, 10]
+
+
+def test_scans_are_counted_as_libjpeg_reads_them():
+    """Only the scans of the image that is decoded: not a thumbnail's inside a segment, not those of an
+    MPO's other pictures, not 0xFF 0xDA pairs in data appended after EOI (a phone's motion photo appends
+    a video: one such pair per 64 KiB of compressed data). Restart markers and stuffed bytes do not end a
+    scan's data."""
+    gray = encode(textured_rgb(320, 224).convert("L"), "JPEG", quality=90, progressive=True)
+    restarts = encode(textured_rgb(320, 224), "JPEG", quality=90, restart_marker_blocks=1)
+    assert restarts.count(b"\xff\xd0") > 0
+    mpo = encode(quadrants(448, 448), "MPO", save_all=True, append_images=[textured_rgb(448, 448)], progressive=True)
+    assert mpo.count(b"\xff\xda") == 20
+    rng = np.random.default_rng(0)
+    trailer = rng.integers(0, 256, 6_000_000, dtype=np.uint8).tobytes()  # (6 MB: a few seconds of video)
+    assert trailer.count(b"\xff\xda") > 64
+    photo = progressive_photo(448)
+    motion = photo + trailer
+    counts = {name: read_header(d, LIMITS).scans for name, d in
+              [("gray", gray), ("restarts", restarts), ("mpo", mpo), ("motion", motion)]}
+    assert counts == {"gray": 6, "restarts": 1, "mpo": 10, "motion": 10}
+    assert np.array_equal(prepare_image(motion, P, LIMITS).pixels, prepare_image(photo, P, LIMITS).pixels)
+
+
+def test_a_jpeg_of_more_marker_segments_than_are_worth_walking_never_reaches_pils_parser(monkeypatch):
+    """300,000 empty COM segments (1.2 MB) cost PIL's header parser about a second of Python holding the GIL
+    (a million: 3 s); the walk that counts scans stops after a few thousand segments and the file is refused."""
+    flood = jpeg_marker_flood()
+    monkeypatch.setattr(Image, "open", _no_open)
+    start = time.monotonic()
+    header = read_header(flood, LIMITS)
+    assert header.scans is None and header.size is None and not header.plain_jpeg
+    with pytest.raises(ImageTooComplex, match="marker segments"):
+        prepare_image(flood, P, LIMITS, header=header)
+    with pytest.raises(ImageTooComplex, match="marker segments"):
+        prepare_image(flood, P, LIMITS)
+    assert time.monotonic() - start < 1.0  # (a few ms: the walk stops at its cap)
 
 
 # ---- decoding into the caller's buffer (out) -------------------------------------------------------------

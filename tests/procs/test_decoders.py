@@ -3,15 +3,20 @@ straight into a cell of its arena, and give the cell back when the decode fails;
 before anything is taken."""
 
 import asyncio
+import logging
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from service.config import PreprocessParams, Settings
-from service.errors import CorruptImage, Overloaded
+from service.config import ImageLimits, PreprocessParams, Settings
+from service.errors import CorruptImage, ImageTooComplex, Overloaded, Unavailable, http_status
 from service.media.images import prepare_image, read_header
 from service.metrics import Metrics
+from service.procs import decoders
 from service.procs.arena import Arena, segment_name
 from service.procs.decoders import ArenaDecoder
 from tests import imagedata as data
@@ -58,8 +63,6 @@ def test_a_new_decode_pool_is_on_the_stall_clock_only_once_a_worker_of_it_answer
     """Issue 20: on a loaded machine a replacement pool was judged stuck before its first worker had
     started (the forkserver took seconds), so the retry that should succeed got a second 503."""
     import concurrent.futures
-
-    from service.procs import decoders
 
     clock = [1000.0]
     decoder = decoders.PoolDecoder(1, Settings().image_limits, stall_s=1.5, clock=lambda: clock[0])
@@ -120,3 +123,98 @@ def test_an_api_process_decodes_a_video_into_one_cell_and_one_bigger_than_its_ar
         assert arena.used == 0
     finally:
         asyncio.run(decoder.shutdown())
+
+
+# Run in decode processes (module functions: a pool pickles them by name).
+def _spin(seconds: float) -> int:
+    """Python that burns CPU for `seconds` (a decoder that does not stop at the deadline)."""
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+def _nap(seconds: float) -> str:
+    """An image's decode that takes `seconds` of wall time and no CPU (no budget of its own runs out)."""
+    time.sleep(seconds)
+    return "decoded"
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # (what the OOM killer does)
+
+
+def test_a_decode_past_its_cpu_budget_ends_with_its_process_and_the_images_beside_it_are_decoded_again(caplog):
+    """Issue 23: a decode that cannot be stopped inside (here Python that ignores the deadline) is ended by the
+    kernel once its process has spent its CPU budget: that image is a 422, and the image decoding beside it
+    on the same pool (a pool breaks whole) is decoded again on the new pool, not answered 503. A worker that
+    dies otherwise (SIGKILL) is still a 503 for its image."""
+    caplog.set_level(logging.INFO, logger=decoders.__name__)
+    decoder = decoders.PoolDecoder(2, ImageLimits(decode_timeout_s=0.1), kill_grace_s=0.2)
+
+    async def main():
+        await asyncio.to_thread(decoder._started[2].result, 90)  # both start on a pool that is up
+        first_pool = decoder.pool
+        bomb = asyncio.create_task(decoder._in_pool(_spin, 120.0, cpu_s=0.3))
+        victim = asyncio.create_task(decoder._in_pool(_nap, 3.0, cpu_s=0.3))  # in flight when the bomb ends
+        with pytest.raises(ImageTooComplex) as e:
+            await asyncio.wait_for(bomb, 90)
+        assert "over 0.3 s of CPU" in e.value.message and http_status(e.value) == 422
+        assert await asyncio.wait_for(victim, 90) == "decoded"
+        assert decoder.pool is not first_pool
+        assert "decoding again on the new pool" in caplog.text  # (the victim went with the bomb's pool)
+        with pytest.raises(Unavailable, match="died"):
+            await asyncio.wait_for(decoder._in_pool(_die), 90)
+        assert await asyncio.wait_for(decoder._in_pool(_nap, 0.0), 90) == "decoded"  # a new pool serves
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(decoder.shutdown())
+
+
+def test_a_fast_path_decode_that_cannot_be_stopped_is_ended_at_its_budget():
+    """simplejpeg (a plain JPEG) has no chunks to stop between: with a budget far under its decode time (a
+    4096x4096 photo: ~0.3 s here) its process is ended and the image answered 422; the pool goes on."""
+    photo = Image.open(data.SKIMAGE_DATA / "chelsea.png").convert("RGB").resize((4096, 4096))
+    big = data.encode(photo, "JPEG", quality=95)
+    limits = ImageLimits(decode_timeout_s=0.01)
+    assert read_header(big, limits).plain_jpeg
+    decoder = decoders.PoolDecoder(1, limits, kill_grace_s=0.02)
+    params = PreprocessParams(max_pixels=4096 * 4096)  # (no resize after the decode)
+
+    async def main():
+        with pytest.raises(ImageTooComplex, match="of CPU"):
+            await asyncio.wait_for(decoder.decode(big, read_header(big, limits), params), 90)
+        assert await asyncio.wait_for(decoder._in_pool(_nap, 0.0), 90) == "decoded"  # a new pool serves
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(decoder.shutdown())
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_both_decoders_refuse_a_scan_bomb_at_once_and_stop_one_under_the_cap_at_its_deadline():
+    """The bounds inside the decode hold in a decode process and in an API process's decode thread alike
+    (a thread cannot be killed: only these bounds apply there): a JPEG of more scans than --max-jpeg-scans is
+    refused before its decode, one under a raised cap is stopped at --decode-timeout-s; the arena cell is
+    given back."""
+    photo = data.progressive_photo(4096, smooth=True)
+    params = PreprocessParams()
+    arena_decoder = ArenaDecoder(Arena(segment_name(os.getpid(), 0, 96), 64 << 20), 1, ImageLimits(), Metrics())
+    pool_decoder = decoders.PoolDecoder(1, ImageLimits())
+    try:
+        for decoder in (arena_decoder, pool_decoder):
+            for limits, bomb, within in ((ImageLimits(), data.scan_bomb(photo, 100), 5.0),
+                                         (ImageLimits(max_jpeg_scans=10**6, decode_timeout_s=0.5),
+                                          data.scan_bomb(photo, 2000), 0.5 + 4.0)):
+                decoder.limits = limits
+                start = time.monotonic()
+                with pytest.raises(ImageTooComplex):
+                    asyncio.run(asyncio.wait_for(decoder.decode(bomb, read_header(bomb, limits), params), 90))
+                assert time.monotonic() - start < within, (type(decoder).__name__, time.monotonic() - start)
+        assert arena_decoder.arena.used == 0
+    finally:
+        asyncio.run(arena_decoder.shutdown())
+        asyncio.run(pool_decoder.shutdown())
