@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from service.config import (
     Settings,
+    check_otlp_endpoint,
     describe_errors,
     env_name,
     format_size,
@@ -95,6 +96,10 @@ def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port, metavar="N", help="TCP port to listen on")
     levels = list(typing.get_args(Settings.model_fields["log_level"].annotation))  # as `serve --log-level`
     parser.add_argument("--log-level", default="info", choices=levels, help="log level")
+    parser.add_argument("--otlp-endpoint", default=os.environ.get("QVE_OTLP_ENDPOINT"), metavar="URL",
+                        help="send OpenTelemetry traces (OTLP/HTTP) to this collector, e.g. http://127.0.0.1:4318, "
+                        "continuing each request's W3C traceparent and passing it on (needs the `tracing` extra; "
+                        "env QVE_OTLP_ENDPOINT; default: no tracing)")
 
 
 def _positive(kind: type):
@@ -150,6 +155,21 @@ def _add_lm_limits(parser: argparse.ArgumentParser, max_tokens_limit: int, vllm:
         parser.add_argument("--vllm-api-key", default=argparse.SUPPRESS, metavar="KEY",
                             help=f"the key sent to vLLM (its --api-key), as `{keys}` (default: none; env "
                             f"{LM_KEY_ENV['vllm_api_key']})")
+
+
+def _lm_tracing(command: str, endpoint: str | None) -> int | None:
+    """Tracing for `consume` or `route` (as `serve --otlp-endpoint` checks and sets it up); 2 when it cannot be."""
+    from service import tracing
+    from service.procs.preflight import check_tracing
+
+    try:
+        check_otlp_endpoint(endpoint)
+        check_tracing(endpoint)
+    except (ValueError, StartupError) as e:
+        print(f"cannot start: --otlp-endpoint: {e}", file=sys.stderr)
+        return 2
+    tracing.setup(f"qwen3vl-{'router' if command == 'route' else 'consumer'}", endpoint)
+    return None
 
 
 def _lm_keys(args: dict, names: list[str]) -> dict:
@@ -285,6 +305,8 @@ def _main(argv: list[str] | None) -> int:
     if command in ("route", "consume"):
         log_level = args.pop("log_level")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if (code := _lm_tracing(command, args.pop("otlp_endpoint"))) is not None:
+            return code
         keys = _lm_keys(args, list(LM_KEY_ENV) if command == "route" else ["api_key", "encoder_api_key"])
         host, port = args.pop("host"), args.pop("port")
         if command == "route":

@@ -266,6 +266,13 @@ def is_size(name: str) -> bool:
     return any(isinstance(m, BeforeValidator) and m.func is parse_size for m in Settings.model_fields[name].metadata)
 
 
+def check_otlp_endpoint(v: str | None) -> str | None:
+    """--otlp-endpoint (serve, consume, route): an http(s) URL, or None; ValueError says what is wrong."""
+    if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
+        raise ValueError(f"the OTLP endpoint must be an http(s) URL such as http://127.0.0.1:4318, got {v!r}")
+    return v
+
+
 class Settings(BaseSettings):
     """All service settings. Field names are the CLI flags with '-' for '_'. The `# heading` comments in
     this body group them, in `serve --help` and docs/configuration.md alike (setting_groups)."""
@@ -416,9 +423,7 @@ class Settings(BaseSettings):
     @field_validator("otlp_endpoint")
     @classmethod
     def _check_otlp_endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
-            raise ValueError(f"the OTLP endpoint must be an http(s) URL such as http://127.0.0.1:4318, got {v!r}")
-        return v
+        return check_otlp_endpoint(v)
 
     @field_validator("device")
     @classmethod

@@ -107,3 +107,60 @@ def test_one_trace_from_the_request_through_the_api_process_to_the_engine(tmp_pa
     finally:
         server.stop()
         collector.close()
+
+
+@pytest.mark.slow  # an encoder (API and engine processes), an LM consumer and a router, as real processes
+def test_one_trace_spans_router_encoder_engine_and_consumer_for_a_chat_with_an_image(tmp_path, tiny_checkpoint):
+    """Issue 23: one chat request with an image, sent to the router, whose LM server is the bundled consumer:
+    the router encodes the image, the consumer encodes it again (a hit) and generates; every process's spans
+    are in the client's trace."""
+    from tests.lm_reference import chat_messages
+    from tests.otlp import Collector
+
+    collector = Collector()
+    store = tmp_path / "store"
+    otlp = ["--otlp-endpoint", collector.url]
+    encoder = ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32",
+                              "--store", str(store), "--api-processes", "1", *otlp], tmp_path / "enc.log", wait=False)
+    started = [encoder]
+    try:
+        encoder.wait_ready(bound_only=True)
+        consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", encoder.url,
+                                   "--store", str(store), *otlp], tmp_path / "lm.log", wait=False)
+        started.append(consumer)
+        consumer.wait_ready(bound_only=True)
+        router = ServiceProcess(["route", "--encoder-url", encoder.url, "--vllm-url", consumer.url, *otlp],
+                                tmp_path / "router.log", ready_path="/health")
+        started.append(router)
+        encoder.wait_ready()
+        consumer.wait_ready()
+        messages = chat_messages([data.photo("astronaut.png", max_side=400)], "describe the image")
+        messages[1]["content"][0]["uuid"] = "astronaut-1"  # (the router forwards it; the consumer's /encode is a hit)
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=300, headers={"traceparent": f"00-{TRACE}-{PARENT}-01"},
+                       json={"messages": messages, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        spans = collector.wait_for(TRACE, {("qwen3vl-router", "POST /v1/chat/completions"),
+                                           ("qwen3vl-encoder", "encode request"), ("qwen3vl-encoder", "decode"),
+                                           ("qwen3vl-encoder-engine", "queue"), ("qwen3vl-encoder-engine", "step"),
+                                           ("qwen3vl-encoder-engine", "store write"),
+                                           ("qwen3vl-consumer", "POST /v1/chat/completions"),
+                                           ("qwen3vl-consumer", "generation")})
+        named = lambda service, name: [s for s in spans if (s.service, s.name) == (service, name)]  # noqa: E731
+        (routed,) = named("qwen3vl-router", "POST /v1/chat/completions")
+        assert routed.parent_id == PARENT
+        # Two encode requests (the router's, then the consumer's hit), each under its caller's span.
+        encodes = named("qwen3vl-encoder", "encode request")
+        assert len(encodes) == 2
+        (chat,) = named("qwen3vl-consumer", "POST /v1/chat/completions")
+        assert {routed.span_id, chat.span_id} <= {a for e in encodes for a in _ancestors(e, spans)}
+        assert routed.span_id in _ancestors(chat, spans)  # the consumer's request came from the router's
+        (generation,) = named("qwen3vl-consumer", "generation")
+        assert chat.span_id in _ancestors(generation, spans) and generation.attributes["completion_tokens"] == 3
+        # The image was encoded once, in the engine, under the router's encode request.
+        (step,) = named("qwen3vl-encoder-engine", "step")
+        assert routed.span_id in _ancestors(step, spans) and step.attributes["key"] == "astronaut-1"
+        assert all(s.start_ns <= s.end_ns for s in spans)
+    finally:
+        for p in reversed(started):
+            p.stop()
+        collector.close()

@@ -56,6 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from service import tracing
 from service.lm.client import apost
 from service.api.schemas import ImagePart
 from service.api.server import BodyLimit, bearer_auth, install_error_handlers
@@ -607,13 +608,21 @@ class Chat:
             raise BadRequest(f"the prompt's {tokens} tokens and max_tokens {max_tokens} pass the model's context "
                              f"of {context} tokens; ask for fewer")
 
+    def _generation(self, input_ids: list[int], media: list[StoredEmbeddings], max_tokens: int, stop) -> list[int]:
+        """The LM's generation (its thread), a `generation` span with tracing on (to_thread carries the context)."""
+        with tracing.span("generation", prompt_tokens=len(input_ids), max_tokens=max_tokens) as span:
+            new = self.lm.generate(input_ids, media, max_tokens, stop)
+            if span is not None:
+                span.set_attribute("completion_tokens", len(new))
+            return new
+
     async def generate(self, input_ids: list[int], media: list[StoredEmbeddings], max_tokens: int,
                        cancel: Cancel) -> list[int]:
         """The LM's greedy tokens, one request at a time (first come, first served), stopped by `cancel`."""
         cancel.phase = "waiting for the LM"
         async with self.turn:
             cancel.phase = "generating"
-            work = asyncio.ensure_future(asyncio.to_thread(self.lm.generate, input_ids, media, max_tokens,
+            work = asyncio.ensure_future(asyncio.to_thread(self._generation, input_ids, media, max_tokens,
                                                            cancel.in_generation))
             try:
                 new = await asyncio.shield(work)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import httpx
 
+from service import tracing
+
 
 async def apost(client: httpx.AsyncClient, url: str, **kwargs) -> tuple[httpx.Response, bool]:
     """`await client.post(url, **kwargs)`; returns (response, whether it was sent twice). A transport
-    error raised has `sent_twice` set."""
+    error raised has `sent_twice` set. With tracing on, the current span's `traceparent` goes with it."""
+    kwargs["headers"] = tracing.outgoing(kwargs.get("headers"))
     for attempt in (0, 1):
         opened: list[str] = []
 

@@ -50,6 +50,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from service import tracing
 from service.lm.client import apost
 from service.api.server import BodyLimit, bearer_auth, error_response, install_error_handlers
 from service.errors import BadGateway, BadRequest, Unauthorized, clip
@@ -346,7 +347,8 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
                         f"the encoder answered media part {i} ({sent}) as an {item.get('modality', 'image')}: "
                         "does it take videos (issue 22)?", code="embeddings_mismatch"))
         try:
-            r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts))
+            r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts),
+                                          headers=tracing.outgoing())
         except httpx.HTTPError as e:
             return error_response(BadGateway(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
         if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
