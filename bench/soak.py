@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-log", type=Path, help="--url: the server's log, to scan")
     p.add_argument("--server-pid", type=int, help="--url: the server's pid, to sample its RSS and file descriptors")
     p.add_argument("--images", type=int, default=2000, help="distinct images to encode")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="stop starting requests after this long (then --images is only an upper bound): a soak by time")
     p.add_argument("--images-per-request", type=int, default=1)
     p.add_argument("--sizes", default="256x256")
     p.add_argument("--concurrency", type=int, default=8)
@@ -385,7 +387,8 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
 
     lt_report = args.out_dir / "loadtest.json"
     requests = math.ceil(args.images / args.images_per_request)
-    lt_argv = ["--url", url, "--requests", str(requests), "--duration-s", "1e9", "--concurrency", str(args.concurrency),
+    lt_argv = ["--url", url, "--requests", str(requests), "--duration-s", str(args.duration_s or 1e9),
+               "--concurrency", str(args.concurrency),
                "--processes", str(args.processes), "--images-per-request", str(args.images_per_request),
                "--sizes", args.sizes, "--replay-every", str(args.replay_every), "--store-root", str(store),
                "--verify", "--verify-every", str(args.verify_every), "--out", str(lt_report),
@@ -493,13 +496,22 @@ def checks(r: dict, args) -> dict[str, bool]:
     """The pass criteria, each by name (all must hold)."""
     load, replay, verify, readers, store = r["load"], r["replay"] or {}, r["verify"] or {}, r["readers"], r["store"]
     c = {
-        "all images encoded": (load["ok_images"] or 0) >= args.images and not load["interrupted"],
+        # (by time: every request sent, all its images; by count: all --images)
+        "all images encoded": (load["ok_images"] or 0) >= (args.images if args.duration_s is None else
+                                                           (load["requests"] or 0) * args.images_per_request)
+                              and (load["ok_images"] or 0) > 0 and not load["interrupted"],
         "0 non-2xx": load["non_2xx"] == 0,
         "replays all ok": replay.get("wrong") == 0 and replay.get("missing") == 0 and replay.get("ok", 0) > 0,
         "verified all ok": verify.get("wrong") == 0 and verify.get("ok", 0) > 0,
         "/health 200 after": r["health_after"] == 200,
         "no temp files left": not store["temp_files_after_load"] and not store["temp_files_after_stop"],
     }
+    rss, fds = r["resources"]["rss_mib"], r["resources"]["fds"]
+    if rss["early_median"] is not None and args.duration_s is not None:
+        # A soak by time says whether memory and descriptors stay flat: the late window's median RSS within 10%
+        # of the early one's (the allocator's sawtooth, tests/test_soak.py), the late max of descriptors within 8.
+        c["RSS flat"] = rss["late_median"] <= 1.10 * rss["early_median"]
+        c["fds flat"] = fds["late_max"] <= fds["early_max"] + 8
     if readers is not None:
         c["0 inconsistent reads"] = readers["inconsistent"] == 0 and readers["reads"] > 0
     if r["server_log"]["scanned"]:
