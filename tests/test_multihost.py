@@ -13,6 +13,7 @@ mode ran (it is skipped on loopback, with the reason namespaces could not be mad
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -64,6 +65,22 @@ class Pool:
             server = self.start_encoder(name)
             server.wait_ready()
         return server
+
+    def segment_mounted(self, *names: str) -> None:
+        """Until each named encoder's segment is mounted in the pool: only then does what it puts land in its
+        own segment. NOTE: a master that came back knows no segment until each host's client mounts its own
+        again (its heartbeat, seconds later); meanwhile a host's puts land in the others' segments. A fresh-
+        clone CI run killed host a right after such a return, its entries were in b's segment, and b
+        rightly answered them cached."""
+        def mounted() -> bool:
+            have = set(self.master.segments())
+            for name in names:
+                m = re.search(r"Successfully created client on port (\d+)", self.encoders[name].log.read_text())
+                if m is None or f"{self.hosts[name].address}:{m.group(1)}" not in have:
+                    return False
+            return True
+
+        wait_for(mounted, 90, f"the segments of {', '.join(names)} mounted in the pool")
 
     def read_back(self, items: list[dict]) -> dict[str, tuple[list[int], torch.Tensor]]:
         """Each item's entry as an LM host reads it from the pool (a process on `lm` with its own client,
@@ -204,6 +221,7 @@ def test_chat_on_a_third_host_equals_monolithic_generation(pool, tiny_checkpoint
     """The images are encoded on a first, so their entries live in a's segment; the consumer on lm asks b
     (which answers them cached, from the pool) and reads them from a's segment."""
     a, b = pool.encoder("a"), pool.encoder("b")
+    pool.segment_mounted("a")
     blobs = [data.photo(n, max_side=400) for n in names]
     r = _post(a, *blobs)
     assert r.status_code == 200 and not any(i["cached"] for i in r.json()["items"]), r.text
@@ -266,7 +284,8 @@ def test_master_stopped_is_503_with_retry_after_then_both_hosts_serve_again(pool
         assert r.json()["items"][0]["cached"] is False, r.text
     print(f"after the master's return: /ready 200 in {ready_s:.1f} s, both hosts wrote in "
           f"{time.monotonic() - t0:.1f} s; {len(meanwhile)} answers meanwhile: {sorted(set(x[1:] for x in meanwhile))}")
-    # One pool again: what each host wrote is a hit on the other.
+    # One pool again: both segments mounted, and what each host wrote is a hit on the other.
+    pool.segment_mounted("a", "b")
     for server, blob in ((a, blobs["b"]), (b, blobs["a"])):
         r = _post(server, blob)
         assert r.status_code == 200 and r.json()["items"][0]["cached"] is True, r.text
@@ -277,6 +296,7 @@ def test_master_stopped_is_503_with_retry_after_then_both_hosts_serve_again(pool
 
 def test_sigkill_of_host_a_host_b_serves_new_images_and_re_encodes_the_lost_ones(pool, reference):
     a, b = pool.encoder("a"), pool.encoder("b")
+    pool.segment_mounted("a")  # so that a's entries are in a's segment, and lost with it
     blobs = data.valid_images()
     lost, new = IMAGES[:4], IMAGES[4:8]
     r = _post(a, *(blobs[n] for n in lost))
