@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service import errors
-from service.api.protocol import MAX_HEAD_BYTES, header_timeout_protocol
+from service.api.protocol import H11_MAX_INCOMPLETE_BYTES, header_timeout_protocol
 from service.config import Settings
 from service.errors import RequestTimeout, RequestTooLarge, ServiceError
 
@@ -31,7 +31,7 @@ def server_options(settings: Settings) -> dict:
     uvicorn's with a request-head timeout (protocol.py); the body timeout is BodyLimit's."""
     return {"timeout_graceful_shutdown": 60, "timeout_keep_alive": settings.keep_alive_s,
             "limit_concurrency": settings.max_connections, "http": header_timeout_protocol(settings.header_timeout_s),
-            "h11_max_incomplete_event_size": 2 * MAX_HEAD_BYTES}  # (protocol.py's cap answers first)
+            "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_BYTES}  # (protocol.py's cap answers first)
 
 
 class Server(uvicorn.Server):

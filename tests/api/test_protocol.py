@@ -17,7 +17,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.api.protocol import MAX_HEAD_BYTES, header_timeout_protocol
+from service.api.protocol import H11_MAX_INCOMPLETE_BYTES, MAX_HEAD_BYTES, header_timeout_protocol
 
 TIMEOUT = 0.6  # the head timeout under test: seconds of real time, as the server counts them
 
@@ -46,7 +46,7 @@ def _serve(base, limit: int | None = None, head_timeout: float = TIMEOUT):
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, log_level="error", lifespan="off",
                                            http=header_timeout_protocol(head_timeout, base), timeout_keep_alive=30,
-                                           limit_concurrency=limit, h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES))
+                                           limit_concurrency=limit, h11_max_incomplete_event_size=H11_MAX_INCOMPLETE_BYTES))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -182,6 +182,52 @@ def test_a_head_over_the_cap_gets_431_at_once_and_is_closed(addr):
         c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         answer = _read_until_closed(c)
         assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"bytes": %d}' % len(body)), answer[:200]
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_a_head_over_the_cap_in_one_large_read_is_a_431_too(base):
+    """A fresh-clone run's finding: on a loaded machine one read brought more than h11's own cap (then
+    2 x MAX_HEAD_BYTES), and h11 answered 400 before the cap's 431. Fed here as one 192 KiB read (asyncio
+    reads up to 256 KiB at once) to the protocol as the server configures it."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from service.api.server import server_options
+    from service.config import Settings
+
+    class Transport(asyncio.Transport):
+        def __init__(self):
+            super().__init__()
+            self.out, self.closed = b"", False
+
+        def write(self, data):
+            self.out += data
+
+        def close(self):
+            self.closed = True
+
+        def is_closing(self):
+            return self.closed
+
+        def get_extra_info(self, name, default=None):
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    async def feed() -> bytes:
+        options = server_options(Settings())
+        cls = header_timeout_protocol(TIMEOUT, base)
+        config = Config(_app, http=cls, lifespan="off", log_level="error",
+                        h11_max_incomplete_event_size=options["h11_max_incomplete_event_size"])
+        config.load()
+        protocol = cls(config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (3 * MAX_HEAD_BYTES))
+        protocol.connection_lost(None)
+        return transport.out
+
+    answer = asyncio.run(feed())
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "header_too_large"
 
 
 def test_a_body_that_arrives_after_its_answer_is_not_counted_as_the_next_head(addr):
