@@ -50,7 +50,7 @@ class Decoder(Protocol):
 
     ready: bool  # its workers are up
 
-    async def start(self, params: PreprocessParams) -> None: ...
+    async def start(self, params: PreprocessParams, warm_video: bool = False) -> None: ...
 
     async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
         """`header`: media.images.read_header's of `data`. Raises the image's ImageError, or
@@ -100,7 +100,11 @@ class Runtime:
                     if self.params is None:
                         self.params, self.key_salt = st.first.params, st.first.key_salt.encode()
                         self.video = st.first.video
-                        await self.decoder.start(self.params)
+                        # NOTE: the video path warmed (PyAV and torch imported) only for a GPU engine:
+                        # there a video's decode is what a client waits for, and the imports cost a first
+                        # video seconds; beside a CPU tower they would only take the cores from it (and
+                        # from the test suite's servers, on a 2-core machine).
+                        await self.decoder.start(self.params, warm_video=st.first.info.device.startswith("cuda"))
                     if st.ready:
                         break
                 await asyncio.sleep(0.2)

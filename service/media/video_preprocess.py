@@ -69,6 +69,18 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(y.permute(0, 2, 3, 1).numpy())  # (already NHWC in memory: no copy)
 
 
+def warm() -> None:
+    """Import what a video's decode and resize need (PyAV, torch) and run one small resize, so that a
+    process's first video does not pay it: torch's import alone took 3.9 s on the 2-core machine, and on
+    the H200 the first 30 s clips an API process decoded took 3.5-3.8 s where later ones took 0.4-1.0 s
+    (bench/bench_video.py). Without PyAV (the video extra) there is nothing to warm."""
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return
+    resize_frames(np.zeros((2, 64, 64, 3), np.uint8), 32, 32)
+
+
 def video_lut(params: VideoParams) -> np.ndarray:
     """[3, 256] float32: the processor's value for each (channel, uint8 level), with its exact float ops
     (TorchvisionBackend.rescale_and_normalize, fused): mean and std as torch.tensor(list) (float32) times

@@ -87,6 +87,17 @@ def _within_budget(slot: int, cpu_s: float | None, fn, *args):
         _slot_pids[slot] = 0
 
 
+def _warm_video(_i: int) -> None:
+    from service.media.video_preprocess import warm
+
+    warm()
+
+
+def _warmed(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("warming the video path failed (a first video pays its imports): %s", fut.exception())
+
+
 def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
     if isinstance(prep, PreparedVideo):
         n, h, w, _ = prep.frames.shape
@@ -153,11 +164,14 @@ class PoolDecoder:
             up = self._up_at
         return now - max(waiting_since, self._decode_done, up) > self.stall_s
 
-    async def start(self, params: PreprocessParams) -> None:
-        """Start every worker now (imports, forkserver) rather than on the first requests."""
+    async def start(self, params: PreprocessParams, warm_video: bool = False) -> None:
+        """Start every worker now (imports, forkserver) rather than on the first requests; `warm_video`: the
+        video path's imports too (video_preprocess.warm)."""
         blob = warmup_png()
         await asyncio.to_thread(lambda: list(self.pool.map(prepare_image, [blob] * self.workers,
                                                            [params] * self.workers, [self.limits] * self.workers)))
+        if warm_video:
+            await asyncio.to_thread(lambda: list(self.pool.map(_warm_video, range(self.workers))))
         self.ready = True
 
     async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
@@ -287,8 +301,11 @@ class ArenaDecoder:
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="decode")
         self.ready = True
 
-    async def start(self, params: PreprocessParams) -> None:
-        pass  # threads start on demand, and cost nothing to start
+    async def start(self, params: PreprocessParams, warm_video: bool = False) -> None:
+        """Threads start on demand and cost nothing to start; `warm_video`: this process imports the video
+        path's modules in a decode thread meanwhile (video_preprocess.warm), not holding up /ready."""
+        if warm_video:
+            asyncio.get_running_loop().run_in_executor(self.pool, _warm_video, 0).add_done_callback(_warmed)
 
     def _decode(self, data: bytes, header: ImageHeader | VideoHeader, params: PreprocessParams | VideoParams) -> Decoded:
         """Decode + preprocess (a decode thread) straight into a new arena cell: the pixels are written once."""

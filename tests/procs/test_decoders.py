@@ -218,3 +218,42 @@ def test_both_decoders_refuse_a_scan_bomb_at_once_and_stop_one_under_the_cap_at_
     finally:
         asyncio.run(arena_decoder.shutdown())
         asyncio.run(pool_decoder.shutdown())
+
+
+def _modules_loaded(_i: int) -> tuple[bool, bool]:
+    import sys
+
+    return "torch" in sys.modules, "av" in sys.modules
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_with_warm_video_both_decoders_import_the_video_path_before_the_first_video():
+    """A process's first video paid PyAV's and torch's imports (on the H200 the first 30 s clips each API
+    process decoded took 3.5-3.8 s, later ones 0.4-1.0 s): a GPU engine's decoders import them at start."""
+    pytest.importorskip("av")
+    pool_decoder = decoders.PoolDecoder(1, ImageLimits())
+    try:
+        asyncio.run(pool_decoder.start(PreprocessParams()))
+        assert pool_decoder.pool.submit(_modules_loaded, 0).result(60) == (False, False)  # (a fresh worker: none)
+        asyncio.run(pool_decoder.start(PreprocessParams(), warm_video=True))
+        assert pool_decoder.pool.submit(_modules_loaded, 0).result(60) == (True, True)
+    finally:
+        asyncio.run(pool_decoder.shutdown())
+
+    calls = []
+    arena_decoder = ArenaDecoder(Arena(segment_name(os.getpid(), 0, 95), 1 << 20), 1, ImageLimits(), Metrics())
+
+    async def start(warm: bool) -> None:
+        await arena_decoder.start(PreprocessParams(), warm_video=warm)
+        await asyncio.sleep(0.5)  # (the warm-up runs in a decode thread, not awaited)
+
+    real = decoders._warm_video
+    decoders._warm_video = lambda i: calls.append(__import__("threading").current_thread().name)
+    try:
+        asyncio.run(start(False))
+        assert calls == []
+        asyncio.run(start(True))
+        assert len(calls) == 1 and calls[0].startswith("decode")  # one decode thread, not the event loop
+    finally:
+        decoders._warm_video = real
+        asyncio.run(arena_decoder.shutdown())
