@@ -164,7 +164,7 @@ def cpu_snapshot(roots: list[int]) -> dict[int, dict]:
             for t in Path(f"/proc/{pid}/task").iterdir():
                 head, tail = t.joinpath("stat").read_text().rsplit(")", 1)
                 f = tail.split()
-                threads[int(t.name)] = (head.split("(", 1)[1], (int(f[11]) + int(f[12])) / tick)
+                threads[int(t.name)] = (head.split("(", 1)[1], int(f[11]) / tick, int(f[12]) / tick)  # user, system
         except (OSError, IndexError, ValueError):
             continue
         snap[pid] = {"name": name, "threads": threads}
@@ -172,15 +172,19 @@ def cpu_snapshot(roots: list[int]) -> dict[int, dict]:
 
 
 def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
-    """Each process's CPU seconds between two snapshots, and its busiest threads (name: seconds)."""
+    """Each process's CPU seconds between two snapshots, and its busiest threads ([name, seconds, of which in
+    the kernel]: a thread busy in the kernel is copying through sockets or files, not running Python)."""
     out = []
     for pid, a in after.items():
         b = before.get(pid, {"threads": {}})["threads"]
-        per = {tid: (comm, cpu - b.get(tid, (comm, 0.0))[1]) for tid, (comm, cpu) in a["threads"].items()}
-        total = sum(c for _, c in per.values())
+        per = {}
+        for tid, (comm, user, system) in a["threads"].items():
+            _, user0, system0 = b.get(tid, (comm, 0.0, 0.0))
+            per[tid] = (comm, user - user0 + system - system0, system - system0)
+        total = sum(c for _, c, _ in per.values())
         busiest = sorted(per.values(), key=lambda x: -x[1])[:6]
         out.append({"pid": pid, "name": a["name"], "cpu_s": round(total, 2), "threads": len(per),
-                    "busiest": [[comm, round(c, 2)] for comm, c in busiest if c >= 0.05]})
+                    "busiest": [[comm, round(c, 2), round(k, 2)] for comm, c, k in busiest if c >= 0.05]})
     return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
 
 
@@ -239,6 +243,11 @@ def serve(args, mode: str, port: int, store: Path | str, log: Path) -> subproces
     if engines > 1:
         cmd += ["--devices", ",".join(f"{args.device}:{i}" for i in range(engines))]
     proc = subprocess.Popen(cmd, cwd=args.tree, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return wait_ready(proc, port, log, f"server (mode {mode})")
+
+
+def wait_ready(proc: subprocess.Popen, port: int, log: Path, what: str = "server") -> subprocess.Popen:
+    """`proc` once its /ready answers 200 (within 300 s), else it is killed and RuntimeError has its log's end."""
     import http.client
 
     deadline = time.time() + 300
@@ -252,7 +261,16 @@ def serve(args, mode: str, port: int, store: Path | str, log: Path) -> subproces
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"server (mode {mode}) not ready:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{what} not ready:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGTERM (the server's graceful stop), then SIGKILL after `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def mooncake_master(args, name: str):
@@ -288,7 +306,8 @@ def profile(args, server_pid: int, phase: str) -> list:
         if "forkserver" in name or "resource_tracker" in name:
             continue
         raw = args.out / f"pyspy_{phase}_{pid}.txt"
-        cmd = f"sleep 1; exec {spy} record -p {pid} -d {args.profile_s} -r 200 --gil --nonblocking -f raw -o {raw}"
+        gil = "--gil" if args.profile_gil else "--threads"  # (every thread: each sample names its thread)
+        cmd = f"sleep 1; exec {spy} record -p {pid} -d {args.profile_s} -r 200 {gil} --nonblocking -f raw -o {raw}"
         spies.append((subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), raw, name))
     return spies
 
@@ -323,7 +342,10 @@ def main() -> int:
     ap.add_argument("--compile-cache", type=Path, default=None, help="torch.compile cache shared by the servers "
                     "(default: a fresh one, so the first server compiles)")
     ap.add_argument("--profile-s", type=int, default=0, help="py-spy (if on PATH) every server process for this "
-                    "many seconds during each load phase, --gil: who holds each process's GIL (DIR/pyspy_*)")
+                    "many seconds during each load phase (DIR/pyspy_*)")
+    ap.add_argument("--profile-gil", action=argparse.BooleanOptionalAction, default=True,
+                    help="py-spy --gil: only the thread holding each process's GIL (--no-profile-gil: every "
+                    "thread that is not idle, by thread)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.compile_cache = args.compile_cache or Path(tempfile.mkdtemp(prefix="qve-frontend-cc-"))
@@ -397,11 +419,7 @@ def main() -> int:
                 res["modes"][name if name not in res["modes"] else f"{name}#{mi + 1}"] = r
                 save()
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
                 shutil.rmtree(store, ignore_errors=True)
                 if master:
                     master.stop()

@@ -3,7 +3,7 @@
 # (a mooncake_master on loopback, the server's own segment, TCP) against the /dev/shm directory, alternated
 # in one run (bench/bench_frontend.py --stores directory,mooncake), results into OUT.
 #
-#   [STORE_TESTS=0] bash bench/gpu_mooncake.sh OUT [MODES]
+#   [STORE_TESTS=0] [BENCH_ARGS="--profile-s 8 --no-profile-gil"] bash bench/gpu_mooncake.sh OUT [MODES]
 #
 # The GPU machines have no package registry: wheels come from .whl/ (the service's) and .mc/ (Mooncake's
 # cp312 wheel and the Debian packages of the libraries it links, `apt-get download`ed). A Debian library
@@ -15,7 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .mc/*.whl \
   > "$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # (py-spy's binary, where carried)
 SO=/tmp/site/mooncake/store.so
 libs=""
 for pass in 1 2 3; do  # (a library added may need another the machine lacks)
@@ -44,5 +44,5 @@ if [ "${STORE_TESTS:-1}" != 0 ]; then
     > "$OUT/store_tests.log" 2>&1
 fi
 timeout 480 python3 bench/bench_frontend.py --out "$OUT/frontend" --modes "$MODES" --stores directory,mooncake \
-  --no-baseline > "$OUT/frontend.log" 2>&1
+  --no-baseline ${BENCH_ARGS:-} > "$OUT/frontend.log" 2>&1
 tail -12 "$OUT/frontend.log"
