@@ -9,7 +9,7 @@ float32 reference on a slice; and whether FA4 can be captured in a CUDA graph (t
 graphs for small steps). FA4 is not a dependency of the service. Its install: flash-attn-4,
 nvidia-cutlass-dsl (+ -libs-base, -libs-cu13: a 92 MB wheel), apache-tvm-ffi, torch-c-dlpack-ext,
 quack-kernels, einops; with `pip --target DIR`, PYTHONPATH needs DIR/nvidia_cutlass_dsl/dsl_packages too
-(the package's .pth is not read there). Session 7 ran it so on an H200 and `cutlass.cute` still did not
+(the package's .pth is not read there). A run of 2026-12-01 did so on an H200 and `cutlass.cute` still did not
 import: those wheels carry no `cutlass` Python sources (bench/RESULTS.md). A failed import is recorded
 in the JSON and the cuDNN figures still are. Results: DIR/probe_fa4.json.
 """

@@ -10,7 +10,7 @@
   warm        writev into fresh tmpfs pages after posix_fallocate, or after writing zeros at reserve
   sources     writev speed by the kind of host buffer the D2H landed in
   commit      the real EmbeddingStore reserve + commit, its system calls timed
-Results of these runs: bench/results/2026-11-30-h200-session6/ (see bench/RESULTS.md).
+Results of these runs: bench/results/2026-11-30-h200-graphs-staging/ (see bench/RESULTS.md).
 """
 
 from __future__ import annotations

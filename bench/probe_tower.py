@@ -3,7 +3,7 @@
     python bench/probe_tower.py --out DIR
 
 * residual adds inside the GEMMs (addmm with residual + bias as C) against a separate add per residual
-  (tried in session 6 and not kept: results/2026-11-30-h200-session6/probe7_*; the variant lived in
+  (tried on 2026-11-30 and not kept: results/2026-11-30-h200-graphs-staging/probe7_*; the variant lived in
   service/engine/tower.py's _make_block_fn as `residual_in_gemm` in commit b06fe8f: check that out to rerun it);
 * the compiled forward launched from Python against the same forward replayed from a CUDA graph
   (is the gap between the kernels' sum and the wall time host-side?);
