@@ -36,8 +36,8 @@ help:
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
 	@echo "make compose-test  build the CPU images, run docker/docker-compose.cpu.yml and docker-compose.mooncake.yml,"
-	@echo "                 check their chat answers (as root with apt it installs docker.io and fetches compose v2"
-	@echo "                 for the run where they are missing; QVE_COMPOSE_V2_FETCH=0: no fetch)"
+	@echo "                 check their chat answers (as root with apt it installs docker.io and debootstrap and"
+	@echo "                 fetches compose v2 for the run where they are missing; QVE_COMPOSE_V2_FETCH=0: no fetch)"
 
 install: $(DEV_STAMP)
 

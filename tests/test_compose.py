@@ -289,8 +289,12 @@ def _base_image(env: dict, release: contextlib.ExitStack) -> str:
     if subprocess.run(["docker", "pull", "python:3.11-slim-bookworm"], env=env, capture_output=True,
                       timeout=300).returncode == 0:
         return "python:3.11-slim-bookworm"
+    # NOTE: a fresh CI machine has no debootstrap: installed here as docker.io is (a fresh-clone run found
+    # the stacks skipped for the want of it).
+    why = _apt_install("debootstrap") if shutil.which("debootstrap") is None else ""
     if shutil.which("debootstrap") is None or os.geteuid() != 0:
-        pytest.skip("no base image: python:3.11-slim-bookworm cannot be pulled and debootstrap is not available")
+        pytest.skip("no base image: python:3.11-slim-bookworm cannot be pulled and debootstrap is not available"
+                    + (f" ({why})" if why else ""))
     rootfs = Path(tempfile.mkdtemp(prefix="qve-rootfs-"))
     release.callback(_remove, rootfs)
     _run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
@@ -471,15 +475,15 @@ def test_mooncake_stack_shares_entries_across_encoders_and_answers_like_monolith
              f"transformers' monolithic generation ({time.monotonic() - t0:.0f} s, the stack's build included)")
 
 
-_INSTALL_TRIED: dict[str, str] = {}  # (once per session) what installing docker.io answered
+_INSTALL_TRIED: dict[str, str] = {}  # (once per session) package -> what installing it answered
 
 
-def _install_docker_io() -> str:
-    """Install Debian's docker.io where this is root with apt (a fresh CI machine has only the client's
-    name on it, if that): '' when it is there afterwards, else why not. Its services are not started
-    (a policy-rc.d that refuses them for the install's length): the tests start their own engine."""
-    if "answer" in _INSTALL_TRIED:
-        return _INSTALL_TRIED["answer"]
+def _apt_install(package: str) -> str:
+    """Install a Debian package (docker.io, debootstrap) where this is root with apt: a fresh CI machine has
+    neither. '' when it is installed afterwards, else why not. Services the package would start are not
+    started (a policy-rc.d that refuses them for the install's length): the tests start their own engine."""
+    if package in _INSTALL_TRIED:
+        return _INSTALL_TRIED[package]
     answer = ""
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         answer = "not root with apt-get"
@@ -491,20 +495,24 @@ def _install_docker_io() -> str:
             policy.chmod(0o755)
         try:
             env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "docker.io"]
+            cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:  # a fresh machine's package lists may be empty
                 subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
-                answer = f"apt-get install docker.io failed: {done.stderr.strip()[-300:]}"
+                answer = f"apt-get install {package} failed: {done.stderr.strip()[-300:]}"
         except subprocess.TimeoutExpired:
-            answer = "apt-get install docker.io took over 10 minutes"
+            answer = f"apt-get install {package} took over 10 minutes"
         finally:
             if placed:
                 policy.unlink()
-    _INSTALL_TRIED["answer"] = answer
+    _INSTALL_TRIED[package] = answer
     return answer
+
+
+def _install_docker_io() -> str:
+    return _apt_install("docker.io")
 
 
 @pytest.mark.parametrize("outcome", ["skip", "failure", "dockerd killed"])
