@@ -217,8 +217,8 @@ def _usable_cores() -> int:
 
 def default_api_processes() -> int:
     """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
-    served more than 8 (bench/RESULTS.md, 2026-11-30, the HTTP front end in API processes: 554 vs 507 img/s), the rest of the cores going to
-    their decode threads, the engine and the store writers."""
+    served more than 8 (bench/RESULTS.md, 2026-11-30, the HTTP front end in API processes: 554 vs 507
+    img/s), the rest of the cores going to their decode threads, the engine and the store writers."""
     return max(1, min(8, _usable_cores() // 4))
 
 

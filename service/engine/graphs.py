@@ -55,9 +55,9 @@ def graph_buckets(max_patches: int, limit: int, smallest: int = 256) -> list[int
 def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 16) -> list[tuple[int, int]]:
     """(images, patches per image) of the equal steps that get a batched-attention graph: 1..exact_images
     images of each common size (`exact`: their patch counts), up to the largest bucket. The steps light
-    traffic makes most often (a few equal images) then run unpadded. (Before 2026-11-30's graphs-staging runs these sizes got
-    varlen graphs of their own; a step of unequal images that sums to one of them now pads to the next
-    bucket instead, and start-up captures 28 graphs fewer.)"""
+    traffic makes most often (a few equal images) then run unpadded. (Before 2026-11-30's graphs-staging
+    runs these sizes got varlen graphs of their own; a step of unequal images that sums to one of them now
+    pads to the next bucket instead, and start-up captures 28 graphs fewer.)"""
     return sorted({(k, p) for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k <= max_bucket})
 
 

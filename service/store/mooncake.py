@@ -129,10 +129,11 @@ def fault_in(ranges: set[tuple[int, int]], expected: int) -> None:
     NOTE: why: Mooncake allocates the segment and leaves its pages untouched, so each page's first put
     paid a page fault and the kernel's zeroing of it, all in Mooncake's one memcpy thread (a put into
     this host's own segment is a local memcpy). On the H200 that thread was the engine's busiest (7.6
-    CPU-s, 5.9 of them in the kernel, in 9 s of load) and held HTTP img/s at 1 image per request to 0.62
-    of the directory's until the 12 GiB segment had been written once. On the 2-core machine: puts into
-    a fresh segment 264 MB/s (4.4 s in the kernel for 1.2 GB), into one already written 12-14 GB/s
-    (bench/probe_mooncake_fault.py). The segment is memory promised to the pool: it is taken now.
+    CPU-s, 5.85 of them in the kernel, in 9 s of load) and held HTTP img/s at 1 image per request to
+    0.62 of the directory's until the 12 GiB segment had been written once; faulted in at start, 0.96
+    and 0.99. On the 2-core machine (bench/probe_mooncake_fault.py, 1 GiB): puts into a fresh segment
+    271.8 MB/s with 3.39 s in the kernel, into one faulted in at start 11,572.7 MB/s. The segment is
+    memory promised to the pool: it is taken now.
 
     `ranges`: the mappings that appeared during setup (a mapping merged with an older neighbour brings
     that along: faulting in pages already in use changes nothing). Skipped, with a warning, where they
