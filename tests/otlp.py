@@ -67,16 +67,27 @@ class Collector:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[tuple[str, str]], timeout: float = 60) -> list[Span]:
-        """The trace's spans once every (service, name) in `names` has arrived (deadline: TimeoutError)."""
+    def wait_for(self, trace_id: str, names: set[tuple[str, str]], timeout: float = 60,
+                 counts: dict[tuple[str, str], int] | None = None, settle_s: float = 1.0) -> list[Span]:
+        """The trace's spans once every (service, name) in `names` has arrived (at least `counts[pair]` of a
+        pair given there) and no other span of the trace for `settle_s` (deadline: TimeoutError).
+
+        NOTE: why settle: each process exports its spans in batches of its own, on its own clock; a fresh-clone
+        run on a loaded machine saw the trace's first 'encode request' while the second, and the spans
+        between it and its caller, were still on their way."""
         deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
         while True:
             spans = self.trace(trace_id)
-            if names <= {(s.service, s.name) for s in spans}:
+            have = [(s.service, s.name) for s in spans]
+            if len(spans) != last:
+                last, since = len(spans), time.monotonic()
+            complete = names <= set(have) and all(have.count(k) >= n for k, n in (counts or {}).items())
+            if complete and time.monotonic() - since >= settle_s:
                 return spans
             if time.monotonic() > deadline:
-                raise TimeoutError(f"spans {sorted(names - {(s.service, s.name) for s in spans})} of trace {trace_id} "
-                                   f"never arrived; got {sorted((s.service, s.name) for s in spans)}")
+                raise TimeoutError(f"spans {sorted(names - set(have))} (counts {counts}) of trace {trace_id} "
+                                   f"never arrived; got {sorted(have)}")
             time.sleep(0.1)
 
     def close(self) -> None:

@@ -144,7 +144,8 @@ def test_one_trace_spans_router_encoder_engine_and_consumer_for_a_chat_with_an_i
                                            ("qwen3vl-encoder-engine", "queue"), ("qwen3vl-encoder-engine", "step"),
                                            ("qwen3vl-encoder-engine", "store write"),
                                            ("qwen3vl-consumer", "POST /v1/chat/completions"),
-                                           ("qwen3vl-consumer", "generation")})
+                                           ("qwen3vl-consumer", "generation")},
+                                   counts={("qwen3vl-encoder", "encode request"): 2})
         named = lambda service, name: [s for s in spans if (s.service, s.name) == (service, name)]  # noqa: E731
         (routed,) = named("qwen3vl-router", "POST /v1/chat/completions")
         assert routed.parent_id == PARENT
