@@ -245,7 +245,10 @@ def test_with_warm_video_both_decoders_import_the_video_path_before_the_first_vi
 
     async def start(warm: bool) -> None:
         await arena_decoder.start(PreprocessParams(), warm_video=warm)
-        await asyncio.sleep(0.5)  # (the warm-up runs in a decode thread, not awaited)
+        for _ in range(100):  # (the warm-up runs in a decode thread, not awaited: up to 10 s on a loaded machine)
+            await asyncio.sleep(0.1)
+            if calls or (not warm and _ >= 4):  # (none asked for: half a second to see that none came)
+                break
 
     real = decoders._warm_video
     decoders._warm_video = lambda i: calls.append(__import__("threading").current_thread().name)
