@@ -226,7 +226,7 @@ def main() -> int:
         name = f"{w}x{h}"
         # one warm-up clip, --one-at-a-time clips, then --clips for the loaded phase: all distinct
         clips[name] = [variant(base, f"qve-bench {name} {i}") for i in range(1 + args.one_at_a_time + args.clips)]
-        assert len({len(c) for c in clips[name]}) >= 1 and len(set(clips[name])) == len(clips[name])
+        assert len(set(clips[name])) == len(clips[name]), "variants must differ (no cache hits)"
         for i, c in enumerate(clips[name][: 1 + args.one_at_a_time]):
             (work / f"{name}-{i}.mp4").write_bytes(c)
         res.setdefault("clips", {})[name] = {"bytes": len(base), "frames": int(round(args.seconds * args.fps))}

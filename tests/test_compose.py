@@ -215,7 +215,7 @@ def _engine(env: dict, release: contextlib.ExitStack) -> dict:
     if reachable:
         return env
     # A fresh CI machine has no engine (at most the client): install Debian's docker.io where this is root with apt.
-    why = _install_docker_io() if shutil.which("docker") is None or shutil.which("dockerd") is None else ""
+    why = _apt_install("docker.io") if shutil.which("docker") is None or shutil.which("dockerd") is None else ""
     if shutil.which("docker") is None:
         pytest.skip(f"no docker client on PATH and docker.io could not be installed ({why}): install Docker (or "
                     "Debian's docker.io) to run the compose stack")
@@ -511,10 +511,6 @@ def _apt_install(package: str) -> str:
     return answer
 
 
-def _install_docker_io() -> str:
-    return _apt_install("docker.io")
-
-
 @pytest.mark.parametrize("outcome", ["skip", "failure", "dockerd killed"])
 def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_folder(outcome, tmp_path, monkeypatch):
     """Issue 20: `make compose-test` started dockerd, then skipped (no compose v2) outside its clean-up, and
@@ -524,7 +520,7 @@ def test_a_compose_test_ending_after_it_started_dockerd_leaves_no_process_or_fol
     and fails (then its data root stays mounted and its containerd may outlive it: the clean-up must still
     detach and end them). Afterwards none of the engine's processes or folders is left."""
     tools = ("docker", "dockerd", "containerd")
-    why = _install_docker_io() if any(shutil.which(t) is None for t in tools) else ""
+    why = _apt_install("docker.io") if any(shutil.which(t) is None for t in tools) else ""
     missing = [t for t in tools if shutil.which(t) is None]
     if missing or os.geteuid() != 0:
         pytest.skip("the compose test starts an engine of its own only as root with Debian's docker.io installed "
