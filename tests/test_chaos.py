@@ -23,7 +23,8 @@ import pytest
 from service.store.format import FILE_NAME, read_embeddings
 from tests import imagedata as data
 from tests.live import ServiceProcess, json_body, metric
-from tests.processes import alive, descendants, ready_info, wait_for
+from tests.processes import ready_info, wait_for
+from tests.proctree import alive, descendants
 
 pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (POSIX shared memory)"),
               pytest.mark.slow]  # five SIGKILLs and four server starts under load: minutes

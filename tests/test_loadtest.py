@@ -29,7 +29,7 @@ from PIL import Image
 from service.config import Settings
 from service.engine.loader import load_model
 from tests.live import RawHTTPServer, live_server, refused_port
-from tests.processes import alive, descendants
+from tests.proctree import alive, descendants
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROOT = BENCH.parent

@@ -21,7 +21,8 @@ from service.__main__ import build_parser, main
 from service.config import Settings, default_store_dir, env_name, setting_groups
 from service.procs.preflight import cuda_device_count
 from tests.live import reported_url
-from tests.processes import alive, descendants, wait_for
+from tests.processes import wait_for
+from tests.proctree import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 CAT = ROOT / "service" / "data" / "cat.jpg"

@@ -15,8 +15,8 @@ import torch
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.live import ServiceProcess, json_body, metric
-from tests.processes import (IMAGES, CheckpointServer, alive, descendants, stalled_heads_are_cut_off, two_image_client,
-                             wait_for)
+from tests.processes import IMAGES, CheckpointServer, stalled_heads_are_cut_off, two_image_client, wait_for
+from tests.proctree import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 

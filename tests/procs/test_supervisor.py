@@ -16,8 +16,9 @@ from service.procs.arena import leaked_segments
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.live import json_body, metric, server_timing
-from tests.processes import (IMAGES, CheckpointServer, alive, descendants, ready_info, stalled_heads_are_cut_off,
+from tests.processes import (IMAGES, CheckpointServer, ready_info, stalled_heads_are_cut_off,
                              two_image_client, wait_for)
+from tests.proctree import alive, descendants
 
 # slow: each test starts a supervisor with two API processes and one or two engines (tens of seconds on two
 # cores, the first one thousands of requests), and four of them SIGKILL one of its processes.

@@ -1,0 +1,89 @@
+"""A watchdog over each test, loaded as a plugin (pyproject.toml's addopts: -p tests.watchdog).
+
+pytest-timeout (pyproject.toml: timeout = 600) ends a test by a signal that its main thread handles. A main
+thread blocked where that cannot happen (a C call that holds the GIL, a wait on a process stuck in the kernel,
+SIGALRM blocked) holds the whole run until CI's own limit, with nothing printed to say where: a CI run once
+stopped so, mid-suite. The watchdog turns that into a report and a failure: once a test has run its timeout
+plus GRACE_S, it prints every thread's stack, the processes below the test process (state, kernel wait
+channel, command) and the tails of the test's logs, then kills those processes (a wait on one of them then
+ends, and the test fails); if the test still has not ended GRACE_S later, it ends the run with status 70.
+QVE_WATCHDOG_GRACE_S sets GRACE_S (its own test uses a second)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.proctree import descendants
+
+GRACE_S = float(os.environ.get("QVE_WATCHDOG_GRACE_S", "60"))
+_real_stderr: int | None = None
+
+
+def pytest_configure(config):
+    global _real_stderr
+    _real_stderr = os.dup(2)  # while output is not captured: the run's own standard error
+
+
+def _timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 600)
+
+
+def _processes() -> list[str]:
+    """pid, state, kernel wait channel and command of every process below this one."""
+    rows = []
+    for pid in sorted(descendants(os.getpid())):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        rows.append(f"{pid} {state} {wchan} {cmd[:200]}")
+    return rows
+
+
+def _report(item, what: str) -> None:
+    with os.fdopen(os.dup(_real_stderr), "w") as out:
+        out.write(f"\n==== watchdog: {item.nodeid} {what}\n==== the stacks of the test process\n")
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.write("==== the processes below it\n" + "\n".join(_processes()) + "\n")
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        for log in sorted(Path(tmp).rglob("*.log")) if tmp else []:
+            tail = log.read_text(errors="replace").splitlines()[-30:]
+            out.write(f"==== the last lines of {log}\n" + "\n".join(tail) + "\n")
+
+
+def _watch(item, limit: float, done: threading.Event) -> None:
+    if done.wait(limit):
+        return
+    _report(item, f"is still running {limit:.0f} s after it started: killing the processes below the test process")
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if done.wait(GRACE_S):
+        return
+    _report(item, f"has not ended {GRACE_S:.0f} s after its processes were killed: ending the run")
+    os._exit(70)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(item, _timeout_of(item) + GRACE_S, done), daemon=True,
+                     name=f"watchdog {item.name}").start()
+    try:
+        yield
+    finally:
+        done.set()
