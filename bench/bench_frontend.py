@@ -138,19 +138,10 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
 
 def _tree(root: int) -> list[int]:
     """root and every process below it (from /proc: each one's parent)."""
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += [c for c, pp in parent.items() if pp == pid]
-    return out
+    sys.path.insert(0, str(ROOT))
+    from tests.proctree import descendants
+
+    return [root, *descendants(root)]
 
 
 def cpu_snapshot(roots: list[int]) -> dict[int, dict]:

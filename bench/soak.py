@@ -55,6 +55,7 @@ sys.path.insert(1, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
 import loadtest  # noqa: E402  (after the path set-up above)
+from tests.proctree import descendants  # noqa: E402
 
 # Lines of a server log that mean something went wrong inside it.
 LOG_PROBLEMS = re.compile(r"Traceback \(most recent call last\)|CUDA error|cudaError|illegal memory access|"
@@ -124,19 +125,7 @@ class Server:
 # ---- what is sampled and scanned ---------------------------------------------------------------------
 def process_tree(pid: int) -> list[int]:
     """`pid` and every live process below it (decode workers, API processes, the engine), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - tree
-        tree |= frontier
-    return sorted(p for p in tree if p in parents)
+    return sorted({pid} | descendants(pid))
 
 
 def sample_resources(pid: int) -> tuple[float, int, int]:
