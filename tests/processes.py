@@ -1,7 +1,7 @@
 """What the tests of the service as real processes share (test_server, procs/test_supervisor, test_chaos,
-test_main, test_loadtest): a deadline wait, /ready of a supervised service,
-the server on the tiny checkpoint, and the images, clients and checks the one-process and the supervised
-server tests both run."""
+test_main, test_loadtest): a deadline wait, /ready of a supervised service, the server on the tiny
+checkpoint, and the images, clients and checks the one-process and the supervised server tests both run.
+The process tree from /proc is tests/proctree.py's."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def stalled_heads_are_cut_off(server, timeout_s: float, n: int = 200) -> None:
     and closed within the bound of --header-timeout-s, and the server answers normal requests meanwhile
     and afterwards. Each answer's time is taken as it arrives (a thread reads them all at once): read one
     after another once the request meanwhile was answered, the first ones' times included that request's
-    encode, which on a loaded machine took the latest past the bound."""
+    encode, which on a loaded machine can take them past the bound."""
     opened: dict[socket.socket, float] = {}
     for i in range(n):
         c = socket.create_connection(("127.0.0.1", server.port), timeout=timeout_s + 30)

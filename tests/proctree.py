@@ -22,10 +22,15 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """Running and not a zombie."""
+def state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, Z, ...), or None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    return state(pid) not in (None, "Z")

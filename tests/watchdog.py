@@ -7,7 +7,7 @@ stopped so, mid-suite. The watchdog turns that into a report and a failure: once
 plus GRACE_S, it prints every thread's stack, the processes below the test process (state, kernel wait
 channel, command) and the tails of the test's logs, then kills those processes (a wait on one of them then
 ends, and the test fails); if the test still has not ended GRACE_S later, it ends the run with status 70.
-QVE_WATCHDOG_GRACE_S sets GRACE_S (its own test uses a second)."""
+QVE_WATCHDOG_GRACE_S sets GRACE_S (its own test uses 2 s)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proctree import descendants
+from tests.proctree import descendants, state
 
 GRACE_S = float(os.environ.get("QVE_WATCHDOG_GRACE_S", "60"))
 _real_stderr: int | None = None
@@ -45,12 +45,11 @@ def _processes() -> list[str]:
     rows = []
     for pid in sorted(descendants(os.getpid())):
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        rows.append(f"{pid} {state} {wchan} {cmd[:200]}")
+        rows.append(f"{pid} {state(pid)} {wchan} {cmd[:200]}")
     return rows
 
 
