@@ -44,13 +44,19 @@ from service.engine.core import Engine
 from service.engine.job import EncodeJob  # noqa: E402
 from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.media.images import prepare_image  # noqa: E402
+from service.media.preprocess import grid_for, smart_resize  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import use_compile_cache  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.store.directory import EmbeddingStore  # noqa: E402
+from service.engine import attention  # noqa: E402
+from service.engine.attention import AttentionPlan  # noqa: E402
 from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
 
-ALL = "ceiling,tower,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
+# issue 24's real-world photo sizes (width, height)
+REAL_WORLD_SIZES = ((640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (512, 512), (336, 336),
+                    (1024, 1024), (480, 640), (1280, 960))
+ALL = "ceiling,tower,fp8,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
 
 
 def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, batched=True):
@@ -65,12 +71,36 @@ def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, ba
     return tb, pv, torch.tensor(grids, device=device)
 
 
+def kernel_profile(tower, batch, top: int = 25) -> list[dict]:
+    """Where one forward of `tower` spends its GPU time: the `top` kernels by total time (torch.profiler)."""
+    with torch.inference_mode():
+        tower(batch)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            tower(batch)
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    return [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in events]
+
+
+def cosine_min(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The least per-token cosine similarity of x to ref ([tokens, width] each)."""
+    return float(torch.nn.functional.cosine_similarity(x.float(), ref.float(), dim=1).min())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="qwen3-vl-4b")
     ap.add_argument("--sections", default=ALL)
     ap.add_argument("--loop-images", type=int, default=2048)
+    ap.add_argument("--no-by-kernel", dest="by_kernel", action="store_false",
+                    help="tower section: skip timing each attention kernel forced")
+    ap.add_argument("--shapes", default="", help="tower section: only these shapes (comma-separated names)")
+    ap.add_argument("--fp8-gemms", default="qkv,fc1,fc2;qkv;qkv,fc2;fc1,fc2",
+                    help="fp8 section: the FP8 GEMM sets to measure (';'-separated)")
+    ap.add_argument("--fp8-keep", default="none;0;0,1;0,1,2,3",
+                    help="fp8 section: the bf16 block sets to measure (';'-separated; 'none' = every block FP8)")
     ap.add_argument("--writers", default="4", help="store writer threads to run the loop with (comma-separated)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
@@ -107,7 +137,11 @@ def main() -> int:
     shapes = {"448 b1": [(1, 28, 28)], "448 b8": [(1, 28, 28)] * 8, "448 b64": [(1, 28, 28)] * 64,
               "1024 b16": [(1, 64, 64)] * 16,
               "mixed 8": [(1, 28, 28), (1, 64, 64), (1, 16, 16), (1, 36, 48), (1, 48, 36), (1, 20, 60), (1, 40, 40),
-                          (1, 32, 24)]}
+                          (1, 32, 24)],
+              "1080p b4": [(1, 68, 120)] * 4,
+              # issue 24's real-world photo sizes, one of each, as the service resizes them
+              "real-world 10": [grid_for(*smart_resize(h, w, model.params), model.params) for w, h in REAL_WORLD_SIZES]}
+    shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")} if args.shapes else shapes
 
     def time_tower(fn, grids, batched=True):
         tb, pv, grid = synthetic_batch(spec, grids, batched=batched)
@@ -154,7 +188,8 @@ def main() -> int:
         eager_out = torch.cat(eager_engine.encode_sync(prepared)).float()
         rel = lambda x: float((x - ref).norm() / ref.norm())  # noqa: E731
         acc = {"images": len(blobs), "tokens": int(ref.shape[0]), "patches": int(grid.prod(-1).sum()),
-               "transformers_bf16": rel(hf_bf16), "ours_eager_bf16": rel(eager_out)}
+               "transformers_bf16": rel(hf_bf16), "ours_eager_bf16": rel(eager_out),
+               "cosine_min_transformers_bf16": cosine_min(hf_bf16, ref), "cosine_min_ours_eager_bf16": cosine_min(eager_out, ref)}
         res["accuracy"] = acc
         print("accuracy", acc, flush=True)
         save()
@@ -166,7 +201,7 @@ def main() -> int:
     engine = Engine(model, store=None, batcher=None, options=options, metrics=Metrics(),
                     store_writers=settings.store_writers)  # the loop sections give it a store
     res["engine_startup"] = {**engine.runner.startup, "wall_s": round(time.perf_counter() - t0, 2),
-                             "cudnn_attention": tower.cudnn_attention}
+                             "attention": tower.attention_plan.describe(), "attention_ms": tower.attention_plan.ms}
     print("engine startup", res["engine_startup"], flush=True)
     save()
 
@@ -176,41 +211,78 @@ def main() -> int:
         # the same photos one at a time: every step then replays a CUDA graph
         one = torch.cat([engine.encode_sync([p])[0] for p in prepared]).float()
         acc["ours_graphs_bf16"] = float((one - ref).norm() / ref.norm())
+        acc["cosine_min_ours_graphs_bf16"] = cosine_min(one, ref)
         print("accuracy", acc, flush=True)
         save()
 
     if "tower" in sections:
-        cudnn_ok = tower.cudnn_attention
+        plan = tower.attention_plan
         for name, grids in shapes.items():
             r = rows[name]
-            tower.cudnn_attention = cudnn_ok
+            tower.attention_plan = plan
             t_c = time_tower(ours, grids)
             r["compiled_ms"], r["compiled_img_s"] = round(t_c * 1e3, 2), round(len(grids) / t_c, 1)
             r["compiled_tflops"] = round(r["tflop"] / t_c, 1)
             r["compiled_pct_ceiling"] = round(100 * r["tflop"] / t_c / res["ceiling_bf16_tflops"], 1)
-            if cudnn_ok and len(set(grids)) == 1 and len(grids) > 1:  # batched attention: SDPA's own pick too
-                tower.cudnn_attention = False
-                t_s = time_tower(ours, grids)
-                r["compiled_sdpa_ms"], r["compiled_sdpa_img_s"] = round(t_s * 1e3, 2), round(len(grids) / t_s, 1)
-                tower.cudnn_attention = cudnn_ok
-                t_v = time_tower(ours, grids, batched=False)  # FA2 varlen for the same equal-size step
-                r["compiled_varlen_ms"], r["compiled_varlen_img_s"] = round(t_v * 1e3, 2), round(len(grids) / t_v, 1)
+            # every attention kernel that runs here, forced, for the same step (the plan's pick is above)
+            equal = len(set(grids)) == 1 and len(grids) > 1
+            by_kernel = {}
+            for kind in ((AttentionKind.BATCHED, AttentionKind.VARLEN) if equal else (AttentionKind.VARLEN,)) * args.by_kernel:
+                for backend in attention.available(kind, tower.frame_proj_weight.device):
+                    tower.attention_plan = AttentionPlan.forced(backend)
+                    t_b = time_tower(ours, grids, batched=kind == AttentionKind.BATCHED)
+                    by_kernel[f"{kind.value} {backend.value}"] = round(len(grids) / t_b, 1)
+            r["compiled_img_s_by_kernel"] = by_kernel
             print("tower compiled", name, r, flush=True)
-        tower.cudnn_attention = cudnn_ok
+        tower.attention_plan = plan
         save()
+
+    if "fp8" in sections:
+        # --dtype fp8: one FP8 tower, compiled once; the bf16 block sets switch by re-quantising (the
+        # compiled block takes its weights as inputs, so nothing compiles again)
+        t0 = time.perf_counter()
+        a8 = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+        one_s = torch.ones(1, device="cuda")
+        res["ceiling_fp8_tflops"] = round(2 * 8192**3 / cuda_time(
+            lambda: torch._scaled_mm(a8, a8.t(), scale_a=one_s, scale_b=one_s, out_dtype=torch.bfloat16,
+                                     use_fast_accum=True), reps=10) / 1e12, 1)
+        del a8
+        # No CUDA graphs here: they would keep reading the weights of the quantisation they were captured with.
+        s8 = settings.model_copy(update={"dtype": "fp8", "cuda_graphs": False})
+        m8 = load_model(s8)
+        e8 = Engine(m8, store=None, batcher=None, metrics=Metrics(), options=s8.runner_options())
+        res["fp8_startup"] = {**e8.runner.startup, "wall_s": round(time.perf_counter() - t0, 2)}
+        print("fp8 ceiling", res["ceiling_fp8_tflops"], "startup", res["fp8_startup"], flush=True)
+        ours8 = lambda tb, pv, grid: m8.tower(tb)  # noqa: E731
+        res["fp8"] = []
+        for gemms_s in args.fp8_gemms.split(";"):
+            for keep_s in args.fp8_keep.split(";"):
+                gemms = tuple(gemms_s.split(","))
+                keep = () if keep_s == "none" else tuple(int(i) for i in keep_s.split(","))
+                m8.tower.fuse_patch_embed()
+                m8.tower.quantize_fp8(keep, gemms)
+                row = {"gemms": list(gemms), "bf16_blocks": list(keep), "fp8_blocks": len(m8.tower.fp8_blocks)}
+                if "accuracy" in sections and blobs:
+                    out8 = torch.cat([e8.encode_sync([p])[0] for p in prepared]).float()  # compiled, no graphs
+                    row["rel_l2_vs_f32"] = float((out8 - ref).norm() / ref.norm())
+                    row["cosine_min_vs_f32"] = cosine_min(out8, ref)
+                    row["cosine_mean_vs_f32"] = float(torch.nn.functional.cosine_similarity(out8, ref, dim=1).mean())
+                for name, grids in shapes.items():
+                    t8 = time_tower(ours8, grids)
+                    row[f"{name} img_s"] = round(len(grids) / t8, 1)
+                    if name in rows and "compiled_ms" in rows[name]:
+                        row[f"{name} vs bf16"] = round(rows[name]["compiled_ms"] / 1e3 / t8, 3)
+                if keep_s == args.fp8_keep.split(";")[0] and "448 b64" in shapes:  # where an FP8 forward's time goes
+                    row["profile_448_b64"] = kernel_profile(m8.tower, synthetic_batch(spec, shapes["448 b64"])[0], 12)
+                res["fp8"].append(row)
+                print("fp8", row, flush=True)
+                save()
+        del e8, m8
 
     for prof_name, shape in (("profile", "448 b64"), ("profile1", "448 b1"), ("profile1024", "1024 b16")):
         if prof_name not in sections:  # where a compiled forward spends its GPU time, by kernel
             continue
-        tb, _, _ = synthetic_batch(spec, shapes[shape])
-        with torch.inference_mode():
-            tower(tb)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                tower(tb)
-                torch.cuda.synchronize()
-        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]
-        rows_p = [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in top]
+        rows_p = kernel_profile(tower, synthetic_batch(spec, shapes[shape])[0])
         res[f"{prof_name}_{shape.replace(' ', '_')}"] = rows_p
         for r in rows_p:
             print(prof_name, r, flush=True)

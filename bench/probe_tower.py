@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu import cuda_time, tower_flops  # noqa: E402
 from bench.bench_tower import synthetic_batch  # noqa: E402
-from service.engine import tower as tower_module  # noqa: E402
+from service.engine import attention, tower as tower_module  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> int:
                         compile_cache=Path(tempfile.mkdtemp(prefix="qve-probe-")))
     model = load_model(settings)
     spec, tower = model.spec, model.tower
-    tower.cudnn_attention = tower_module.cudnn_attention_works(model.device, model.dtype, spec.num_heads, spec.head_dim)
+    tower.attention_plan = attention.measure_plan(model.device, model.dtype, spec.num_heads, spec.head_dim)
     shapes = {"448 b64": [(1, 28, 28)] * 64, "1024 b16": [(1, 64, 64)] * 16, "448 b8": [(1, 28, 28)] * 8}
     batches = {k: synthetic_batch(spec, g)[0] for k, g in shapes.items()}
     outs: dict = {}

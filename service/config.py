@@ -132,6 +132,7 @@ class RunnerOptions:
     graph_max_patches: int  # the largest step replayed from a graph
     graph_exact_sides: tuple[int, ...]  # square sides whose equal steps get unpadded graphs
     compile: bool  # torch.compile the tower (where it is fast)
+    attention: str  # "auto" (measure a plan at start-up) or a Backend's value to force (attention.py)
     compile_cache: Path  # on-disk compile caches (runner.use_compile_cache; the entry points set it up)
     faults: FaultInjection = FaultInjection()  # none, unless a test asks (FaultInjection.from_env)
 
@@ -288,7 +289,18 @@ class Settings(BaseSettings):
         "--store-capacity-bytes / n). Several devices need API processes: with --api-processes 0 or unset the default "
         "number is started. A cuda device may appear once; cpu may repeat (tests, CPU-only machines). One "
         "device is the same as --device; none: one engine on --device")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "fp8"] = Field(
+        "auto", description="auto: bfloat16 on cuda, float32 on cpu; fp8 (opt-in, a GPU of compute capability 8.9+): "
+        "the blocks' qkv and MLP GEMMs in FP8 with row-wise scales, everything else and the stored embeddings in "
+        "bfloat16 (another content key than bfloat16's)")
+    fp8_bf16_blocks: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [0], description="with --dtype fp8: the blocks (0-based, comma-separated) that "
+        "stay bfloat16, as the patch embedding, attention output projections and mergers always do")
+    fp8_gemms: Annotated[list[Literal["qkv", "fc1", "fc2"]], NoDecode] = Field(
+        default_factory=lambda: ["qkv"], description="with --dtype fp8: which GEMMs of the other blocks run in FP8 "
+        "(comma-separated). Default qkv: its quantisation fuses into the layernorm before it; fc1 in FP8 loses "
+        "the GELU in bf16's GEMM epilogue and fc2's quantisation is a pass of its own (H200, 2026-12-03: qkv "
+        "1.08x bf16 at 448px, all three 1.01x)")
     seed: int = Field(0, description="seed for preset random weights")
     min_pixels: int | None = Field(None, description="resize every image to at least this many pixels instead of "
                                    "what the checkpoint's preprocessor_config.json says (presets: 65536); the LM "
@@ -409,6 +421,10 @@ class Settings(BaseSettings):
         "an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps pad to the "
         "nearest bucket)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
+    attention: Literal["auto", "cudnn", "fa3", "fa2", "sdpa"] = Field(
+        "auto", description="the attention kernel on a GPU: auto times each one that runs at start-up and each "
+        "step takes the fastest for its longest image; a name forces that kernel where it runs (fa3: the `fa3` "
+        "extra, Hopper GPUs; cudnn and sdpa: steps of equal images; fa2: the others), the default elsewhere")
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
 
@@ -445,7 +461,8 @@ class Settings(BaseSettings):
     def store_is_mooncake(self) -> bool:
         return isinstance(self.store, str)
 
-    @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", mode="before")
+    @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", "fp8_bf16_blocks", "fp8_gemms",
+                     mode="before")
     @classmethod
     def _split_commas(cls, v):
         # A list from a flag or a QVE_ variable is comma-separated (`a.example,b.example` is friendlier
@@ -471,6 +488,13 @@ class Settings(BaseSettings):
             # embeddings, and so their content keys, would differ.
             raise ValueError("mixes cpu and cuda devices; list only GPUs, or only cpu")
         return v
+
+    @field_validator("fp8_bf16_blocks")
+    @classmethod
+    def _check_fp8_blocks(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v):
+            raise ValueError(f"block indexes are 0-based and not negative, got {v}")
+        return sorted(set(v))
 
     @field_validator("allowed_url_hosts")
     @classmethod
@@ -533,7 +557,8 @@ class Settings(BaseSettings):
         return RunnerOptions(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
                              pool_slots=self.pool_slots, cuda_graphs=self.cuda_graphs,
                              graph_max_patches=self.graph_max_patches, graph_exact_sides=tuple(self.graph_exact_sides),
-                             compile=self.compile, compile_cache=self.compile_cache, faults=faults)
+                             compile=self.compile, attention=self.attention, compile_cache=self.compile_cache,
+                             faults=faults)
 
     def engine_options(self, faults: FaultInjection = FaultInjection()) -> EngineOptions:
         """The options of one engine (`faults`: FaultInjection.from_env(os.environ) at an entry point)."""

@@ -76,6 +76,7 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
 
     s = _from_cli("--max-batch-tokens", "2048", "--max-batch-images", "12", "--max-wait-ms", "7", "--pool-slots", "4",
                   "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--no-compile",
+                  "--attention", "fa3",
                   "--compile-cache", "/tmp/cc", "--store", "/tmp/st", "--store-capacity-bytes", "1000",
                   "--store-group", "video", "--store-min-residency-s", "9", "--store-writers", "2",
                   "--max-queue-images", "5", "--max-queue-tokens", "99")
@@ -84,7 +85,7 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
     faults = FaultInjection(stall_cycles=5)
     assert s.runner_options(faults) == RunnerOptions(
         max_batch_tokens=2048, max_batch_images=12, pool_slots=4, cuda_graphs=False, graph_max_patches=4096,
-        graph_exact_sides=(448, 512), compile=False, compile_cache=Path("/tmp/cc"), faults=faults)
+        graph_exact_sides=(448, 512), compile=False, attention="fa3", compile_cache=Path("/tmp/cc"), faults=faults)
     assert s.store_options() == StoreOptions(root=Path("/tmp/st"), mooncake=None, capacity_bytes=1000, group="video",
                                              min_residency_s=9.0, writers=2)
     pooled = Settings(store="mooncake://10.0.0.5:50051", mooncake_local_host="10.0.0.7", mooncake_segment_bytes="2GiB",
@@ -97,6 +98,19 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
         Settings(store="mooncake://no-port")
     with pytest.raises(AttributeError):
         s.store_options().writers = 3  # frozen: derived once, never changed on the way down
+
+
+def test_fp8_and_attention_settings_parse_and_refuse_what_cannot_be():
+    s = _from_cli("--dtype", "fp8", "--fp8-bf16-blocks", "3,0,3", "--fp8-gemms", "qkv,fc2")
+    assert s.resolved_dtype() == "fp8" and s.fp8_bf16_blocks == [0, 3]  # sorted, once each
+    assert s.fp8_gemms == ["qkv", "fc2"]
+    with pytest.raises(ValidationError, match="fp8_gemms"):
+        Settings(fp8_gemms="qkv,proj")
+    assert Settings().fp8_bf16_blocks == [0] and Settings().attention == "auto"
+    with pytest.raises(ValidationError, match="0-based and not negative"):
+        Settings(fp8_bf16_blocks="-1")
+    with pytest.raises(ValidationError, match="attention"):
+        Settings(attention="flash")
 
 
 def test_unknown_qve_variables_get_the_closest_setting_and_known_ones_nothing():

@@ -66,7 +66,9 @@ def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int
 
 def key_salt(model: LoadedModel) -> str:
     """Part of every content-hash key: the same bytes under another model or preprocessing are another key."""
-    return f"{model.model_id}|{model.params}|{model.dtype}"
+    t = model.tower
+    fp8 = f"|fp8 {'+'.join(t.fp8_gemms)} blocks {','.join(map(str, t.fp8_blocks))}" if t.fp8_blocks else ""
+    return f"{model.model_id}|{model.params}|{model.dtype}{fp8}"
 
 
 def build_host(model: LoadedModel, options: EngineOptions, shard: tuple[int, int] = (0, 1)) -> EngineHost:
@@ -370,7 +372,8 @@ class EngineHost:
                          random_weights=m.random_weights, out_hidden_size=m.spec.out_hidden_size,
                          deepstack_levels=m.spec.deepstack_levels, compiled=m.tower.compiled,
                          cuda_graphs=len(runner.graphs) if runner.graphs else 0, startup_s=dict(self.startup),
-                         min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=str(self.store.root))
+                         min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=str(self.store.root),
+                         fp8_blocks=list(m.tower.fp8_blocks), attention=m.tower.attention_plan.describe())
 
     def metrics_text(self) -> str:
         self.metrics.update_gauges(self.batcher, self.store)

@@ -51,9 +51,13 @@ class LoadedModel:
 def load_model(settings: Settings) -> LoadedModel:
     t0 = time.perf_counter()
     device = torch.device(settings.resolved_device())
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.resolved_dtype()]
+    precision = settings.resolved_dtype()
+    # fp8: the activations, the layers left in high precision and the output are bfloat16 (quantize_fp8)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.bfloat16}[precision]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {settings.device} asked for CUDA, but torch sees no GPU; use --device cpu")
+    if precision == "fp8":
+        _check_fp8(device)
     name = settings.model
     check_model(name)
     if name in PRESETS:
@@ -71,9 +75,25 @@ def load_model(settings: Settings) -> LoadedModel:
     if params.min_pixels > params.max_pixels:
         raise ModelLoadError(f"min_pixels {params.min_pixels} exceeds max_pixels {params.max_pixels}")
     tower.fuse_patch_embed()
+    if precision == "fp8":
+        over = [i for i in settings.fp8_bf16_blocks if i >= spec.depth]
+        if over:
+            raise ModelLoadError(f"--fp8-bf16-blocks {over}: the tower has blocks 0..{spec.depth - 1}")
+        if not settings.fp8_gemms:
+            raise ModelLoadError("--dtype fp8 with no --fp8-gemms: name at least one of qkv, fc1, fc2 (or use bfloat16)")
+        tower.quantize_fp8(keep=tuple(settings.fp8_bf16_blocks), gemms=tuple(settings.fp8_gemms))
     tower.eval().requires_grad_(False)
     return LoadedModel(tower, spec, params, model_id, random_weights, device, dtype,
                        load_s=round(time.perf_counter() - t0, 2), video=video)
+
+
+def _check_fp8(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ModelLoadError(f"--dtype fp8 needs a CUDA GPU (FP8 GEMMs), not --device {device}; use bfloat16 or float32")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise ModelLoadError(f"--dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; use bfloat16")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     min_pixels: int
     max_pixels: int
     store: str  # the store root: where a consumer on this machine reads the answered `path`s
+    fp8_blocks: list[int] = []  # --dtype fp8: the blocks whose GEMMs run in FP8 (dtype is the activations')
+    attention: str = ""  # which kernel runs attention, by layout and segment length (AttentionPlan.describe)
 
 
 class EngineStatus(msgspec.Struct, frozen=True):

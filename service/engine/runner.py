@@ -41,7 +41,7 @@ from service.media.video_preprocess import PreparedVideo, video_lut
 from service.engine.loader import LoadedModel
 from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize
 from service.media.preprocess import grid_for, normalize_lut, num_patches, patch_rows, patchify
-from service.engine import tower as tower_module
+from service.engine import attention, tower as tower_module
 from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
                                    padded_cu_seqlens)
 from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry, segments
@@ -158,8 +158,13 @@ class Runner:
         self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
         t0 = time.perf_counter()
         if fast:
-            model.tower.cudnn_attention = tower_module.cudnn_attention_works(self.device, model.dtype, spec.num_heads,
-                                                                            spec.head_dim)
+            model.tower.attention_plan = attention.plan_for(options.attention, self.device, model.dtype, spec.num_heads,
+                                                            spec.head_dim)
+            self.startup["attention_s"] = round(time.perf_counter() - t0, 2)
+            log.info("attention: %s (%s; FA3 %s)", model.tower.attention_plan.describe(),
+                     "measured" if options.attention == "auto" else f"--attention {options.attention}",
+                     attention.fa3_status())
+            t0 = time.perf_counter()
         if fast and options.compile:
             if not model.tower.compiled:  # several engines may share one loaded model (tests)
                 model.tower.compile()
@@ -199,11 +204,15 @@ class Runner:
     def _warm_compiled(self, smallest: int, batch_of_one: bool) -> None:
         """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what
         CUDA graphs capture), batched (equal-size images) and, when equal-step graphs will be
-        captured, batched attention of one image (torch.compile specialises a size of 1). A first
-        compile in the middle of serving would stall the loop for seconds."""
+        captured, batched attention of one image (torch.compile specialises a size of 1), each with
+        every kernel the attention plan can pick for it. A first compile in the middle of serving
+        would stall the loop for seconds."""
         side = max(2, int(smallest**0.5) // 2 * 2)  # an even square grid near the smallest image
-        spec = self.model.spec
-        for count, attention in ((1, None), (2, None), (1, AttentionKind.BATCHED))[: 3 if batch_of_one else 2]:
+        spec, plan = self.model.spec, self.model.tower.attention_plan
+        steps = [(1, AttentionKind.VARLEN), (2, AttentionKind.BATCHED)]
+        if batch_of_one:
+            steps.append((1, AttentionKind.BATCHED))
+        for count, kind in steps:
             grids = [(1, side, side)] * count
             arr = build_batch(grids, spec)
             n = side * side * count
@@ -212,10 +221,12 @@ class Runner:
                 getattr(d, name)[:n].copy_(torch.from_numpy(arr[name]))
             d.cu_seqlens[: count + 1].copy_(torch.from_numpy(arr["cu_seqlens"]))
             self.patches[:n].normal_()
-            batch = TowerBatch(self.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
-                               d.cu_seqlens[: count + 1], tuple([side * side] * count), attention=attention)
-            with torch.cuda.stream(self.compute_stream), torch.inference_mode():
-                self.model.tower(batch)
+            for backend in sorted(plan.backends(kind), key=lambda b: b.value):
+                batch = TowerBatch(self.patches[:n], d.pos_hw[:n], d.interp_idx[:n], d.interp_w[:n],
+                                   d.cu_seqlens[: count + 1], tuple([side * side] * count), attention=kind,
+                                   backend=backend)
+                with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+                    self.model.tower(batch)
         self.compute_stream.synchronize()
 
     # ---- the step ----------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ step loop:
   * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
     model-dtype in/out: one Triton kernel on CUDA (kernels/rotary.py; the eager chain was a third of
     the tower's time on an H200), the plain torch formula on the CPU;
-  * attention is chosen per step on the host, from host integers (no device sync): one batched SDPA
-    call when every image has the same length, `varlen_attn` over the packed batch otherwise (CUDA,
-    bf16/fp16), a per-image loop elsewhere;
+  * attention is chosen per step on the host, from host integers (no device sync): its layout (one
+    batched call when every image has the same length, the packed batch otherwise on CUDA, a
+    per-image loop elsewhere) and its kernel, from a plan measured on the device (attention.py);
+  * `--dtype fp8` (quantize_fp8): the qkv, fc1 and fc2 GEMMs of all but a few blocks in FP8 with
+    row-wise scales, the activations quantised inside the compiled block;
   * the block is one function of its weights (`_make_block_fn`): `compile()` wraps it in torch.compile
     with dynamic shapes, so one compiled graph per attention kind serves every block and every step
     size (and the CUDA graphs captured from it); GELU runs in the cuBLASLt GEMM epilogue on CUDA.
@@ -25,7 +27,6 @@ step loop:
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,12 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import rotary as rotary_kernel
-
-try:  # torch >= 2.10 on CUDA; absent or unusable elsewhere, we fall back to SDPA.
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - depends on the torch build
-    _varlen_attn = None
-
+from service.engine.attention import (AttentionKind, AttentionPlan, Attn, Backend, attend,  # noqa: F401 (re-exported)
+                                      varlen_available)
 
 @dataclass(frozen=True)
 class TowerSpec:
@@ -165,14 +162,6 @@ def video_groups(grid_thw: tuple[int, int, int], start: int, stop: int, merge_si
                       slice(start * n // per_token, stop * n // per_token))
 
 
-class AttentionKind(enum.Enum):
-    """How a step's attention runs, decided on the host per step (see attention_kind)."""
-
-    VARLEN = "varlen"  # varlen_attn over the packed batch, one segment per image or group (CUDA, bf16/fp16)
-    BATCHED = "batched"  # one [B, heads, L, dim] SDPA call: every segment of the step has the same length
-    LOOP = "loop"  # one SDPA call per segment (where varlen is not: the CPU, float32 on CUDA; never compiled)
-
-
 @dataclass
 class TowerBatch:
     """One packed step, on the tower's device: images, then videos, back to back in every tensor.
@@ -189,6 +178,9 @@ class TowerBatch:
     # [Nv, 3*P*P] model dtype — the SECOND frame of each of the LAST Nv patch rows (video temporal
     # groups); None: every row is an image. (The staging kernel's 768-wide rows, once per frame.)
     frame1: torch.Tensor | None = None
+    # The attention kernel, forced (start-up compiles each one the plan can pick); None: the tower's
+    # attention_plan picks by the longest segment.
+    backend: Backend | None = None
 
 
 def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> AttentionKind:
@@ -200,7 +192,7 @@ def attention_kind(b: TowerBatch, device: torch.device, dtype: torch.dtype) -> A
     batch size of 1 is specialised into a compiled graph of its own, compiled at start-up only for
     the graphs that use it (Runner._warm_compiled)."""
     lens = b.seq_lens
-    fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
+    fast = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_available()
     equal = all(n == lens[0] for n in lens)
     if fast and b.attention is not None:
         assert b.attention == AttentionKind.VARLEN or equal, "batched attention needs equal lengths: this is a bug"
@@ -220,19 +212,9 @@ class _PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(3, spec.hidden_size, kernel_size=k, stride=k, bias=True)
 
 
-class _Attn(NamedTuple):
-    """How this step's attention runs: host values, fixed for the whole step."""
-
-    kind: AttentionKind
-    cu_seqlens: torch.Tensor  # [B+1] int32 (VARLEN)
-    max_seqlen: int  # VARLEN: upper bound on a segment's length; else 0
-    batch: int  # BATCHED: number of (equal-length) images; else 0
-    seq_lens: tuple[int, ...] | None  # LOOP only (never under torch.compile)
-    cudnn: bool  # BATCHED: call cuDNN's attention directly
-
-
 class _BlockWeights(NamedTuple):
-    """One block's tensors, handed to the block function as inputs (see _make_block_fn)."""
+    """One block's tensors, handed to the block function as inputs (see _make_block_fn). In an FP8 block
+    (quantize_fp8) qkv_w, fc1_w and fc2_w are float8_e4m3fn, one scale per output row in *_s."""
 
     norm1_w: torch.Tensor
     norm1_b: torch.Tensor
@@ -246,6 +228,34 @@ class _BlockWeights(NamedTuple):
     fc1_b: torch.Tensor
     fc2_w: torch.Tensor
     fc2_b: torch.Tensor
+    qkv_s: torch.Tensor | None = None  # [1, out] float32: FP8 blocks only
+    fc1_s: torch.Tensor | None = None
+    fc2_s: torch.Tensor | None = None
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_GEMMS = ("qkv", "fc1", "fc2")  # the block GEMMs that can run in FP8 (proj cannot gain: see the block)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8: x [M, K] -> (float8_e4m3fn [M, K], float32 [M, 1]) with x ~= q * scale. Each row's
+    largest magnitude maps to FP8_MAX. Under torch.compile this fuses into the op that made x (the
+    layernorm, the GELU): a stand-alone pass costs as much as the FP8 GEMM saves (issue 24's probes)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x @ w.T + bias with x quantised row-wise and w [out, in] float8 with per-row scales w_scale
+    [1, out]: one cuBLASLt FP8 GEMM (scales and bias in its epilogue), output in x's dtype. On the CPU
+    (tests only: the service refuses fp8 there) the same quantised values in a float32 matmul."""
+    q, x_scale = quantize_rows(x)
+    if x.is_cuda:
+        return torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype,
+                                use_fast_accum=True)
+    out = (q.float() * x_scale) @ (w.float() * w_scale.t()).t() + bias.float()
+    return out.to(x.dtype)
 
 
 def max_block_rows(spec: TowerSpec) -> int:
@@ -263,30 +273,40 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
     scale = head_dim**-0.5
     fused_rotary = rotary_kernel.supports(num_heads, head_dim)
 
-    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: AttentionKind, cudnn: bool,
+    def block(x, cos, sin, cu_seqlens, max_seqlen: int, batch: int, kind: AttentionKind, backend: Backend,
               seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> torch.Tensor:
         n, hidden = x.shape
         # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
         # integers (with an unbounded symbolic size it falls back to slower 64-bit index math).
         torch._check(n <= max_rows)
         h = F.layer_norm(x, (hidden,), w.norm1_w, w.norm1_b, eps)
-        qkv = F.linear(h, w.qkv_w, w.qkv_b)  # [N, 3*H*D]: q, k, v
+        # FP8 GEMMs where the block's weights carry scales (quantize_fp8): a guard under torch.compile, so
+        # bf16 blocks and each FP8 variant compile apart
+        if w.qkv_s is not None:
+            qkv = fp8_linear(h, w.qkv_w, w.qkv_s, w.qkv_b)  # the quantisation fuses into the layernorm
+        else:
+            qkv = F.linear(h, w.qkv_w, w.qkv_b)  # [N, 3*H*D]: q, k, v
         if fused_rotary and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16):
             qk = rotary_kernel.rotary_qk(qkv, cos, sin, num_heads)  # one Triton kernel, [N, 2, H, D]
         else:
             qk = _rotary(qkv.view(n, 3, num_heads, head_dim)[:, :2], cos, sin)
         q, k = qk.unbind(1)  # [N, H, D] each
         qkv = qkv.view(n, 3, num_heads, head_dim)
-        attn = _Attn(kind, cu_seqlens, max_seqlen, batch, seq_lens, cudnn)
-        o = _attention(q, k, qkv[:, 2], attn, scale)  # [N, H, D]
+        o = attend(q, k, qkv[:, 2], Attn(kind, backend, cu_seqlens, max_seqlen, batch, seq_lens), scale)  # [N, H, D]
+        # proj stays bf16: its input comes out of the attention kernel, so its quantisation cannot fuse
+        # into an op before it, and alone it costs what the FP8 GEMM saves (issue 24's probes).
         x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
         h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
-        if h.is_cuda:
+        if w.fc1_s is not None:
+            h = F.gelu(fp8_linear(h, w.fc1_w, w.fc1_s, w.fc1_b), approximate="tanh")  # no FP8 GELU epilogue
+        elif h.is_cuda:
             # GELU (tanh, = gelu_pytorch_tanh) in cuBLASLt's GEMM epilogue: one pass over the widest
             # activation saved. (On the CPU this op's GELU is the erf one, so not there.)
             h = torch._addmm_activation(w.fc1_b, h, w.fc1_w.t(), use_gelu=True)
         else:
             h = F.gelu(F.linear(h, w.fc1_w, w.fc1_b), approximate="tanh")  # gelu_pytorch_tanh
+        if w.fc2_s is not None:
+            return x + fp8_linear(h, w.fc2_w, w.fc2_s, w.fc2_b)  # the quantisation fuses into the GELU
         return x + F.linear(h, w.fc2_w, w.fc2_b)
 
     return block
@@ -360,9 +380,11 @@ class VisionTower(nn.Module):
         self._block_fn = _make_block_fn(spec.num_heads, spec.head_dim, eps=1e-6, max_rows=max_block_rows(spec))
         self._block_weights: list[_BlockWeights] = []  # filled by fuse_patch_embed, after loading
         self._compiled = None  # torch.compile'd _block_fn, once compile() was called
-        # Batched attention through cuDNN's fused kernel instead of SDPA's default pick (flash): set by
-        # the engine after a probe on the device (cudnn_attention_works); never on the CPU.
-        self.cudnn_attention = False
+        # Which kernel runs each step's attention (see attention.py): the fallback until the engine
+        # measures a plan on its device (attention.measure_plan) or --attention forces one.
+        self.attention_plan = AttentionPlan()
+        self.fp8_blocks: tuple[int, ...] = ()  # blocks whose GEMMs run in FP8 (quantize_fp8)
+        self.fp8_gemms: tuple[str, ...] = ()  # which of their GEMMs
 
     @torch.no_grad()
     def fuse_patch_embed(self) -> None:
@@ -375,14 +397,41 @@ class VisionTower(nn.Module):
         self.frame_proj_weight = w.float().sum(dim=2).reshape(w.shape[0], -1).to(w.dtype).contiguous()
         self.video_proj_weight = w.permute(2, 0, 1, 3, 4).reshape(w.shape[2], w.shape[0], -1).contiguous()
         self._block_weights = [blk.weights() for blk in self.blocks]
+        self.fp8_blocks, self.fp8_gemms = (), ()
+
+    @torch.no_grad()
+    def quantize_fp8(self, keep: tuple[int, ...] = (), gemms: tuple[str, ...] = FP8_GEMMS) -> None:
+        """Call after fuse_patch_embed: the `gemms` weights (of qkv, fc1, fc2) of every block not in `keep`
+        to float8_e4m3fn, one scale per output row, once. The block function then runs those GEMMs in FP8
+        (fp8_linear). The patch embedding, proj, the mergers and the `keep` blocks stay in the model
+        dtype: published FP8 recipes for this ViT keep the first blocks and the mergers in bf16, where
+        trained weights have massive-activation channels. The bf16 parameters are kept (state dict)."""
+        assert self._block_weights, "fuse_patch_embed() first: this is a bug"
+        assert gemms and set(gemms) <= set(FP8_GEMMS), f"FP8 GEMMs {gemms}: this is a bug"
+        quantized = []
+        for i, w in enumerate(self._block_weights):
+            if i in keep:
+                quantized.append(w)
+                continue
+            change = {}
+            for g in gemms:
+                q, s = quantize_rows(getattr(w, f"{g}_w"))
+                change[f"{g}_w"], change[f"{g}_s"] = q, s.t().contiguous()
+            quantized.append(w._replace(**change))
+        self._block_weights = quantized
+        self.fp8_blocks = tuple(i for i in range(len(quantized)) if i not in keep)
+        self.fp8_gemms = tuple(g for g in FP8_GEMMS if g in gemms) if self.fp8_blocks else ()
 
     def compile(self) -> None:
         """Run the blocks through torch.compile (Inductor) from now on: rotary, layernorms, residuals
         and GELU become fused kernels around the cuBLAS GEMMs and the attention call.
 
         dynamic=True: the step's patch count, segment count, batch size and max_seqlen are symbolic,
-        so each attention kind compiles once and serves every step size; fullgraph=True: a graph
+        so each (attention layout, kernel, bf16 or FP8 block) compiles once and serves every step size; fullgraph=True: a graph
         break would silently leave part of the block eager, so it is an error instead."""
+        # One compiled graph per (layout, kernel, bf16/FP8 block, batch of one): more than dynamo's
+        # default of 8 recompiles per function, after which it would silently run the block eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled = torch.compile(self._block_fn, dynamic=True, fullgraph=True)
 
     @property
@@ -397,6 +446,10 @@ class VisionTower(nn.Module):
         max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == AttentionKind.VARLEN else 0
         batch = len(b.seq_lens) if kind == AttentionKind.BATCHED else 0
         seq_lens = b.seq_lens if kind == AttentionKind.LOOP else None
+        if kind == AttentionKind.LOOP:
+            backend = Backend.SDPA
+        else:
+            backend = b.backend or self.attention_plan.choose(kind, max(b.seq_lens))
         block_fn = self._compiled if (self._compiled is not None and kind != AttentionKind.LOOP) else self._block_fn
 
         if b.frame1 is None:  # images only: the fast path (and every CUDA graph)
@@ -415,7 +468,7 @@ class VisionTower(nn.Module):
 
         taps = []
         for i, w in enumerate(self._block_weights):
-            x = block_fn(x, cos, sin, b.cu_seqlens, max_seqlen, batch, kind, self.cudnn_attention, seq_lens, w)
+            x = block_fn(x, cos, sin, b.cu_seqlens, max_seqlen, batch, kind, backend, seq_lens, w)
             if i in self.spec.deepstack_indexes:
                 taps.append(self.deepstack_merger_list[self.spec.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *taps], dim=1)
@@ -441,28 +494,6 @@ class VisionTower(nn.Module):
         return x
 
 
-def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
-    """Probe cuDNN's fused attention for the tower's batched layout on `device`: it must run and agree
-    with SDPA's math kernel. Some cuDNN / GPU / head-size combinations are unsupported: then SDPA."""
-    if device.type != "cuda":
-        return False
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(2 * 256, num_heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
-    qs, ks, vs = (t.view(2, 256, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-    try:
-        with torch.inference_mode():
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False)[0]
-            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float())
-        torch.cuda.synchronize(device)
-    except RuntimeError:  # not supported by this build / device / shape
-        return False
-    return bool(((out.float() - ref).norm() / ref.norm()).item() < 2e-2)
-
-
-def varlen_available() -> bool:
-    return _varlen_attn is not None
-
-
 def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of q and k at once. qk: [N, 2, H, D] (a view of qkv) -> [N, 2, H, D]
     in qk's dtype; math in float32 like the reference (bf16 rotary loses precision on large grids).
@@ -471,33 +502,6 @@ def _rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     x1, x2 = x.chunk(2, dim=-1)
     out = x * cos[:, None, None, :] + torch.cat((x2, x1), dim=-1) * sin[:, None, None, :]
     return out.to(qk.dtype)
-
-
-def _attention(q, k, v, attn: _Attn, scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment (an image, a video's group) of a packed batch.
-    q, k, v: [N, H, D] -> [N, H, D]."""
-    if attn.kind == AttentionKind.VARLEN:
-        return _varlen_attn(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, scale=scale)
-    if attn.kind == AttentionKind.BATCHED:
-        # Equal lengths: one batched SDPA call, no Python loop. On CUDA it picks the flash / cuDNN kernels.
-        n, h, d = q.shape
-        bsz = attn.batch
-        qs, ks, vs = (t.reshape(bsz, n // bsz, h, d).transpose(1, 2) for t in (q, k, v))
-        if attn.cudnn:
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False, scale=scale)[0]
-        else:
-            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        return out.transpose(1, 2).reshape(n, h, d)
-    outs = []
-    for qi, ki, vi in zip(q.split(attn.seq_lens), k.split(attn.seq_lens), v.split(attn.seq_lens)):
-        # NOTE: 4-D ([1, H, n, D]), not 3-D: with 3-D inputs PyTorch's CPU SDPA takes its math path, which
-        # materialises the n x n scores (a 16-megapixel image: 65,536 patches, 32 GiB for one block);
-        # 4-D takes the flash kernel, whose memory grows with n (measured at 8,192 patches, 16 heads:
-        # 9.5 GB and 96 s against 0.04 GB and 3.6 s). transformers' sdpa attention passes 4-D too.
-        o = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None],
-                                           vi.transpose(0, 1)[None], scale=scale)[0]
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs, dim=0)
 
 
 def build_batch(grids: list[tuple[int, int, int]], spec: TowerSpec) -> dict[str, np.ndarray]:

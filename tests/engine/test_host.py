@@ -251,3 +251,22 @@ def test_a_remote_store_that_does_not_answer_fails_the_waiting_claims_with_503_a
     assert [f.id for f in failed] == [2, 3] and all(isinstance(f, Failed) for f in failed)
     assert {f.code for f in failed} == {"store_unavailable"} and "does not answer" in failed[0].message
     assert host.batcher.reserved() == 1 and conn.pending == set()  # only claim 1's grant
+
+
+def test_fp8_blocks_are_part_of_every_content_key():
+    """FP8 embeddings differ from bfloat16 ones: the same image must not hit the other's stored entry, and
+    two FP8 towers keeping different blocks differ too."""
+    from service.config import Settings
+    from service.engine.host import key_salt
+    from service.engine.loader import load_model
+
+    model = load_model(Settings(model="tiny", device="cpu"))
+    plain = key_salt(model)
+    model.tower.quantize_fp8(keep=(0,))
+    one = key_salt(model)
+    model.tower.fuse_patch_embed()  # back to the loaded weights
+    model.tower.quantize_fp8(keep=())
+    every = key_salt(model)
+    model.tower.fuse_patch_embed()
+    model.tower.quantize_fp8(keep=(), gemms=("qkv",))
+    assert len({plain, one, every, key_salt(model)}) == 4 and one.endswith("|fp8 qkv+fc1+fc2 blocks 1,2")

@@ -181,3 +181,8 @@ def test_video_preprocessing_is_read_where_transformers_reads_it(full_ckpt, tmp_
 
 def test_a_preset_has_the_default_video_preprocessing():
     assert _load("tiny").video == VideoParams()
+
+
+def test_fp8_is_refused_on_the_cpu_with_what_to_use_instead():
+    with pytest.raises(ModelLoadError, match="--dtype fp8 needs a CUDA GPU .* use bfloat16 or float32"):
+        load_model(Settings(model="tiny", device="cpu", dtype="fp8"))

@@ -284,41 +284,59 @@ def test_a_video_group_of_two_equal_frames_equals_the_image_path(towers):
     assert diff <= TOL
 
 
-def test_cpu_attention_of_a_large_image_does_not_materialise_the_scores():
-    """Issue 23: on the CPU a 16-megapixel image (65,536 patches) made a step allocate 32 GiB, the n x n
-    scores of one block, and failed with a 500. The per-image attention must grow with n, not n**2: here
-    16,384 patches of 2 heads, whose scores alone would be 2 GiB, in a process of its own (peak RSS)."""
-    import subprocess
-    import sys
+# ---- FP8 (the quantisation; its GEMMs on a GPU: test_tower_cuda.py) -------------------------------------
+def test_row_wise_fp8_keeps_each_value_within_e4m3s_rounding_of_its_row_scale():
+    from service.engine.tower import FP8_MAX, quantize_rows
 
-    code = """
-import resource, torch
-from service.engine.tower import AttentionKind, _Attn, _attention
-n, h, d = 16384, 2, 32
-q, k, v = (torch.randn(n, h, d) for _ in range(3))
-attn = _Attn(AttentionKind.LOOP, torch.tensor([0, n], dtype=torch.int32), 0, 0, (n,), False)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out = _attention(q, k, v, attn, d ** -0.5)
-assert out.shape == (n, h, d)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    grown = int(done.stdout.strip())
-    assert grown < 256 * 1024**2, f"attention of 16,384 patches grew the process by {grown / 1024**2:.0f} MiB"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 2, 64)[:, None]  # rows five decades apart
+    x[3] = 0.0  # an all-zero row (a graph's padding) must not divide by zero
+    q, scale = quantize_rows(x.to(torch.bfloat16))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
+    back = q.float() * scale
+    assert torch.isfinite(back).all() and torch.equal(back[3], torch.zeros(256))
+    xb = x.to(torch.bfloat16).float()
+    # each row's largest magnitude maps to e4m3's largest value; 3 mantissa bits: half an ulp is 2**-4 of a
+    # normal value, and below e4m3's smallest normal (2**-6) the step is 2**-9 of the scale
+    assert torch.allclose(q.float().abs().amax(dim=1)[torch.arange(64) != 3], torch.tensor(FP8_MAX))
+    assert ((back - xb).abs() <= xb.abs() * 2**-4 + scale * 2**-10 + 1e-30).all()
 
 
-def test_cpu_attention_per_image_equals_the_plain_softmax_of_each_image():
-    from service.engine.tower import AttentionKind, _Attn, _attention
+def test_an_fp8_tower_is_the_bf16_tower_in_the_kept_blocks_and_close_to_it_in_the_rest(towers):
+    """quantize_fp8 with every block kept changes nothing (bit for bit); with none kept every token stays
+    within cosine 0.99 of the float32 tower (random weights: no trained outlier channels), and a block
+    kept in high precision is closer still."""
+    import copy
 
-    torch.manual_seed(3)
-    lens = (64, 40, 100)
-    n, h, d = sum(lens), 4, 16
-    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
-    cu = torch.tensor([0, 64, 104, 204], dtype=torch.int32)
-    out = _attention(q, k, v, _Attn(AttentionKind.LOOP, cu, 0, 0, lens, False), d ** -0.5)
-    parts = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each image attends only to itself
-        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * d ** -0.5
-        parts.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[a:b]))
-    assert torch.allclose(out, torch.cat(parts), atol=1e-10, rtol=0)
+    from service.engine.tower import fp8_linear, quantize_rows
+
+    _, ours = towers
+    spec = ours.spec
+    batch, _, _ = _inputs(spec, [(1, 8, 12), (1, 16, 16)], seed=3)
+    with torch.inference_mode():
+        ref = ours(batch)
+        kept = copy.deepcopy(ours)
+        kept.quantize_fp8(keep=tuple(range(spec.depth)))
+        assert kept.fp8_blocks == () and torch.equal(kept(batch), ref)
+        outs = {}
+        for keep in ((), (0,)):
+            t = copy.deepcopy(ours)
+            t.quantize_fp8(keep=keep)
+            assert t.fp8_blocks == tuple(i for i in range(spec.depth) if i not in keep)
+            w = t._block_weights[spec.depth - 1]
+            assert w.qkv_w.dtype == w.fc1_w.dtype == w.fc2_w.dtype == torch.float8_e4m3fn
+            assert w.proj_w.dtype == torch.float32 and w.qkv_s.shape == (1, 3 * spec.hidden_size)
+            outs[keep] = t(batch)
+    cos = {k: torch.nn.functional.cosine_similarity(o, ref, dim=1) for k, o in outs.items()}
+    rel = {k: ((o - ref).norm() / ref.norm()).item() for k, o in outs.items()}
+    print(f"fp8 vs float32, tiny tower: min cosine {cos[()].min():.5f} rel {rel[()]:.2e}; block 0 kept "
+          f"{cos[(0,)].min():.5f} rel {rel[(0,)]:.2e}")
+    assert cos[()].min() > 0.99 and rel[()] < 0.1
+    assert rel[(0,)] < rel[()]
+    # one GEMM: the quantised product against the float one
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    w = ours.blocks[0].attn.qkv.weight
+    wq, ws = quantize_rows(w)
+    y = fp8_linear(x, wq, ws.t().contiguous(), ours.blocks[0].attn.qkv.bias)
+    want = torch.nn.functional.linear(x, w, ours.blocks[0].attn.qkv.bias)
+    assert ((y - want).norm() / want.norm()).item() < 5e-2

@@ -1,0 +1,116 @@
+"""The real-world photo-size mix over HTTP (issue 24): `serve` with each configuration in turn, the same
+black-box load against each, in one run on one machine.
+
+    python bench/bench_mix.py --out DIR [--preset qwen3-vl-4b] [--configs "cudnn:--attention cudnn;auto:"]
+        [--requests 3000] [--processes 4] [--concurrency 64] [--idle 60]
+
+Load: bench/loadtest.py as a separate program (4 client processes, asyncio httpx), one image per request,
+distinct JPEG photographs (the `photo` pattern) cycled over issue 24's ten sizes (640x480 ... 1280x960),
+--concurrency in flight in all, after a warm-up of 256 requests; then --idle requests one at a time (an
+idle server's latency, p50). A configuration is `name:extra serve flags`; `cudnn` (--attention cudnn:
+batched cuDNN, FA2 varlen) is the kernels before the measured plan, the baseline of the same run.
+The tower's FLOPs per image (bench_gpu.tower_flops) turn img/s into TFLOP/s. JSON DIR/bench_mix.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_frontend import stop, wait_ready  # noqa: E402
+from bench.bench_tower import REAL_WORLD_SIZES  # noqa: E402
+
+SIZES = ",".join(f"{w}x{h}" for w, h in REAL_WORLD_SIZES)
+
+
+def load(args, port: int, out: Path, requests: int, concurrency: int, processes: int, seed: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "loadtest.py"), "--url", f"http://127.0.0.1:{port}",
+           "--sizes", SIZES, "--pattern", "photo", "--format", "jpeg", "--images-per-request", "1",
+           "--requests", str(requests), "--duration-s", "600", "--concurrency", str(concurrency),
+           "--processes", str(processes), "--seed", str(seed), "--out", str(out), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadtest failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="qwen3-vl-4b")
+    ap.add_argument("--configs", default="cudnn:--attention cudnn;auto:")
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--processes", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--idle", type=int, default=60)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from bench.bench_gpu import tower_flops
+    from service.config import Settings
+    from service.engine.loader import load_model
+    from service.media.preprocess import grid_for, smart_resize
+
+    model = load_model(Settings(model=args.preset, device="cpu", dtype="float32"))  # geometry only
+    patches = [h * w for _, h, w in (grid_for(*smart_resize(hh, ww, model.params), model.params)
+                                     for ww, hh in REAL_WORLD_SIZES)]
+    tflop_per_image = tower_flops(model.spec, patches, frame_only=False) / len(patches) / 1e12
+    del model
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", "torch": torch.__version__,
+           "python": platform.python_version(), "preset": args.preset, "sizes": SIZES,
+           "tflop_per_image": round(tflop_per_image, 4), "runs": []}
+    cache = Path(tempfile.mkdtemp(prefix="qve-mix-cc-"))
+
+    def save():
+        (args.out / "bench_mix.json").write_text(json.dumps(res, indent=2))
+
+    for i, config in enumerate(args.configs.split(";")):
+        name, _, flags = config.partition(":")
+        port = 18200 + i
+        store = Path(tempfile.mkdtemp(prefix="qve-mix-", dir="/dev/shm"))
+        log = args.out / f"serve_{name}.log"
+        cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--port", str(port),
+               "--store", str(store), "--store-capacity-bytes", str(16 * 1024**3), "--store-min-residency-s", "0",
+               "--max-queue-images", "4096", "--compile-cache", str(cache), *shlex.split(flags)]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        try:
+            wait_ready(proc, port, log, f"server {name}")
+            row = {"name": name, "flags": flags, "ready_s": round(time.perf_counter() - t0, 1)}
+            load(args, port, args.out / f"warm_{name}.json", 256, args.concurrency, args.processes, 1000 + i)
+            rep = load(args, port, args.out / f"load_{name}.json", args.requests, args.concurrency, args.processes,
+                       2000 + i)
+            s = rep["summary"]
+            row.update(ok_images=s["ok_images"], requests=s["requests"], errors=s["errors"],
+                       img_s=round(s["images_per_s"], 1), tflops=round(s["images_per_s"] * tflop_per_image, 1),
+                       latency_ms=s["latency_ms"])
+            idle = load(args, port, args.out / f"idle_{name}.json", args.idle, 1, 1, 3000 + i)
+            row["idle_p50_ms"] = idle["summary"]["latency_ms"].get("p50")
+            res["runs"].append(row)
+            print(name, row, flush=True)
+            save()
+        finally:
+            stop(proc, 60)
+    base = res["runs"][0]["img_s"] if res["runs"] else None
+    print(f"\n{res['date']}  {res['gpu']}  preset {args.preset}  real-world mix, 1 image/request, "
+          f"{args.concurrency} in flight, {args.processes} client processes")
+    for r in res["runs"]:
+        print(f"{r['name']:8s} {r['img_s']} img/s ({r['tflops']} TFLOP/s, x{(r['img_s'] or 0) / (base or 1):.3f}) "
+              f"p50 {r['latency_ms'].get('p50')} ms, idle p50 {r['idle_p50_ms']} ms, errors {r['errors']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

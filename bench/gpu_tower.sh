@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU machine call for the tower (issue 24): the GPU tests of every attention kernel and FP8, then
+# bench/bench_tower.py (transformers, our bf16 tower with the measured attention plan, each kernel forced,
+# and --dtype fp8 with its accuracy on real photographs), results into OUT.
+#
+#   bash bench/gpu_tower.sh OUT [SECTIONS] [EXTRA bench_tower ARGS...]
+#
+# MIX="name:serve flags;..." then runs bench/bench_mix.py (the real-world size mix over HTTP) with those
+# servers (MIX_ARGS: more of its arguments), its logs packed into OUT/mix.tgz.
+# FlashAttention-3 (the `fa3` extra) is installed from .fa3/ when that folder holds its wheel, serving
+# wheels from .whl/ (the GPU machines have no package registry); TESTS=0 skips the tests.
+set -uo pipefail
+OUT=${1:?usage: gpu_tower.sh OUT [SECTIONS] [ARGS...]}
+SECTIONS=${2:-ceiling,tower,accuracy,fp8}
+shift $(( $# >= 2 ? 2 : 1 ))
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$OUT"
+for d in .whl .fa3; do
+  if ls $d/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
+      || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+done
+export PYTHONUNBUFFERED=1
+{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nproc;
+  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv;
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)
+from service.engine import attention; print('FA3', attention.fa3_status())"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_attention_cuda.py tests/engine/test_tower_cuda.py \
+    tests/engine/test_attention.py tests/engine/test_tower.py ${MORE_TESTS:-} > "$OUT/gpu_tests.log" 2>&1
+  tail -25 "$OUT/gpu_tests.log"
+fi
+python3 bench/bench_tower.py --out "$OUT" --sections "$SECTIONS" "$@" > "$OUT/bench_tower.log" 2>&1
+tail -40 "$OUT/bench_tower.log"
+if [ -n "${MIX:-}" ]; then
+  python3 bench/bench_mix.py --out /tmp/mix --configs "$MIX" ${MIX_ARGS:-} > "$OUT/bench_mix.log" 2>&1
+  cp /tmp/mix/bench_mix.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/mix.tgz" -C /tmp mix 2>/dev/null
+  tail -8 "$OUT/bench_mix.log"
+fi

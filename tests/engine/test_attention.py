@@ -1,0 +1,111 @@
+"""The attention module on the CPU: the per-segment loop's memory and values, and the plan (which
+kernel each step takes) from timings. The kernels themselves, the measurement and FA3: test_attention_cuda.py."""
+
+import pytest
+import torch
+
+from service.engine.attention import (FALLBACK, LADDER, AttentionKind, AttentionPlan, Attn, Backend, attend, available,
+                                      fa3_op, fa3_status, plan_from_timings)
+
+B, V = AttentionKind.BATCHED, AttentionKind.VARLEN
+
+
+def test_cpu_attention_of_a_large_image_does_not_materialise_the_scores():
+    """Issue 23: on the CPU a 16-megapixel image (65,536 patches) made a step allocate 32 GiB, the n x n
+    scores of one block, and failed with a 500. The per-image attention must grow with n, not n**2: here
+    16,384 patches of 2 heads, whose scores alone would be 2 GiB, in a process of its own (peak RSS)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from service.engine.attention import AttentionKind, Attn, Backend, attend
+n, h, d = 16384, 2, 32
+q, k, v = (torch.randn(n, h, d) for _ in range(3))
+attn = Attn(AttentionKind.LOOP, Backend.SDPA, torch.tensor([0, n], dtype=torch.int32), 0, 0, (n,))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = attend(q, k, v, attn, d ** -0.5)
+assert out.shape == (n, h, d)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown = int(done.stdout.strip())
+    assert grown < 256 * 1024**2, f"attention of 16,384 patches grew the process by {grown / 1024**2:.0f} MiB"
+
+
+def test_cpu_attention_per_image_equals_the_plain_softmax_of_each_image():
+    torch.manual_seed(3)
+    lens = (64, 40, 100)
+    n, h, d = sum(lens), 4, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 64, 104, 204], dtype=torch.int32)
+    out = attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, cu, 0, 0, lens), d ** -0.5)
+    parts = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each image attends only to itself
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * d ** -0.5
+        parts.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[a:b]))
+    assert torch.allclose(out, torch.cat(parts), atol=1e-10, rtol=0)
+
+
+def _timings():
+    """Timings shaped like issue 24's H200 probes: cuDNN wins short equal steps, FA3 long ones, and FA3
+    every varlen length."""
+    ms = {}
+    for n in LADDER:
+        ms[(B, n)] = {Backend.CUDNN: 1.0 if n <= 784 else 2.0, Backend.FA3: 1.5 if n <= 784 else 1.2, Backend.SDPA: 3.0}
+        ms[(V, n)] = {Backend.FA3: 1.0, Backend.FA2: 1.4}
+    return ms
+
+
+def test_the_plan_takes_the_fastest_kernel_at_each_length_and_a_step_the_row_nearest_its_longest_segment():
+    plan = plan_from_timings(_timings())
+    assert plan.table[B] == ((256, Backend.CUDNN), (784, Backend.CUDNN), (1600, Backend.FA3), (4096, Backend.FA3),
+                             (8160, Backend.FA3), (16384, Backend.FA3))
+    assert plan.choose(B, 784) == Backend.CUDNN and plan.choose(B, 4096) == Backend.FA3
+    # nearest on a log scale: 1,100 is nearer 784 (x1.40) than 1,600 (x1.45); 1,200 nearer 1,600
+    assert plan.choose(B, 1100) == Backend.CUDNN and plan.choose(B, 1200) == Backend.FA3
+    assert plan.choose(B, 1) == Backend.CUDNN and plan.choose(B, 10**6) == Backend.FA3  # beyond the ladder's ends
+    assert plan.choose(V, 300) == Backend.FA3
+    assert plan.backends(B) == {Backend.CUDNN, Backend.FA3} and plan.backends(V) == {Backend.FA3}
+    assert plan.describe() == "batched cudnn 256-784 fa3 1600-16384; varlen fa3"
+    assert plan.ms["batched/784"] == {"cudnn": 1.0, "fa3": 1.5, "sdpa": 3.0}
+
+
+def test_a_layout_with_nothing_measured_takes_its_fallback():
+    ms = _timings()
+    for n in LADDER:
+        ms[(V, n)] = {}  # no varlen kernel ran (e.g. no varlen_attn and no FA3)
+    plan = plan_from_timings(ms)
+    assert V not in plan.table and plan.choose(V, 784) == FALLBACK[V] == Backend.FA2
+    empty = AttentionPlan()
+    assert [empty.choose(k, 784) for k in (B, V, AttentionKind.LOOP)] == [Backend.SDPA, Backend.FA2, Backend.SDPA]
+    assert empty.describe() == "batched sdpa; varlen fa2"
+
+
+def test_a_forced_kernel_runs_every_layout_it_can_and_the_others_keep_their_fallback():
+    fa3 = AttentionPlan.forced(Backend.FA3)
+    assert fa3.choose(B, 256) == fa3.choose(B, 8160) == fa3.choose(V, 784) == Backend.FA3
+    cudnn = AttentionPlan.forced(Backend.CUDNN)
+    assert cudnn.choose(B, 784) == Backend.CUDNN and cudnn.choose(V, 784) == Backend.FA2
+    assert cudnn.describe() == "batched cudnn; varlen fa2"
+    fa2 = AttentionPlan.forced(Backend.FA2)
+    assert fa2.choose(B, 784) == Backend.SDPA and fa2.choose(V, 784) == Backend.FA2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's answers")
+def test_on_the_cpu_only_the_per_segment_loop_and_batched_sdpa_are_available_and_fa3_says_why_not():
+    cpu = torch.device("cpu")
+    assert available(B, cpu) == (Backend.SDPA,) and available(V, cpu) == ()
+    if fa3_op() is None:  # the fa3 extra is not installed here (CI): the reason names the wheel
+        assert "not installed" in fa3_status() and "fa3" in fa3_status()
+
+
+def test_batched_sdpa_equals_each_segment_attended_alone():
+    torch.manual_seed(5)
+    n, h, d = 3 * 50, 2, 8
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 50, 100, 150], dtype=torch.int32)
+    batched = attend(q, k, v, Attn(B, Backend.SDPA, cu, 0, 3, None), d**-0.5)
+    loop = attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, cu, 0, 0, (50, 50, 50)), d**-0.5)
+    assert torch.allclose(batched, loop, atol=1e-12, rtol=0)
