@@ -44,6 +44,34 @@ def ready_info(server, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+def wait_api_processes_ready(server, count: int, timeout: float = 60.0,
+                             exclude: frozenset[int] = frozenset()) -> set[int]:
+    """Until `count` distinct API processes (none of `exclude`) have answered /ready 200; their pids.
+    Asked 8 at a time: asked one after another, every new connection of an idle server can go to the
+    same process, whichever the kernel's wakeup order favours (in a full-suite run 746 answers in 60 s
+    all came from one of two started processes); concurrent requests keep that one busy, so the other
+    accepts some."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pids: set[int] = set()
+
+    def ask(_) -> None:
+        try:
+            r = httpx.get(server.url + "/ready", timeout=5, headers={"Connection": "close"})
+        except httpx.TransportError:  # a connection a dying process had accepted
+            return
+        if r.status_code == 200 and r.json()["api_pid"] not in exclude:
+            pids.add(r.json()["api_pid"])
+
+    deadline = time.monotonic() + timeout
+    with ThreadPoolExecutor(8) as pool:
+        while len(pids) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pids)} of {count} API processes answered /ready 200 in {timeout:.0f} s")
+            list(pool.map(ask, range(8)))
+    return pids
+
+
 class CheckpointServer(ServiceProcess):
     """`serve` on a checkpoint directory, on the CPU in float32 (so it matches transformers within 1e-5),
     two decode workers, loopback only; `extra` flags after those."""

@@ -71,7 +71,8 @@ MEASURE_ROWS = 32768  # patch rows per timed call: segments of a length x as man
 
 
 class Attn(NamedTuple):
-    """How this step's attention runs: host values, fixed for the whole step (static under compile)."""
+    """How this step's attention runs, fixed for the whole step. Under torch.compile the layout and the kernel
+    are guards (each pair compiles once), the integers symbolic, cu_seqlens a device input."""
 
     kind: AttentionKind
     backend: Backend

@@ -17,7 +17,7 @@ from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests.live import json_body, metric, server_timing
 from tests.processes import (IMAGES, CheckpointServer, ready_info, stalled_heads_are_cut_off,
-                             two_image_client, wait_for)
+                             two_image_client, wait_api_processes_ready, wait_for)
 from tests.proctree import alive, descendants
 
 # slow: each test starts a supervisor with two API processes and one or two engines (tens of seconds on two
@@ -33,10 +33,8 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
     try:
         assert server.listening_addresses() == {"0100007F"}  # the supervisor's socket: 127.0.0.1 only
         # Both API processes ready before the load (the first 200 says nothing of the other, which may
-        # still be connecting to the engine: its 503s failed this test on a loaded machine); the kernel
-        # spreads the connections over the one socket, so both answer.
-        pids: set[int] = set()
-        wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 60, "both API processes answer")
+        # still be connecting to the engine: its 503s failed this test on a loaded machine).
+        wait_api_processes_ready(server, 2, 60)
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(lambda c: two_image_client(server, c), range(32)))
         for names, r in results:
@@ -135,8 +133,7 @@ def test_sigkill_of_an_api_process_restarts_it_and_the_others_go_on(tmp_path, ti
             except httpx.TransportError:
                 pass  # a connection the dying process had accepted
         assert ok >= 18
-        wait_for(lambda: len({ready_info(server)["api_pid"] for _ in range(10)} - {victim}) == 2, 60,
-                 "a new API process serves")
+        wait_api_processes_ready(server, 2, 60, exclude=frozenset({victim}))  # the survivor and a new one
         assert ready_info(server)["engine_pid"] == engine and alive(engine)
         # The engine's threads are named for the kernel (child.name_os_threads), as a profile of them needs.
         names = {(t / "comm").read_text().strip() for t in Path(f"/proc/{engine}/task").iterdir()}
@@ -196,8 +193,7 @@ def test_stalled_request_heads_are_cut_off_in_every_api_process(tmp_path, tiny_c
     try:
         # Both API processes ready first: the "meanwhile" request may reach either (on a loaded machine
         # one still starting answered it 503 once).
-        pids: set[int] = set()
-        wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 60, "both API processes answer")
+        wait_api_processes_ready(server, 2, 60)
         stalled_heads_are_cut_off(server, 1.0)
     finally:
         server.stop()
@@ -227,8 +223,7 @@ def test_two_devices_two_engines_share_the_store_by_key_and_match_transformers(t
                               "--max-wait-ms", "20")
     sup = server.proc.pid
     try:
-        pids: set[int] = set()
-        wait_for(lambda: pids.add(ready_info(server)["api_pid"]) or len(pids) == 2, 90, "both API processes answer")
+        wait_api_processes_ready(server, 2, 90)
         info = ready_info(server)
         assert [e["device"] for e in info["engines"]] == ["cpu", "cpu"] and all(e["ready"] for e in info["engines"])
         assert len({e["engine_pid"] for e in info["engines"]}) == 2 and info["engine_pid"] == info["engines"][0]["engine_pid"]
