@@ -31,6 +31,7 @@ done
   > "$OUT/machine.txt" 2>&1
 # The tests that use the GPU where there is one (they skip without), and the image corpus's bit-identity.
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_core_cuda.py tests/engine/test_tower_cuda.py \
+  tests/engine/test_attention_cuda.py \
   tests/engine/test_pool.py tests/engine/test_runner.py tests/engine/test_tower.py tests/kernels tests/media/test_images.py \
   tests/store > "$OUT/gpu_tests.log" 2>&1
 if [ -n "$BASE" ]; then

@@ -8,7 +8,9 @@
 # MIX="name:serve flags;..." then runs bench/bench_mix.py (the real-world size mix over HTTP) with those
 # servers (MIX_ARGS: more of its arguments), its logs packed into OUT/mix.tgz.
 # FlashAttention-3 (the `fa3` extra) is installed from .fa3/ when that folder holds its wheel, serving
-# wheels from .whl/ (the GPU machines have no package registry); TESTS=0 skips the tests.
+# wheels from .whl/ (the GPU machines have no package registry); TESTS=0 skips the tests. The wheel, on a
+# machine with the registry: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_24_x86_64 -d .fa3 fa3-fwd==0.0.3` (27.6 MB; ignored by git through .git/info/exclude).
 set -uo pipefail
 OUT=${1:?usage: gpu_tower.sh OUT [SECTIONS] [ARGS...]}
 SECTIONS=${2:-ceiling,tower,accuracy,fp8}
