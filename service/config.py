@@ -291,8 +291,8 @@ class Settings(BaseSettings):
         "device is the same as --device; none: one engine on --device")
     dtype: Literal["auto", "float32", "bfloat16", "fp8"] = Field(
         "auto", description="auto: bfloat16 on cuda, float32 on cpu; fp8 (opt-in, a GPU of compute capability 8.9+): "
-        "the blocks' qkv and MLP GEMMs in FP8 with row-wise scales, everything else and the stored embeddings in "
-        "bfloat16 (another content key than bfloat16's)")
+        "the --fp8-gemms GEMMs of the blocks in FP8 with row-wise scales, everything else and the stored embeddings "
+        "in bfloat16 (another content key than bfloat16's)")
     fp8_bf16_blocks: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: [0], description="with --dtype fp8: the blocks (0-based, comma-separated) that "
         "stay bfloat16, as the patch embedding, attention output projections and mergers always do")
@@ -495,7 +495,6 @@ class Settings(BaseSettings):
         if any(i < 0 for i in v):
             raise ValueError(f"block indexes are 0-based and not negative, got {v}")
         return sorted(set(v))
-
     @field_validator("allowed_url_hosts")
     @classmethod
     def _lower_hosts(cls, v: list[str]) -> list[str]:
@@ -507,6 +506,8 @@ class Settings(BaseSettings):
             raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
         if len(self.devices) == 1:  # documented: one device is --device
             self.device = self.devices[0]
+        if self.dtype == "fp8" and not self.fp8_gemms:
+            raise ValueError("--dtype fp8 with no --fp8-gemms: name at least one of qkv, fc1, fc2 (or use bfloat16)")
         return self
 
     @property

@@ -106,6 +106,9 @@ def test_fp8_and_attention_settings_parse_and_refuse_what_cannot_be():
     assert s.fp8_gemms == ["qkv", "fc2"]
     with pytest.raises(ValidationError, match="fp8_gemms"):
         Settings(fp8_gemms="qkv,proj")
+    with pytest.raises(ValidationError, match="--dtype fp8 with no --fp8-gemms: name at least one of qkv, fc1, fc2"):
+        Settings(dtype="fp8", fp8_gemms="")
+    assert Settings(fp8_gemms="").fp8_gemms == []  # without fp8 it is not used
     assert Settings().fp8_bf16_blocks == [0] and Settings().attention == "auto"
     with pytest.raises(ValidationError, match="0-based and not negative"):
         Settings(fp8_bf16_blocks="-1")

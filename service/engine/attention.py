@@ -103,7 +103,7 @@ class AttentionPlan:
         return {b for _, b in rows} if rows else {FALLBACK[kind]}
 
     def describe(self) -> str:
-        """One line for the log: each layout's backend by length ('batched cudnn<=784 fa3>=1600; varlen fa3')."""
+        """One line for the log: each layout's backend by length ('batched cudnn 256-784 fa3 1600-16384; varlen fa3')."""
         parts = []
         for kind in (AttentionKind.BATCHED, AttentionKind.VARLEN):
             rows = self.table.get(kind)

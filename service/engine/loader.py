@@ -79,8 +79,6 @@ def load_model(settings: Settings) -> LoadedModel:
         over = [i for i in settings.fp8_bf16_blocks if i >= spec.depth]
         if over:
             raise ModelLoadError(f"--fp8-bf16-blocks {over}: the tower has blocks 0..{spec.depth - 1}")
-        if not settings.fp8_gemms:
-            raise ModelLoadError("--dtype fp8 with no --fp8-gemms: name at least one of qkv, fc1, fc2 (or use bfloat16)")
         tower.quantize_fp8(keep=tuple(settings.fp8_bf16_blocks), gemms=tuple(settings.fp8_gemms))
     tower.eval().requires_grad_(False)
     return LoadedModel(tower, spec, params, model_id, random_weights, device, dtype,

@@ -18,8 +18,8 @@ step loop:
   * attention is chosen per step on the host, from host integers (no device sync): its layout (one
     batched call when every image has the same length, the packed batch otherwise on CUDA, a
     per-image loop elsewhere) and its kernel, from a plan measured on the device (attention.py);
-  * `--dtype fp8` (quantize_fp8): the qkv, fc1 and fc2 GEMMs of all but a few blocks in FP8 with
-    row-wise scales, the activations quantised inside the compiled block;
+  * `--dtype fp8` (quantize_fp8): the chosen GEMMs (qkv by default) of all but the kept blocks in FP8
+    with row-wise scales, the activations quantised inside the compiled block;
   * the block is one function of its weights (`_make_block_fn`): `compile()` wraps it in torch.compile
     with dynamic shapes, so one compiled graph per attention kind serves every block and every step
     size (and the CUDA graphs captured from it); GELU runs in the cuBLASLt GEMM epilogue on CUDA.
@@ -40,6 +40,7 @@ from torch import nn
 from kernels import rotary as rotary_kernel
 from service.engine.attention import (AttentionKind, AttentionPlan, Attn, Backend, attend,  # noqa: F401 (re-exported)
                                       varlen_available)
+
 
 @dataclass(frozen=True)
 class TowerSpec:
@@ -446,10 +447,7 @@ class VisionTower(nn.Module):
         max_seqlen = (b.max_seqlen or max(b.seq_lens)) if kind == AttentionKind.VARLEN else 0
         batch = len(b.seq_lens) if kind == AttentionKind.BATCHED else 0
         seq_lens = b.seq_lens if kind == AttentionKind.LOOP else None
-        if kind == AttentionKind.LOOP:
-            backend = Backend.SDPA
-        else:
-            backend = b.backend or self.attention_plan.choose(kind, max(b.seq_lens))
+        backend = b.backend or self.attention_plan.choose(kind, max(b.seq_lens))  # LOOP: always SDPA
         block_fn = self._compiled if (self._compiled is not None and kind != AttentionKind.LOOP) else self._block_fn
 
         if b.frame1 is None:  # images only: the fast path (and every CUDA graph)
