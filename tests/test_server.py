@@ -82,7 +82,10 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
     server = CheckpointServer(tiny_checkpoint, store, "--max-batch-images", "1", "--max-wait-ms", "0",
                               "--max-pixels", "4000000")
     # 8 requests of ~1 s steps each: ample time for the condition below (all inside, 2 or more unanswered).
-    blobs = [data.encode(data.textured_rgb(2000, 1950, seed=900 + i), "PNG") for i in range(8)]
+    # NOTE: JPEG, not PNG: the service must take the requests in faster than it encodes them, and a PNG's
+    # body was 15 MB of JSON to parse (11 MB of PNG, 1.6 MB as JPEG); a fresh-clone run on a loaded
+    # machine never saw 2 waiting before all 8 were answered.
+    blobs = [data.encode(data.textured_rgb(2000, 1950, seed=900 + i), "JPEG") for i in range(8)]
     try:
         with ThreadPoolExecutor(len(blobs)) as pool:
             futures = [pool.submit(httpx.post, server.url + "/encode", json=json_body(b), timeout=120) for b in blobs]
