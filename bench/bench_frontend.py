@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -179,17 +180,39 @@ def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
     return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
 
 
-def step_counters(port: int) -> tuple[float, float]:
-    """(steps, images in steps) from /metrics (the engine's histogram of images per step)."""
+STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit")
+
+
+def engine_counters(port: int) -> dict[str, float]:
+    """From /metrics: steps, images in steps, and the seconds of each step phase (qve_step_phase_seconds),
+    summed over engines (with several, each engine's series carries an engine="i" label)."""
     import http.client
 
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()
-    # Summed over engines: with several, each engine's series carries an engine="i" label.
-    val = lambda name: sum(float(l.split()[-1]) for l in text.splitlines()  # noqa: E731,E741
-                           if l.startswith((name + " ", name + "{")))
-    return val("qve_step_images_count"), val("qve_step_images_sum")
+    val = lambda name, *more: sum(float(l.split()[-1]) for l in text.splitlines()  # noqa: E731,E741
+                                  if l.startswith((name + " ", name + "{")) and all(m in l for m in more))
+    out = {"steps": val("qve_step_images_count"), "images": val("qve_step_images_sum")}
+    for ph in STEP_PHASES:
+        out[ph] = val("qve_step_phase_seconds_sum", f'phase="{ph}"')
+    return out
+
+
+def step_counters(port: int) -> tuple[float, float]:
+    """(steps, images in steps) from /metrics (the engine's histogram of images per step)."""
+    c = engine_counters(port)
+    return c["steps"], c["images"]
+
+
+def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """Images per step, the time between steps and each phase's mean per step (ms) between two engine_counters."""
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return {"steps": 0}
+    return {"steps": int(steps), "images_per_step": round((after["images"] - before["images"]) / steps, 1),
+            "ms_between_steps": round(1e3 * wall_s / steps, 2),
+            "phase_ms": {ph: round(1e3 * (after[ph] - before[ph]) / steps, 2) for ph in STEP_PHASES}}
 
 
 def idle(port: int, blobs: list[bytes]) -> dict:
@@ -221,12 +244,12 @@ def parse_mode(mode: str) -> tuple[int, int]:
     return int(api), int(engines or 1)
 
 
-def serve(args, mode: str, port: int, store: Path | str, log: Path) -> subprocess.Popen:
+def serve(args, mode: str, port: int, store: Path | str, log: Path, flags: str = "") -> subprocess.Popen:
     api, engines = parse_mode(mode)
     cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--device", args.device,
            "--store", str(store), "--port", str(port), "--store-capacity-bytes", str(args.store_bytes),
            "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(api),
-           "--compile-cache", str(args.compile_cache)]
+           "--compile-cache", str(args.compile_cache), *shlex.split(flags)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if str(store).startswith("mooncake://"):
         cmd += ["--mooncake-local-host", "127.0.0.1", "--mooncake-segment-bytes", str(args.store_bytes)]
@@ -327,6 +350,9 @@ def main() -> int:
                     "the server's Mooncake segment")
     ap.add_argument("--stores", default="directory", help="comma-separated backends each mode runs on, in turn: "
                     "directory, mooncake (needs Mooncake's client and mooncake_master: the `mooncake` extra)")
+    ap.add_argument("--variants", default=":", help="semicolon-separated NAME:SERVE FLAGS, each mode run once per "
+                    "variant (e.g. \":;slots6:--pool-slots 6\"; the default: one, the server's defaults)")
+    ap.add_argument("--x8", action=argparse.BooleanOptionalAction, default=True, help="the 8-images-per-request phase")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
                     "(another commit's tree, for an A/B in one run: bench/ab_frontend.py); the client is this one")
@@ -367,8 +393,10 @@ def main() -> int:
     n = args.images
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 2)) as pool:
         last_directory: dict[str, dict] = {}
-        runs = [(mode, kind) for mode in args.modes.split(",") for kind in args.stores.split(",")]
-        for mi, (mode, kind) in enumerate(runs):
+        variants = [v.partition(":")[::2] for v in args.variants.split(";")]
+        runs = [(mode, kind, variant) for mode in args.modes.split(",") for kind in args.stores.split(",")
+                for variant in variants]
+        for mi, (mode, kind, (vname, vflags)) in enumerate(runs):
             base = 1_000_000 * (mi + 1)
             blobs_idle = pool.map(jpeg_448, range(base, base + 110))
             blobs1 = pool.map(jpeg_448, range(base + 1000, base + 1000 + n))
@@ -378,34 +406,38 @@ def main() -> int:
             res["jpeg_kb_mean"] = round(sum(map(len, blobs1)) / len(blobs1) / 1024, 1)
             port = 18300 + mi
             store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-            name = str(mode) if kind == "directory" else f"{mode}@{kind}"
+            name = (str(mode) if kind == "directory" else f"{mode}@{kind}") + (f"/{vname}" if vname else "")
             tag = f"{mode}-{kind}-run{mi + 1}"  # (file names of letters, digits and dashes: they travel back)
             master = mooncake_master(args, tag) if kind == "mooncake" else None
-            proc = serve(args, mode, port, master.url if master else store / "s", args.out / f"server_mode{tag}.log")
+            proc = serve(args, mode, port, master.url if master else store / "s", args.out / f"server_mode{tag}.log",
+                         vflags)
             try:
+                si, t_idle = engine_counters(port), time.perf_counter()
                 r = {"idle": idle(port, blobs_idle)}
+                r["idle"].update(per_step(si, engine_counters(port), time.perf_counter() - t_idle))
                 print(f"{name}: idle {r['idle']}", flush=True)
-                s0 = step_counters(port)
+                s0 = engine_counters(port)
                 spies = profile(args, proc.pid, f"mode{mode}_x1")
                 roots = [proc.pid] + ([master.proc.pid] if master is not None else [])
                 c0 = cpu_snapshot(roots)
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
                 r["x1"]["cpu"] = cpu_used(c0, cpu_snapshot(roots))
                 summarize(spies)
-                s1 = step_counters(port)
-                r["x1"]["images_per_step"] = round((s1[1] - s0[1]) / max(1, s1[0] - s0[0]), 1)
+                s1 = engine_counters(port)
+                r["x1"].update(per_step(s0, s1, r["x1"]["wall_s"]))
                 print(f"{name}: 1 img/request {r['x1']}", flush=True)
-                spies = profile(args, proc.pid, f"mode{mode}_x8")
-                r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
-                summarize(spies)
-                s2 = step_counters(port)
-                r["x8"]["images_per_step"] = round((s2[1] - s1[1]) / max(1, s2[0] - s1[0]), 1)
-                print(f"{name}: 8 img/request {r['x8']}", flush=True)
+                if args.x8:
+                    spies = profile(args, proc.pid, f"mode{mode}_x8")
+                    r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
+                    summarize(spies)
+                    r["x8"].update(per_step(s1, engine_counters(port), r["x8"]["wall_s"]))
+                    print(f"{name}: 8 img/request {r['x8']}", flush=True)
                 r["store"] = kind
                 if kind == "directory":
                     last_directory[mode] = r
                 elif mode in last_directory:  # this backend against the directory run of this mode before it
-                    r["vs_directory"] = {k: round(r[k]["img_s"] / last_directory[mode][k]["img_s"], 3) for k in ("x1", "x8")}
+                    r["vs_directory"] = {k: round(r[k]["img_s"] / last_directory[mode][k]["img_s"], 3) for k in ("x1", "x8")
+                                         if k in r}
                 # A mode given twice (--modes 4,4: two passes in one run) keeps both: "4", then "4#2".
                 res["modes"][name if name not in res["modes"] else f"{name}#{mi + 1}"] = r
                 save()
@@ -418,10 +450,16 @@ def main() -> int:
     loop = res.get("step_loop_img_s")
     print(f"\n{res['date']}  {res['gpu']}  {res['cpus']} CPUs  preset {args.preset}  step loop {loop} img/s")
     print("api processes | idle p50 ms | 1 img/req img/s (% loop) | 8 img/req img/s (% loop)")
+    pct = lambda v: f"{100 * v / loop:.0f}%" if loop else "-"  # noqa: E731
     for mode, r in res["modes"].items():
-        pct = lambda v: f"{100 * v / loop:.0f}%" if loop else "-"  # noqa: E731
-        print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | "
-              f"{r['x8']['img_s']:>8} ({pct(r['x8']['img_s'])})")
+        x8 = f"{r['x8']['img_s']:>8} ({pct(r['x8']['img_s'])})" if "x8" in r else "-"
+        print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | {x8}")
+    print("per step at 1 img/request (ms): images, between steps, " + ", ".join(STEP_PHASES))
+    for mode, r in res["modes"].items():
+        x = r["x1"]
+        if x.get("steps"):
+            print(f"{mode:>13} | {x['images_per_step']} | {x['ms_between_steps']} | "
+                  + ", ".join(str(x["phase_ms"][ph]) for ph in STEP_PHASES))
     for name, r in res["modes"].items():
         if "vs_directory" in r:
             print(f"{name}: img/s {r['vs_directory']} of the directory run before it")

@@ -2,7 +2,7 @@
 black-box load against each, in one run on one machine.
 
     python bench/bench_mix.py --out DIR [--preset qwen3-vl-4b] [--configs "cudnn:--attention cudnn;auto:"]
-        [--requests 3000] [--processes 4] [--concurrency 64] [--idle 60]
+        [--requests 3000] [--processes 4] [--concurrency 64] [--idle 60] [--sizes 448x448] [--profile-s 8]
 
 Load: bench/loadtest.py as a separate program (4 client processes, asyncio httpx), one image per request,
 distinct JPEG photographs (the `photo` pattern) cycled over issue 24's ten sizes (640x480 ... 1280x960),
@@ -10,6 +10,12 @@ distinct JPEG photographs (the `photo` pattern) cycled over issue 24's ten sizes
 idle server's latency, p50). A configuration is `name:extra serve flags`; `cudnn` (--attention cudnn:
 batched cuDNN, FA2 varlen) is the kernels before the measured plan, the baseline of the same run.
 The tower's FLOPs per image (bench_gpu.tower_flops) turn img/s into TFLOP/s. JSON DIR/bench_mix.json.
+`--sizes 448x448` (with --requests 8000 --concurrency 128) is issue 24's 448px generator instead.
+
+Where the time goes, per configuration: the CPU seconds of every server process and thread (and of the load
+generator: its client and image-building processes) over the measured load, the engine's steps and images per
+step (/metrics), the GPU's busy fraction (nvidia-smi, every 100 ms); `--profile-s N` then samples every server
+process with py-spy (if on PATH) for N s of a further load (bench_frontend.profile; DIR/pyspy_*.top).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
+import shutil
 import shlex
 import subprocess
 import sys
@@ -27,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_frontend import stop, wait_ready  # noqa: E402
+from bench.bench_frontend import (cpu_snapshot, cpu_used, engine_counters, per_step, profile, stop,  # noqa: E402
+                                  summarize, wait_ready)
 from bench.bench_tower import REAL_WORLD_SIZES  # noqa: E402
 
 SIZES = ",".join(f"{w}x{h}" for w, h in REAL_WORLD_SIZES)
@@ -35,13 +44,35 @@ SIZES = ",".join(f"{w}x{h}" for w, h in REAL_WORLD_SIZES)
 
 def load(args, port: int, out: Path, requests: int, concurrency: int, processes: int, seed: int) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "loadtest.py"), "--url", f"http://127.0.0.1:{port}",
-           "--sizes", SIZES, "--pattern", "photo", "--format", "jpeg", "--images-per-request", "1",
+           "--sizes", args.sizes, "--pattern", "photo", "--format", "jpeg", "--images-per-request", "1",
            "--requests", str(requests), "--duration-s", "600", "--concurrency", str(concurrency),
            "--processes", str(processes), "--seed", str(seed), "--out", str(out), "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"loadtest failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the load generator and its processes)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def gpu_busy() -> subprocess.Popen | None:
+    """nvidia-smi sampling the GPU's busy fraction every 100 ms (its stdout: one percentage per line)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    return subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0",
+                             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def gpu_busy_pct(p: subprocess.Popen | None) -> float | None:
+    if p is None:
+        return None
+    p.terminate()
+    vals = [float(v) for v in p.communicate()[0].split() if v.replace(".", "").isdigit()]
+    return round(sum(vals) / len(vals), 1) if vals else None
 
 
 def main() -> int:
@@ -53,6 +84,10 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--idle", type=int, default=60)
+    ap.add_argument("--sizes", default=SIZES, help="image sizes WxH,... cycled over the requests (default: the mix)")
+    ap.add_argument("--profile-s", type=int, default=0, help="py-spy every server process for N s of a further load")
+    ap.add_argument("--profile-gil", action=argparse.BooleanOptionalAction, default=True,
+                    help="py-spy --gil (only the thread holding each process's GIL)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -63,13 +98,13 @@ def main() -> int:
     from service.media.preprocess import grid_for, smart_resize
 
     model = load_model(Settings(model=args.preset, device="cpu", dtype="float32"))  # geometry only
-    patches = [h * w for _, h, w in (grid_for(*smart_resize(hh, ww, model.params), model.params)
-                                     for ww, hh in REAL_WORLD_SIZES)]
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    patches = [h * w for _, h, w in (grid_for(*smart_resize(hh, ww, model.params), model.params) for ww, hh in sizes)]
     tflop_per_image = tower_flops(model.spec, patches, frame_only=False) / len(patches) / 1e12
     del model
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", "torch": torch.__version__,
-           "python": platform.python_version(), "preset": args.preset, "sizes": SIZES,
+           "python": platform.python_version(), "preset": args.preset, "sizes": args.sizes,
            "tflop_per_image": round(tflop_per_image, 4), "runs": []}
     cache = Path(tempfile.mkdtemp(prefix="qve-mix-cc-"))
 
@@ -90,12 +125,23 @@ def main() -> int:
             wait_ready(proc, port, log, f"server {name}")
             row = {"name": name, "flags": flags, "ready_s": round(time.perf_counter() - t0, 1)}
             load(args, port, args.out / f"warm_{name}.json", 256, args.concurrency, args.processes, 1000 + i)
+            steps0, cpu0, client0, busy = engine_counters(port), cpu_snapshot([proc.pid]), children_cpu_s(), gpu_busy()
             rep = load(args, port, args.out / f"load_{name}.json", args.requests, args.concurrency, args.processes,
                        2000 + i)
+            busy_pct, client_s, cpu, steps1 = gpu_busy_pct(busy), children_cpu_s() - client0, cpu_used(cpu0, cpu_snapshot(
+                [proc.pid])), engine_counters(port)
             s = rep["summary"]
             row.update(ok_images=s["ok_images"], requests=s["requests"], errors=s["errors"],
                        img_s=round(s["images_per_s"], 1), tflops=round(s["images_per_s"] * tflop_per_image, 1),
-                       latency_ms=s["latency_ms"])
+                       latency_ms=s["latency_ms"], gpu_busy_pct=busy_pct,
+                       **per_step(steps0, steps1, s["ok_images"] / s["images_per_s"] if s["images_per_s"] else 0),
+                       server_cpu_s=round(sum(p["cpu_s"] for p in cpu["processes"]), 1),
+                       load_generator_cpu_s=round(client_s, 1), cpu=cpu)
+            if args.profile_s:
+                spies = profile(args, proc.pid, name)
+                load(args, port, args.out / f"profiled_{name}.json", args.requests, args.concurrency, args.processes,
+                     4000 + i)
+                summarize(spies)
             idle = load(args, port, args.out / f"idle_{name}.json", args.idle, 1, 1, 3000 + i)
             row["idle_p50_ms"] = idle["summary"]["latency_ms"].get("p50")
             res["runs"].append(row)
@@ -104,11 +150,13 @@ def main() -> int:
         finally:
             stop(proc, 60)
     base = res["runs"][0]["img_s"] if res["runs"] else None
-    print(f"\n{res['date']}  {res['gpu']}  preset {args.preset}  real-world mix, 1 image/request, "
-          f"{args.concurrency} in flight, {args.processes} client processes")
+    print(f"\n{res['date']}  {res['gpu']}  preset {args.preset}  1 image/request, "
+          f"{args.concurrency} in flight, {args.processes} client processes, sizes {args.sizes}")
     for r in res["runs"]:
         print(f"{r['name']:8s} {r['img_s']} img/s ({r['tflops']} TFLOP/s, x{(r['img_s'] or 0) / (base or 1):.3f}) "
-              f"p50 {r['latency_ms'].get('p50')} ms, idle p50 {r['idle_p50_ms']} ms, errors {r['errors']}")
+              f"p50 {r['latency_ms'].get('p50')} ms, idle p50 {r['idle_p50_ms']} ms, errors {r['errors']}; "
+              f"{r.get('images_per_step')} images/step, GPU busy {r['gpu_busy_pct']}%, CPU s: server {r['server_cpu_s']}, "
+              f"load generator {r['load_generator_cpu_s']}")
     return 0
 
 

@@ -6,7 +6,8 @@
 #   bash bench/gpu_tower.sh OUT [SECTIONS] [EXTRA bench_tower ARGS...]
 #
 # MIX="name:serve flags;..." then runs bench/bench_mix.py (the real-world size mix over HTTP) with those
-# servers (MIX_ARGS: more of its arguments), its logs packed into OUT/mix.tgz.
+# servers (MIX_ARGS: more of its arguments), its logs packed into OUT/mix.tgz; FRONTEND="ARGS" then runs
+# bench/bench_frontend.py ARGS (the step loop against pre-built requests), its logs packed into OUT/frontend.tgz.
 # FlashAttention-3 (the `fa3` extra) is installed from .fa3/ when that folder holds its wheel, serving
 # wheels from .whl/ (the GPU machines have no package registry); TESTS=0 skips the tests. The wheel, on a
 # machine with the registry: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -21,7 +22,7 @@ for d in .whl .fa3; do
   if ls $d/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
       || exit 1
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # (py-spy's binary, for the benchmarks' --profile-s)
   fi
 done
 export PYTHONUNBUFFERED=1
@@ -42,4 +43,9 @@ if [ -n "${MIX:-}" ]; then
   cp /tmp/mix/bench_mix.json "$OUT/" 2>/dev/null
   tar czf "$OUT/mix.tgz" -C /tmp mix 2>/dev/null
   tail -8 "$OUT/bench_mix.log"
+fi
+if [ -n "${FRONTEND:-}" ]; then
+  python3 bench/bench_frontend.py --out /tmp/frontend $FRONTEND > "$OUT/bench_frontend.log" 2>&1
+  tar czf "$OUT/frontend.tgz" -C /tmp frontend 2>/dev/null
+  tail -12 "$OUT/bench_frontend.log"
 fi

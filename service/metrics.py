@@ -17,6 +17,7 @@ API_FAMILIES = frozenset({"qve_requests", "qve_images", "qve_rejected", "qve_enc
                           "qve_arena_bytes_in_use"})
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 
 
 class Metrics:
@@ -38,6 +39,17 @@ class Metrics:
         self.step_images = Histogram("qve_step_images", "Images per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.step_seconds = Histogram(
             "qve_step_seconds", "Host time to stage and launch one step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        # Where the step loop's and the writer's time goes, per step (sum / count = the mean per step):
+        #   loop:   idle (waiting for a batch), stage (into a pinned slot, its fence included), launch
+        #           (the device work enqueued), output_wait (part of launch: every output buffer still held
+        #           by the writer: the writer is behind)
+        #   writer: reserve (its wait for the step's entries' files, reserved from the step's launch on),
+        #           copy_wait (for the step's D2H copy: the device is behind), commit (the writes and answers)
+        # So the thread whose phases other than idle / copy_wait add up to the time between steps is the limit.
+        self.step_phase_seconds = Histogram(
+            "qve_step_phase_seconds", "Step loop and store writer time per step, by phase", ["phase"],
+            buckets=_PHASE_BUCKETS, registry=r,
         )
         self.encode_latency = Histogram(
             "qve_encode_latency_seconds", "Time from request arrival to response, per /encode request",

@@ -93,6 +93,7 @@ class Launched:
     output: OutputLease | None  # the ring buffer host_out lies in, held until released (CUDA only)
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
+    output_wait_s: float = 0.0  # host time `run` waited for a free output buffer (the writer behind)
 
 
 class Runner:
@@ -365,7 +366,9 @@ class Runner:
                                    d.cu_seqlens[: len(st.seq_lens) + 1], st.seq_lens,
                                    frame1=self.frame1[: n - vrow] if g else None)
                 out = self.model.tower(batch)
+        t_out = time.perf_counter()
         output = self.outputs.acquire()  # back-pressure: only blocks when the writer is pool_slots steps behind
+        output_wait_s = time.perf_counter() - t_out
         host, done = output.host[:tokens], output.done
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
@@ -374,7 +377,8 @@ class Runner:
         self._in_flight.append(done)
         # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
         out.record_stream(self.copy_stream)
-        return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids)
+        return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids,
+                        output_wait_s=output_wait_s)
 
 
 def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:

@@ -50,11 +50,13 @@ class StepLoop:
 
     def step(self) -> bool:
         """schedule -> stage -> run -> publish. Returns False once the batcher is closed and drained."""
+        t_idle = time.perf_counter()
         batch = self.batcher.next_batch(timeout=0.25, busy=self.runner.device_busy)
+        t0 = time.perf_counter()
+        self._phase("idle", t0 - t_idle)  # (a timed-out wait too: idle is idle)
         if batch is None:
             return not self.batcher.closed
         self._step_no += 1
-        t0 = time.perf_counter()
         _stamp_staged(batch.items)
         # Images first, then videos: the runner's layout (a video's rows are the last of a step).
         items = [it for it in batch.items if not it.payload.is_video] + [it for it in batch.items if it.payload.is_video]
@@ -62,11 +64,15 @@ class StepLoop:
             return self._split(batch, items[0], t0)
         try:
             with self.runner.stage([item.payload.image for item in items]) as staged:
+                t_staged = time.perf_counter()
                 launched = self.runner.run(staged)
         except Exception as e:  # a failed step fails only its own requests; the loop lives on
             self._fail(batch, e)
             return True
         self.writer.publish(items, launched)
+        self._phase("stage", t_staged - t0)
+        self._phase("launch", time.perf_counter() - t_staged)
+        self._phase("output_wait", launched.output_wait_s)
         self._observe(batch, launched, t0)
         return True
 
@@ -112,6 +118,9 @@ class StepLoop:
         # (sizes, addresses, library internals) is no answer to a request.
         return BackendError(f"encoding step {self._step_no} failed on the device ({type(e).__name__}); the "
                             f"server's log has step {self._step_no}'s error")
+
+    def _phase(self, name: str, seconds: float) -> None:
+        self.metrics.step_phase_seconds.labels(phase=name).observe(seconds)
 
     def _observe(self, batch: Batch[EncodeJob], launched: Launched, t0: float) -> None:
         self.metrics.steps.labels(result="ok").inc()

@@ -1,7 +1,8 @@
 """The store writer: the one thread that turns launched steps into store entries and answers.
 
-    per step: reserve each image's entry (while the device computes) -> wait the step's copy-done
-              event -> commit each entry -> finish its waiters -> release the output buffer to its ring
+    per step: reserve each image's entry (from its launch, on the reserve threads, while the device
+              computes and the writer still writes earlier steps) -> wait the step's copy-done event ->
+              commit each entry -> finish its waiters -> release the output buffer to its ring
     per part of a video split across steps (steploop.Part): wait its copy -> copy its rows into the
               video's whole output, in order -> release the buffer; after the last part, one entry
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import time
 
 import torch
 
@@ -36,18 +38,28 @@ class Writer:
     def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
         """`threads`: --store-writers, this thread included."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
-        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched | None, Part | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched | None, Part | None,
+                                       list[concurrent.futures.Future] | None] | None] = queue.Queue()
         # A split video's output so far (key -> [its tokens, out_width] CPU tensor, None once it failed).
         # NOTE: allocated per video, not from the ring: a video's parts outnumber the ring's buffers.
         self._parts: dict[str, torch.Tensor | None] = {}
         self._writers = threads
         # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
         self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
+        # Reservations start when a step is published, on threads of their own: under load the writer is
+        # still committing the step before, and a step's reservations waiting for it made the writer the
+        # limit (2026-12-03, 448px at 1 image per request: reserve 11.6 + commit 15.1 ms per step of 24
+        # images, one after the other, against 33 ms between steps; bench/RESULTS.md).
+        self._reserve_threads = max(1, self._writers // 2)
+        self._reserve_pool = concurrent.futures.ThreadPoolExecutor(self._reserve_threads,
+                                                                   thread_name_prefix="store-reserve")
 
     def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched | None, part: Part | None = None) -> None:
         """Hand over a launched step and its items (in staging order), to be written once its copy is done;
-        with `part`, the step is that part of its one video (None launched: the part failed to launch)."""
-        self._queue.put((items, launched, part))
+        with `part`, the step is that part of its one video (None launched: the part failed to launch). The
+        entries of a step of several images start being reserved now."""
+        reserving = self._reserve_ahead(items, launched) if part is None and len(items) > 1 else None
+        self._queue.put((items, launched, part, reserving))
 
     def close(self) -> None:
         """No more steps (the loop has drained): write what is queued, then `run` returns."""
@@ -55,30 +67,49 @@ class Writer:
 
     def run(self) -> None:
         while (step := self._queue.get()) is not None:
-            items, launched, part = step
+            items, launched, part, reserving = step
             if part is None:
-                self.write(items, launched)
+                self.write(items, launched, reserving)
             else:
                 self.write_part(items[0], launched, part)
         self._put_pool.shutdown()
+        self._reserve_pool.shutdown()
 
-    def write(self, items: list[WorkItem[EncodeJob]], job: Launched) -> None:
-        """Store one step's embeddings and answer every one of its items (result or error)."""
+    def _reserve_ahead(self, items: list[WorkItem[EncodeJob]], job: Launched) -> list[concurrent.futures.Future]:
+        """Start reserving every entry of a step on the reserve threads: futures of contiguous shares of
+        `held` (write joins them, in order)."""
+        shapes, dtypes = _entry_shapes(job)
+        n = len(items)
+        k = min(self._reserve_threads, n)
+
+        def share(idx: range) -> list[PendingEntry | None]:
+            return [self._reserve(items[j], shapes[j], dtypes[j], job.grids[j]) for j in idx]
+
+        return [self._reserve_pool.submit(share, range(i * n // k, (i + 1) * n // k)) for i in range(k)]
+
+    def write(self, items: list[WorkItem[EncodeJob]], job: Launched,
+              reserving: list[concurrent.futures.Future] | None = None) -> None:
+        """Store one step's embeddings and answer every one of its items (result or error). `reserving`: its
+        reservations started at publish (_reserve_ahead); None: reserve here."""
         n = len(items)
         offs = job.token_offsets
+        t0 = time.perf_counter()
         # Reserve every entry's file while the device still computes: allocating tmpfs pages is
         # most of a store write's cost, and here it overlaps the tower instead of following it.
-        shapes = [(offs[i + 1] - offs[i], job.host_out.shape[1]) for i in range(n)]
-        dtypes = [job.host_out.dtype] * n
-        if n == 1:
+        shapes, dtypes = _entry_shapes(job)
+        if reserving is not None:
+            held = [r for f in reserving for r in f.result()]  # (_reserve answers its own failures: no raise)
+        elif n == 1:
             held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
         else:
             held = self._in_parallel(self._reserve, items, shapes, dtypes, job.grids)
+        t_reserved = time.perf_counter()
         try:
             if job.done is not None:
                 job.done.synchronize()  # the writer's one device wait: this step's D2H copy
                 self.batcher.wake()  # the device may be idle now: a waiting batch can close
             traced = _computed(items)
+            t_copied = time.perf_counter()
         except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
             log.error("step of %d images failed on the device: %r", n, e)
             for item, r in zip(items, held):
@@ -97,6 +128,10 @@ class Writer:
             else:
                 self._in_parallel(self._commit, items, held, rows)
             _record(traced, n)
+            phase = self.metrics.step_phase_seconds
+            phase.labels(phase="reserve").observe(t_reserved - t0)
+            phase.labels(phase="copy_wait").observe(t_copied - t_reserved)
+            phase.labels(phase="commit").observe(time.perf_counter() - t_copied)
         finally:
             if job.output is not None:
                 job.output.release()  # every commit above has returned: the buffer is free
@@ -192,6 +227,13 @@ class Writer:
         else:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {clip(str(e), 120)}"))
+
+
+def _entry_shapes(job: Launched) -> tuple[list[tuple[int, int]], list[torch.dtype]]:
+    """Each item's embeddings' shape and dtype in a launched step."""
+    offs, width = job.token_offsets, job.host_out.shape[1]
+    n = len(offs) - 1
+    return [(offs[i + 1] - offs[i], width) for i in range(n)], [job.host_out.dtype] * n
 
 
 def _computed(items: list[WorkItem[EncodeJob]]) -> list[EncodeJob]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from service.engine.batcher import Batcher, BatchLimits
 from service.errors import BackendError
@@ -46,7 +49,8 @@ class FakeRunner:
     def run(self, staged):
         self.log.append(("run", staged.keys))
         self._raise_if("run", staged.keys)
-        return SimpleNamespace(keys=staged.keys, token_offsets=[0, staged.tokens])
+        # (a step whose output buffer was free at once; output_wait_s is the real runner's measured wait)
+        return SimpleNamespace(keys=staged.keys, token_offsets=[0, staged.tokens], output_wait_s=0.0)
 
 
 class FakeWriter:
@@ -91,6 +95,26 @@ def test_each_step_is_staged_run_and_published_in_order_and_close_drains():
     assert loop.failed_steps == 0 and _count(loop, "qve_steps_total", {"result": "ok"}) == 3
     assert _count(loop, "qve_step_images_sum") == 5 and _count(loop, "qve_step_tokens_sum") == 10 + 11 + 12 + 13 + 14
     assert _count(loop, "qve_fence_waits") == 7
+
+
+def test_each_step_reports_where_the_loop_spent_its_time():
+    """qve_step_phase_seconds: one idle, stage and launch observation per step, and the runner's output wait."""
+    loop, batcher, log = _loop(images_per_step=2)
+    real_run = loop.runner.run
+
+    def slow_run(staged):  # a launch that took 20 ms, 5 of them waiting for an output buffer
+        time.sleep(0.02)
+        return SimpleNamespace(**{**vars(real_run(staged)), "output_wait_s": 0.005})
+
+    loop.runner.run = slow_run
+    _submit(batcher, ["a", "b", "c"])
+    batcher.close()
+    loop.run()
+    phase = lambda name, what: _count(loop, f"qve_step_phase_seconds_{what}", {"phase": name})  # noqa: E731
+    assert phase("stage", "count") == phase("launch", "count") == phase("output_wait", "count") == 2
+    assert phase("idle", "count") >= 2  # (and once more for the wait that found the batcher closed)
+    assert 0.04 <= phase("launch", "sum") < 1.0 and phase("output_wait", "sum") == pytest.approx(0.01)
+    assert phase("stage", "sum") < phase("launch", "sum")
 
 
 def test_a_failed_stage_or_run_fails_only_that_steps_items_and_the_loop_goes_on():

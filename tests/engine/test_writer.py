@@ -28,11 +28,12 @@ W = D * (1 + L)
 class FakeEvent:
     """A copy-done event: `synchronize` logs itself, or raises as a device fault surfacing there would."""
 
-    def __init__(self, log: list, fault: Exception | None = None):
-        self.log, self.fault = log, fault
+    def __init__(self, log: list, fault: Exception | None = None, seconds: float = 0.0):
+        self.log, self.fault, self.seconds = log, fault, seconds
 
     def synchronize(self) -> None:
         self.log.append("sync")
+        time.sleep(self.seconds)  # the device still computing
         if self.fault is not None:
             raise self.fault
 
@@ -87,6 +88,20 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
     writer.metrics.update_gauges(batcher, store)  # what a scrape does first (app.py, enginep.py)
     m = writer.metrics.exposition().decode()
     assert metric(m, "qve_store_items") == 5 and metric(m, "qve_store_bytes") == store.bytes_used > 0
+
+
+def test_a_step_reports_its_reserve_copy_wait_and_commit_times(tmp_path):
+    """qve_step_phase_seconds: the writer's three phases of a step, the device's copy wait apart."""
+    store, batcher, writer, ring = _setup(tmp_path)
+    real_commit = store.commit
+    store.commit = lambda *a, **k: time.sleep(0.01) or real_commit(*a, **k)  # a slow write
+    items, job, _ = _launched(batcher, ring, ["a", "b", "c"], done=FakeEvent([], seconds=0.05))
+    writer.write(items, job)
+    m = writer.metrics.exposition().decode()
+    phase = lambda name, what: metric(m, f"qve_step_phase_seconds_{what}", f'phase="{name}"')  # noqa: E731
+    assert phase("reserve", "count") == phase("copy_wait", "count") == phase("commit", "count") == 1
+    assert 0.05 <= phase("copy_wait", "sum") < 0.5  # the device's time, not the writer's
+    assert 0.01 <= phase("commit", "sum") < 0.5 and phase("reserve", "sum") < phase("copy_wait", "sum")
 
 
 @pytest.mark.parametrize("where", ["reserve", "commit"])
@@ -219,3 +234,48 @@ def test_a_store_that_batches_gets_a_step_in_one_call_and_a_refused_entry_answer
     writer.write(items, job)
     assert all(isinstance(t.future.exception(timeout=0), StoreFull) for t in tickets)
     assert ring.held() == 0 and batcher.in_flight() == 0
+
+
+class GatedEvent:
+    """A copy-done event that fires when the test says so (the device still computing until then)."""
+
+    def __init__(self):
+        self.fired = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.fired.wait(10), "the test never fired this step's copy"
+
+
+def test_a_published_step_is_reserved_while_the_writer_still_waits_on_the_step_before(tmp_path):
+    """Reservations start at publish, on the reserve threads: a later step's files are allocated while the
+    writer is still busy with an earlier step (here: waiting for its copy), not after it."""
+    store, batcher, writer, ring = _setup(tmp_path, threads=4)
+    reserved_by: dict[str, str] = {}
+    real_reserve = store.reserve
+    store.reserve = lambda key, *a, **k: reserved_by.setdefault(key, threading.current_thread().name) and \
+        real_reserve(key, *a, **k)
+    thread = threading.Thread(target=writer.run)
+    thread.start()
+    first, second = GatedEvent(), GatedEvent()
+    items1, job1, tickets1 = _launched(batcher, ring, ["a", "b", "c"], done=first)
+    writer.publish(items1, job1)
+    items2, job2, tickets2 = _launched(batcher, ring, ["d", "e", "f", "g"], done=second, seed=1)
+    writer.publish(items2, job2)
+    deadline = time.monotonic() + 10
+    while len(reserved_by) < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Every entry of both steps reserved, on the reserve threads, while the first step's copy has not fired.
+    assert sorted(reserved_by) == ["a", "b", "c", "d", "e", "f", "g"]
+    assert all(name.startswith("store-reserve") for name in reserved_by.values()), reserved_by
+    assert not any(t.future.done() for t in tickets1 + tickets2)
+    first.fired.set()
+    second.fired.set()
+    for tickets, job in ((tickets1, job1), (tickets2, job2)):
+        for i, t in enumerate(tickets):
+            item = t.future.result(timeout=10)
+            stored = read_embeddings(tmp_path / "store", item.key)
+            rows = job.host_out[job.token_offsets[i] : job.token_offsets[i + 1]]
+            assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
+    writer.close()
+    thread.join(10)
+    assert not thread.is_alive() and ring.held() == 0 and batcher.in_flight() == 0

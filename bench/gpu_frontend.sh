@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU machine call for issue 24's HTTP lines, each against its baseline in the same run:
+#   1. the tower alone at 448px x 64 (bench_tower.py; the rate 1 image per request is held to),
+#   2. the HTTP front end at 1 image per request and one image on an idle server (bench_frontend.py: 4 client
+#      processes x 32 connections, distinct 448px JPEGs, per-step phases from /metrics), first of BASE_TREE
+#      (a checkout of an earlier commit, if given), then of this tree,
+#   3. the real-world size mix over HTTP (bench_mix.py) with the MIX servers ("name:serve flags;...").
+#
+#   [BASE_TREE=DIR] [MIX="..."] [IMAGES=8192] bash bench/gpu_frontend.sh OUT
+#
+# Serving wheels from .whl/ and FlashAttention-3 from .fa3/ (see gpu_tower.sh); logs of 2 and 3 packed into
+# OUT/frontend.tgz and OUT/mix.tgz.
+set -uo pipefail
+OUT=${1:?usage: gpu_frontend.sh OUT}
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$OUT"
+for d in .whl .fa3; do
+  if ls $d/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
+      || exit 1
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+  fi
+done
+export PYTHONUNBUFFERED=1
+{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nproc;
+  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv; } > "$OUT/machine.txt" 2>&1
+python3 bench/bench_tower.py --out "$OUT" --sections ceiling,tower --shapes "448 b64" --no-by-kernel \
+  > "$OUT/bench_tower.log" 2>&1
+tail -4 "$OUT/bench_tower.log"
+FE=(--modes 4 --conc1 32 --no-x8 --no-baseline --images "${IMAGES:-8192}" --compile-cache /tmp/fe-cc)
+if [ -n "${BASE_TREE:-}" ]; then
+  python3 bench/bench_frontend.py --out /tmp/frontend/base --tree "$BASE_TREE" "${FE[@]}" > "$OUT/frontend_base.log" 2>&1
+  tail -6 "$OUT/frontend_base.log"
+fi
+python3 bench/bench_frontend.py --out /tmp/frontend/tree "${FE[@]}" > "$OUT/frontend_tree.log" 2>&1
+tail -6 "$OUT/frontend_tree.log"
+tar czf "$OUT/frontend.tgz" -C /tmp frontend 2>/dev/null
+if [ -n "${MIX:-}" ]; then
+  python3 bench/bench_mix.py --out /tmp/mix --configs "$MIX" --idle 20 > "$OUT/bench_mix.log" 2>&1
+  cp /tmp/mix/bench_mix.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/mix.tgz" -C /tmp mix 2>/dev/null
+  tail -5 "$OUT/bench_mix.log"
+fi
