@@ -6,7 +6,10 @@
 #      (a checkout of an earlier commit, if given), then of this tree,
 #   3. the real-world size mix over HTTP (bench_mix.py) with the MIX servers ("name:serve flags;...").
 #
-#   [BASE_TREE=DIR] [MIX="..."] [IMAGES=8192] bash bench/gpu_frontend.sh OUT
+#   [BASE_TREE=DIR] [VARIANTS="name:serve flags;..."] [MIX="..." MIX_REQUESTS=3000 MIX_TIMEOUT=600] [IMAGES=8192] \
+#     bash bench/gpu_frontend.sh OUT
+#
+# VARIANTS: this tree's servers (bench_frontend --variants; default one, the server's defaults).
 #
 # Serving wheels from .whl/ and FlashAttention-3 from .fa3/ (see gpu_tower.sh); logs of 2 and 3 packed into
 # OUT/frontend.tgz and OUT/mix.tgz.
@@ -32,11 +35,13 @@ if [ -n "${BASE_TREE:-}" ]; then
   python3 bench/bench_frontend.py --out /tmp/frontend/base --tree "$BASE_TREE" "${FE[@]}" > "$OUT/frontend_base.log" 2>&1
   tail -6 "$OUT/frontend_base.log"
 fi
-python3 bench/bench_frontend.py --out /tmp/frontend/tree "${FE[@]}" > "$OUT/frontend_tree.log" 2>&1
-tail -6 "$OUT/frontend_tree.log"
+python3 bench/bench_frontend.py --out /tmp/frontend/tree "${FE[@]}" --variants "${VARIANTS:-:}" > "$OUT/frontend_tree.log" 2>&1
+tail -8 "$OUT/frontend_tree.log"
 tar czf "$OUT/frontend.tgz" -C /tmp frontend 2>/dev/null
 if [ -n "${MIX:-}" ]; then
-  python3 bench/bench_mix.py --out /tmp/mix --configs "$MIX" --idle 20 > "$OUT/bench_mix.log" 2>&1
+  # (its own time limit, so that what it measured is packed even when the call's runs out)
+  timeout "${MIX_TIMEOUT:-600}" python3 bench/bench_mix.py --out /tmp/mix --configs "$MIX" --idle 20 \
+    --requests "${MIX_REQUESTS:-3000}" > "$OUT/bench_mix.log" 2>&1
   cp /tmp/mix/bench_mix.json "$OUT/" 2>/dev/null
   tar czf "$OUT/mix.tgz" -C /tmp mix 2>/dev/null
   tail -5 "$OUT/bench_mix.log"
