@@ -16,17 +16,8 @@
 set -uo pipefail
 OUT=${1:?usage: gpu_frontend.sh OUT}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-mkdir -p "$OUT"
-for d in .whl .fa3; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
-      || exit 1
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-  fi
-done
-export PYTHONUNBUFFERED=1
-{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nproc;
-  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv; } > "$OUT/machine.txt" 2>&1
+. bench/gpu_common.sh
+gpu_setup "$OUT" .whl .fa3 || exit 1
 python3 bench/bench_tower.py --out "$OUT" --sections ceiling,tower --shapes "448 b64" --no-by-kernel \
   > "$OUT/bench_tower.log" 2>&1
 tail -4 "$OUT/bench_tower.log"

@@ -17,19 +17,8 @@ OUT=${1:?usage: gpu_tower.sh OUT [SECTIONS] [ARGS...]}
 SECTIONS=${2:-ceiling,tower,accuracy,fp8}
 shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-mkdir -p "$OUT"
-for d in .whl .fa3; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
-      || exit 1
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # (py-spy's binary, for the benchmarks' --profile-s)
-  fi
-done
-export PYTHONUNBUFFERED=1
-{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nproc;
-  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv;
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)
-from service.engine import attention; print('FA3', attention.fa3_status())"; } > "$OUT/machine.txt" 2>&1
+. bench/gpu_common.sh
+gpu_setup "$OUT" .whl .fa3 || exit 1
 cat "$OUT/machine.txt"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_attention_cuda.py tests/engine/test_tower_cuda.py \
