@@ -373,7 +373,8 @@ class EngineHost:
                          deepstack_levels=m.spec.deepstack_levels, compiled=m.tower.compiled,
                          cuda_graphs=len(runner.graphs) if runner.graphs else 0, startup_s=dict(self.startup),
                          min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=str(self.store.root),
-                         fp8_blocks=list(m.tower.fp8_blocks), attention=m.tower.attention_plan.describe())
+                         fp8_blocks=list(m.tower.fp8_blocks), fp8_gemms=list(m.tower.fp8_gemms),
+                         attention=m.tower.attention_plan.describe())
 
     def metrics_text(self) -> str:
         self.metrics.update_gauges(self.batcher, self.store)

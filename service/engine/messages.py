@@ -109,6 +109,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_pixels: int
     store: str  # the store root: where a consumer on this machine reads the answered `path`s
     fp8_blocks: list[int] = []  # --dtype fp8: the blocks whose GEMMs run in FP8 (dtype is the activations')
+    fp8_gemms: list[str] = []  # --dtype fp8: which of those blocks' GEMMs (qkv, fc1, fc2)
     attention: str = ""  # which kernel runs attention, by layout and segment length (AttentionPlan.describe)
 
 

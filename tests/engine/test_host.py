@@ -270,3 +270,22 @@ def test_fp8_blocks_are_part_of_every_content_key():
     model.tower.fuse_patch_embed()
     model.tower.quantize_fp8(keep=(), gemms=("qkv",))
     assert len({plain, one, every, key_salt(model)}) == 4 and one.endswith("|fp8 qkv+fc1+fc2 blocks 1,2")
+
+
+def test_model_info_says_which_blocks_and_gemms_run_in_fp8(tmp_path):
+    """/ready's fp8_blocks and fp8_gemms (ModelInfo): what --fp8-bf16-blocks and --fp8-gemms chose; empty in bf16."""
+    from service.config import Settings
+    from service.engine.loader import load_model
+
+    model = load_model(Settings(model="tiny", device="cpu"))
+    store = _DictStore()
+    store.root = tmp_path
+    engine = _Engine(store, Batcher(BatchLimits(max_batch_tokens=100, max_batch_images=8, max_wait_s=0,
+                                                max_queue_images=8)))
+    engine.runner.graphs = None
+    host = EngineHost(engine, model, Metrics())
+    info = host.model_info()
+    assert (info.fp8_blocks, info.fp8_gemms, info.store) == ([], [], str(tmp_path))
+    model.tower.quantize_fp8(keep=(0,), gemms=("fc2", "qkv"))
+    info = host.model_info()
+    assert (info.fp8_blocks, info.fp8_gemms) == ([1, 2], ["qkv", "fc2"])  # (in the tower's order)
