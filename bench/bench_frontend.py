@@ -199,12 +199,6 @@ def engine_counters(port: int) -> dict[str, float]:
     return out
 
 
-def step_counters(port: int) -> tuple[float, float]:
-    """(steps, images in steps) from /metrics (the engine's histogram of images per step)."""
-    c = engine_counters(port)
-    return c["steps"], c["images"]
-
-
 def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
     """Images per step, the time between steps and each phase's mean per step (ms) between two engine_counters."""
     steps = after["steps"] - before["steps"]

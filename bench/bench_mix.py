@@ -134,7 +134,7 @@ def main() -> int:
             row.update(ok_images=s["ok_images"], requests=s["requests"], errors=s["errors"],
                        img_s=round(s["images_per_s"], 1), tflops=round(s["images_per_s"] * tflop_per_image, 1),
                        latency_ms=s["latency_ms"], gpu_busy_pct=busy_pct,
-                       **per_step(steps0, steps1, s["ok_images"] / s["images_per_s"] if s["images_per_s"] else 0),
+                       **per_step(steps0, steps1, s["wall_s"]),
                        server_cpu_s=round(sum(p["cpu_s"] for p in cpu["processes"]), 1),
                        load_generator_cpu_s=round(client_s, 1), cpu=cpu)
             if args.profile_s:

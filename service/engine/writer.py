@@ -79,13 +79,11 @@ class Writer:
         """Start reserving every entry of a step on the reserve threads: futures of contiguous shares of
         `held` (write joins them, in order)."""
         shapes, dtypes = _entry_shapes(job)
-        n = len(items)
-        k = min(self._reserve_threads, n)
 
         def share(idx: range) -> list[PendingEntry | None]:
             return [self._reserve(items[j], shapes[j], dtypes[j], job.grids[j]) for j in idx]
 
-        return [self._reserve_pool.submit(share, range(i * n // k, (i + 1) * n // k)) for i in range(k)]
+        return [self._reserve_pool.submit(share, idx) for idx in _shares(len(items), self._reserve_threads)]
 
     def write(self, items: list[WorkItem[EncodeJob]], job: Launched,
               reserving: list[concurrent.futures.Future] | None = None) -> None:
@@ -94,15 +92,15 @@ class Writer:
         n = len(items)
         offs = job.token_offsets
         t0 = time.perf_counter()
-        # Reserve every entry's file while the device still computes: allocating tmpfs pages is
-        # most of a store write's cost, and here it overlaps the tower instead of following it.
-        shapes, dtypes = _entry_shapes(job)
+        # Every entry's file is reserved while the device still computes: allocating tmpfs pages is
+        # most of a store write's cost, and so it overlaps the tower instead of following it.
         if reserving is not None:
             held = [r for f in reserving for r in f.result()]  # (_reserve answers its own failures: no raise)
         elif n == 1:
+            shapes, dtypes = _entry_shapes(job)
             held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
         else:
-            held = self._in_parallel(self._reserve, items, shapes, dtypes, job.grids)
+            held = self._in_parallel(self._reserve, items, *_entry_shapes(job), job.grids)
         t_reserved = time.perf_counter()
         try:
             if job.done is not None:
@@ -176,9 +174,7 @@ class Writer:
         shares, one of them run by this thread. Why not Executor.map: one submit per image contends on
         the executor's locks with the threads finishing; py-spy put 10% of the engine process's GIL
         samples there under HTTP load on an H200 host."""
-        n = len(columns[0])
-        k = max(1, min(self._writers, n))
-        shares = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+        shares = _shares(len(columns[0]), self._writers)
         run = lambda idx: [fn(*(c[j] for c in columns)) for j in idx]  # noqa: E731
         futures = [self._put_pool.submit(run, share) for share in shares[1:]]
         out = run(shares[0])
@@ -227,6 +223,12 @@ class Writer:
         else:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {clip(str(e), 120)}"))
+
+
+def _shares(n: int, threads: int) -> list[range]:
+    """0..n-1 in at most `threads` contiguous shares of near-equal size, in order (one at least)."""
+    k = max(1, min(threads, n))
+    return [range(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def _entry_shapes(job: Launched) -> tuple[list[tuple[int, int]], list[torch.dtype]]:
