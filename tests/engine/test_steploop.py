@@ -102,8 +102,8 @@ def test_each_step_reports_where_the_loop_spent_its_time():
     loop, batcher, log = _loop(images_per_step=2)
     real_run = loop.runner.run
 
-    def slow_run(staged):  # a launch that took 20 ms, 5 of them waiting for an output buffer
-        time.sleep(0.02)
+    def slow_run(staged):  # a launch that took 100 ms, 5 of them waiting for an output buffer
+        time.sleep(0.1)
         return SimpleNamespace(**{**vars(real_run(staged)), "output_wait_s": 0.005})
 
     loop.runner.run = slow_run
@@ -113,8 +113,8 @@ def test_each_step_reports_where_the_loop_spent_its_time():
     phase = lambda name, what: _count(loop, f"qve_step_phase_seconds_{what}", {"phase": name})  # noqa: E731
     assert phase("stage", "count") == phase("launch", "count") == phase("output_wait", "count") == 2
     assert phase("idle", "count") >= 2  # (and once more for the wait that found the batcher closed)
-    assert 0.04 <= phase("launch", "sum") < 1.0 and phase("output_wait", "sum") == pytest.approx(0.01)
-    assert phase("stage", "sum") < phase("launch", "sum")
+    assert 0.2 <= phase("launch", "sum") < 5.0 and phase("output_wait", "sum") == pytest.approx(0.01)
+    assert phase("stage", "sum") < 0.1  # (the launch's time is not staging's, on a loaded machine too)
 
 
 def test_a_failed_stage_or_run_fails_only_that_steps_items_and_the_loop_goes_on():

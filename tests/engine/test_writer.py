@@ -95,13 +95,14 @@ def test_a_step_reports_its_reserve_copy_wait_and_commit_times(tmp_path):
     store, batcher, writer, ring = _setup(tmp_path)
     real_commit = store.commit
     store.commit = lambda *a, **k: time.sleep(0.01) or real_commit(*a, **k)  # a slow write
-    items, job, _ = _launched(batcher, ring, ["a", "b", "c"], done=FakeEvent([], seconds=0.05))
+    items, job, _ = _launched(batcher, ring, ["a", "b", "c"], done=FakeEvent([], seconds=0.3))
     writer.write(items, job)
     m = writer.metrics.exposition().decode()
     phase = lambda name, what: metric(m, f"qve_step_phase_seconds_{what}", f'phase="{name}"')  # noqa: E731
     assert phase("reserve", "count") == phase("copy_wait", "count") == phase("commit", "count") == 1
-    assert 0.05 <= phase("copy_wait", "sum") < 0.5  # the device's time, not the writer's
-    assert 0.01 <= phase("commit", "sum") < 0.5 and phase("reserve", "sum") < phase("copy_wait", "sum")
+    assert 0.3 <= phase("copy_wait", "sum") < 5.0  # the device's time, not the writer's
+    assert 0.01 <= phase("commit", "sum") < 5.0
+    assert phase("reserve", "sum") < 0.3  # (three small files: not the device's wait, on a loaded machine too)
 
 
 @pytest.mark.parametrize("where", ["reserve", "commit"])
