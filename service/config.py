@@ -389,8 +389,9 @@ class Settings(BaseSettings):
     # batching and admission
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
     max_batch_images: int = Field(64, gt=0, description="most images in one step")
-    max_wait_ms: float = Field(5.0, ge=0, description="while the device is busy, the next step waits at most this "
-                               "long after its first image for more (an idle device takes a step at once)")
+    max_wait_ms: float = Field(5.0, ge=0, description="while the device runs a step, the next step waits at most "
+                               "this long after its first image for more (an idle device takes a step at once; "
+                               "while a launched step waits behind the running one, it waits until it would run)")
     max_queue_images: int = Field(512, gt=0, description="admission limit; beyond it requests get 429")
     max_queue_tokens: int = Field(65536, gt=0, description="admission limit on the queued images' output tokens "
                                   "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "

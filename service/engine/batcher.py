@@ -20,7 +20,9 @@ Life of an item::
   refuses an image before its pixels exist and an admitted one is never refused after decoding.
 - A batch closes on the token budget, the image limit, at once when the step loop says the device
   is idle (continuous batching: nothing would be gained by waiting), `max_wait_s` after its oldest
-  item was enqueued while the device is busy, or at once while draining after `close()`.
+  item was enqueued while the device runs one step, or at once while draining after `close()`. While
+  a launched step still waits behind the running one (BACKLOG steps in flight), a due batch is held
+  and grows: closed now it would only queue behind that step, so it starts no sooner, only smaller.
 
 Threading: all state lives behind one `threading.Condition`. Future callbacks (which may run user
 code such as asyncio's `call_soon_threadsafe`) are always fired *outside* that lock.
@@ -42,6 +44,14 @@ from typing import Generic, Literal, NamedTuple, TypeVar
 
 from service.config import BatchLimits  # the limits' type, derived from Settings there (Settings.batch_limits)
 from service.errors import Overloaded, Unavailable
+
+# Steps in flight (running, or launched and waiting behind the running one) at which a batch past max_wait
+# is held instead of closed, and re-checked every BACKLOG_POLL_S (the writer's wake() comes only after
+# it has caught up). Why: under load at 1 image per request, closing on max_wait queued steps of ~26
+# 448px images behind each other on the device, which ran them at 740 img/s against 860 at 64
+# (2026-12-03, bench/RESULTS.md).
+BACKLOG = 2
+BACKLOG_POLL_S = 0.001
 
 # NOTE: a fixed hint for clients' Retry-After. The batcher does not see step times, so it cannot
 # predict when room frees up; one second is several steps at any realistic load.
@@ -291,14 +301,14 @@ class Batcher(Generic[P]):
             item.future.cancel()  # outside the lock: its callbacks take the lock (see Ticket)
 
     # ---- consumer side (step loop) ---------------------------------------------------------------
-    def next_batch(self, timeout: float | None = None, busy: Callable[[], bool] | None = None) -> Batch[P] | None:
+    def next_batch(self, timeout: float | None = None, busy: Callable[[], int] | None = None) -> Batch[P] | None:
         """Block until a batch closes and return it, its items now in flight.
 
         `busy` (from the step loop; called under the batcher's lock, so it must be cheap and must not
-        call back into the batcher) says whether the device still runs earlier steps. When it returns
-        False a non-empty batch closes at once; while it returns True the batch waits for company, at
-        most max_wait. Call `wake()` when the device goes idle so a waiting batch re-checks. None:
-        always wait (as if busy).
+        call back into the batcher) says how many launched steps the device still runs. At 0 a non-empty
+        batch closes at once; at 1 the batch waits for company, at most max_wait; at BACKLOG or more it
+        waits past max_wait until fewer are in flight (or it is full). Call `wake()` when a step is done
+        so a waiting batch re-checks. None: always as if one step runs.
 
         Returns None when `timeout` seconds pass first (None: wait as long as needed), or once the
         batcher is closed and its queue is empty.
@@ -314,13 +324,17 @@ class Batcher(Generic[P]):
                     items, tokens, closed_by = self._plan()
                     if closed_by is None and self._closed:
                         closed_by = "drain"
-                    if closed_by is None and busy is not None and not busy():
+                    steps = 1 if closed_by is not None or busy is None else int(busy())
+                    if closed_by is None and steps == 0:
                         closed_by = "idle"
                     if closed_by is None:
                         # The batch closes max_wait after its OLDEST item, the queue's head.
                         wait_s = items[0].enqueued_at + self.limits.max_wait_s - self._clock()
                         if wait_s <= 0:
-                            closed_by = "wait"
+                            if steps < BACKLOG:
+                                closed_by = "wait"
+                            else:  # held: re-check soon whether the backlog has gone
+                                wait_s = BACKLOG_POLL_S
                     if closed_by is not None:
                         return self._schedule(items, tokens, closed_by)
                 if give_up_at is not None:

@@ -154,7 +154,7 @@ class Runner:
             # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
             self.outputs = OutputRing(options.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
                                       self.device)
-            # Launched steps whose device work may still run (loop thread only; see device_busy).
+            # Launched steps whose device work may still run (loop thread only; see steps_in_flight).
             self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
         t0 = time.perf_counter()
@@ -192,15 +192,15 @@ class Runner:
         log.warning("FAULT INJECTION ON (%s): stall %d cycles before each step's copies, fence %s; "
                     "embeddings may be wrong", FAULT_ENV, self.test_stall_cycles, "on" if self.pool.fence else "OFF")
 
-    def device_busy(self) -> bool:
-        """Whether a launched step may still run on the device (the batcher's continuous-batching test).
-        Loop thread only. CPU steps are synchronous: never busy."""
+    def steps_in_flight(self) -> int:
+        """How many launched steps may still run on the device, their output copies included (the batcher's
+        continuous-batching test). Loop thread only. CPU steps are synchronous: always 0."""
         if not self.cuda:
-            return False
+            return 0
         q = self._in_flight
         while q and q[0].query():
             q.popleft()
-        return bool(q)
+        return len(q)
 
     def _warm_compiled(self, smallest: int, batch_of_one: bool) -> None:
         """Compile now, at start-up, every graph the step loop can call: varlen (one image, and what

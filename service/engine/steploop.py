@@ -9,7 +9,8 @@ of whole temporal groups, each as many as the budget holds; the writer joins the
 the one entry (groups never attend to each other: tower.video_groups).
 
 Continuous batching: the batcher closes a step at once when the device has nothing in flight, and
-holds it for company (at most max_wait) only while earlier steps still run (`runner.device_busy`).
+holds it for company (at most max_wait) only while earlier steps still run (`runner.steps_in_flight`),
+longer while one of them still waits behind the running one (batcher.BACKLOG).
 The loop never waits on the device for its own sake (runner.py lists its only host waits); the
 writer thread waits on each step's copy-done event, then writes the store and resolves futures.
 
@@ -51,7 +52,7 @@ class StepLoop:
     def step(self) -> bool:
         """schedule -> stage -> run -> publish. Returns False once the batcher is closed and drained."""
         t_idle = time.perf_counter()
-        batch = self.batcher.next_batch(timeout=0.25, busy=self.runner.device_busy)
+        batch = self.batcher.next_batch(timeout=0.25, busy=self.runner.steps_in_flight)
         t0 = time.perf_counter()
         self._phase("idle", t0 - t_idle)  # (a timed-out wait too: idle is idle)
         if batch is None:

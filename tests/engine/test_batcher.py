@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from service.engine.batcher import Batch, Batcher, BatchLimits
+from service.engine.batcher import BACKLOG, BACKLOG_POLL_S, Batch, Batcher, BatchLimits
 from service.errors import BackendError, Overloaded, Unavailable
 
 
@@ -186,6 +186,55 @@ def test_wake_ends_a_wait_when_the_device_goes_idle():
     batch = get()
     assert time.monotonic() - t0 < 2.0
     assert keys(batch) == ["a"] and batch.closed_by == "idle"
+
+
+def test_a_due_batch_is_held_while_a_launched_step_waits_behind_the_running_one():
+    # BACKLOG steps in flight: one runs, one waits. A batch closed on max_wait now would only queue behind them.
+    clock = FakeClock()
+    b = make(max_batch_tokens=100, max_batch_images=3, max_wait_s=1.0, clock=clock)
+    device = {"steps": BACKLOG}
+    b.submit("a", None, 10)
+    clock.advance(5.0)  # far past max_wait
+    assert b.next_batch(timeout=0, busy=lambda: device["steps"]) is None  # held: it grows instead
+    b.submit("b", None, 10)
+    device["steps"] = BACKLOG - 1  # the waiting step started: the due batch closes on max_wait
+    batch = b.next_batch(timeout=0, busy=lambda: device["steps"])
+    assert keys(batch) == ["a", "b"] and batch.closed_by == "wait"
+    # Held or not, a full batch closes at once.
+    device["steps"] = BACKLOG + 1
+    for k in "cdef":
+        b.submit(k, None, 10)
+    batch = b.next_batch(timeout=0, busy=lambda: device["steps"])
+    assert keys(batch) == ["c", "d", "e"] and batch.closed_by == "images"
+    # The rest is held (past max_wait), then closes at once when the device is idle.
+    clock.advance(5.0)
+    assert b.next_batch(timeout=0, busy=lambda: device["steps"]) is None
+    device["steps"] = 0
+    batch = b.next_batch(timeout=0, busy=lambda: device["steps"])
+    assert keys(batch) == ["f"] and batch.closed_by == "idle"
+
+
+def test_a_held_batch_closes_when_the_backlog_goes_without_a_wake():
+    # The writer's wake() comes after it has caught up; the held batch polls the device meanwhile.
+    b = make(max_batch_tokens=100, max_wait_s=0.0, clock=time.monotonic)
+    device = {"steps": BACKLOG}
+    calls = []
+
+    def busy():
+        calls.append(device["steps"])
+        return device["steps"]
+
+    b.submit("a", None, 10)
+    get = run_in_thread(b.next_batch, 10.0, busy)
+    time.sleep(0.1)
+    held_checks = len(calls)
+    device["steps"] = 1  # no wake(): the poll must find it
+    t0 = time.monotonic()
+    batch = get()
+    assert time.monotonic() - t0 < 2.0
+    assert keys(batch) == ["a"] and batch.closed_by == "wait"
+    # Re-checked every BACKLOG_POLL_S while held (some of 100 possible, loaded CI machines wake late).
+    assert 3 <= held_checks <= 0.1 / BACKLOG_POLL_S + 2
 
 
 def test_next_batch_timeout_returns_none():

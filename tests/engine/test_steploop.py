@@ -27,9 +27,9 @@ class FakeRunner:
         self.pool = SimpleNamespace(stats=SimpleNamespace(waits_blocked=fence_waits))
         self.busy_calls = 0
 
-    def device_busy(self) -> bool:
+    def steps_in_flight(self) -> int:
         self.busy_calls += 1
-        return False
+        return 0
 
     def _raise_if(self, call: str, keys: tuple[str, ...]) -> None:
         if any(self.fail.get(k) == call for k in keys):
