@@ -3,6 +3,7 @@ CPU model, parsed inputs in, answers out. Cache hits, coalescing, a client that 
 decode failure that fails its request as a whole."""
 
 import asyncio
+import hashlib
 import time
 
 import pytest
@@ -224,5 +225,30 @@ def test_a_request_is_answered_at_its_first_failed_image_not_after_its_slowest_d
         go.set()
         await _until(lambda: len(released) == 1)
         assert local_host(rt).batcher.queue_depth() == 0 and len(local_host(rt).store) == 0
+
+    _with_runtime(tmp_path, tiny_model, test)
+
+
+def test_small_images_are_keyed_on_the_event_loop_large_ones_in_one_thread_hop(tmp_path, tiny_model, monkeypatch):
+    # A lone small image's keys cost a thread hop more than its hash (INLINE_KEY_BYTES); a large request's
+    # hashing must stay off the event loop.
+    small = [Input(data.photo("astronaut.png", max_side=96), None), Input(_png(2), "two")]
+    large = [Input(data.photo("astronaut.png"), None)]  # a 512x512 PNG photograph
+    assert sum(len(i.data) for i in small) <= encoding.INLINE_KEY_BYTES < len(large[0].data)
+    hops, real = [], asyncio.to_thread
+
+    async def counting(fn, *args, **kwargs):
+        hops.append(fn)
+        return await real(fn, *args, **kwargs)
+
+    async def test(rt):
+        monkeypatch.setattr(encoding.asyncio, "to_thread", counting)
+        keyed = await encoding._keys_for(rt, small)
+        assert hops == []
+        assert keyed[0].key == encoding.content_key(rt.key_salt, hashlib.sha256(small[0].data).digest())
+        assert keyed[1].key == "two" and keyed[0].tokens > 0
+        (big,) = await encoding._keys_for(rt, large)
+        assert len(hops) == 1
+        assert big.sha256 == hashlib.sha256(large[0].data).hexdigest() and big.tokens > keyed[0].tokens
 
     _with_runtime(tmp_path, tiny_model, test)
