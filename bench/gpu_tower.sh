@@ -8,6 +8,8 @@
 # MIX="name:serve flags;..." then runs bench/bench_mix.py (the real-world size mix over HTTP) with those
 # servers (MIX_ARGS: more of its arguments), its logs packed into OUT/mix.tgz; FRONTEND="ARGS" then runs
 # bench/bench_frontend.py ARGS (the step loop against pre-built requests), its logs packed into OUT/frontend.tgz.
+# BASE_TREE=DIR first runs bench_tower.py of that checkout (an earlier commit: `git archive COMMIT | tar -x -C DIR`)
+# with the same arguments but BASE_SECTIONS (default ceiling,tower), into OUT/base: a baseline in the same run.
 # FlashAttention-3 (the `fa3` extra) is installed from .fa3/ when that folder holds its wheel, serving
 # wheels from .whl/ (the GPU machines have no package registry); TESTS=0 skips the tests. The wheel, on a
 # machine with the registry: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -24,6 +26,11 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_attention_cuda.py tests/engine/test_tower_cuda.py \
     tests/engine/test_attention.py tests/engine/test_tower.py ${MORE_TESTS:-} > "$OUT/gpu_tests.log" 2>&1
   tail -25 "$OUT/gpu_tests.log"
+fi
+if [ -n "${BASE_TREE:-}" ]; then
+  (cd "$BASE_TREE" && python3 bench/bench_tower.py --out "$OUT/base" --sections "${BASE_SECTIONS:-ceiling,tower}" "$@") \
+    > "$OUT/bench_tower_base.log" 2>&1
+  tail -8 "$OUT/bench_tower_base.log"
 fi
 python3 bench/bench_tower.py --out "$OUT" --sections "$SECTIONS" "$@" > "$OUT/bench_tower.log" 2>&1
 tail -40 "$OUT/bench_tower.log"
