@@ -418,8 +418,11 @@ class Settings(BaseSettings):
     # 64 images of 448x448: a step launched from Python took ~25 ms of the step loop's time under HTTP load (from
     # a graph ~4), so steps of 17..64 such images launched from Python made the loop, not the GPU, the limit at 1
     # image per request (2026-12-03, bench/RESULTS.md: 591 -> 722 img/s; 134 graphs instead of 98, +3 s start-up).
-    graph_max_patches: int = Field(50176, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
-                                   "graphs are captured at start for every bucket up to it (50176 = 64 images of 448x448)")
+    # Then the whole default step (16384 tokens), bench/RESULTS.md: mixed real-world steps beyond the graphs were
+    # launch-bound too (80 ms of launch for 93 between steps), and the batcher's backlog hold grows steps to the budget.
+    graph_max_patches: int = Field(65536, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
+                                   "graphs are captured at start for every bucket up to it (65536: a step of the "
+                                   "default --max-batch-tokens)")
     graph_exact_sides: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 equal images get "
         "an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps pad to the "
