@@ -2,12 +2,11 @@
 
     per step: reserve each image's entry (from its launch, on the reserve threads, while the device
               computes and the writer still writes earlier steps) -> wait the step's copy-done event ->
-              commit each entry (on the put threads, while this thread waits for the next step's copy)
-              -> finish its waiters -> release the output buffer to its ring
+              commit each entry -> finish its waiters -> release the output buffer to its ring
     per part of a video split across steps (steploop.Part): wait its copy -> copy its rows into the
               video's whole output, in order -> release the buffer; after the last part, one entry
 
-The store's only writer. A step's writes are shared among a few put threads (`_commit_shares`); a
+The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
 failed write answers only its own image.
 """
 
@@ -16,9 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-import threading
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -47,11 +44,8 @@ class Writer:
         # NOTE: allocated per video, not from the ring: a video's parts outnumber the ring's buffers.
         self._parts: dict[str, torch.Tensor | None] = {}
         self._writers = threads
-        # A step's commits run here while the writer thread goes on to the next step's copy wait: when it
-        # committed a share itself and waited for the others, the steps' writes followed each other, and at 1
-        # image per request the writer was the limit again (2026-12-03, 448px: commit 27.8 of 43.6 ms between
-        # steps of 32 images, bench/RESULTS.md). FIFO: a step's shares are queued before the next step's.
-        self._put_pool = concurrent.futures.ThreadPoolExecutor(self._writers, thread_name_prefix="store-put")
+        # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
         # Reservations start when a step is published, on threads of their own: under load the writer is
         # still committing the step before, and a step's reservations waiting for it made the writer the
         # limit (2026-12-03, 448px at 1 image per request: reserve 11.6 + commit 15.1 ms per step of 24
@@ -92,15 +86,10 @@ class Writer:
         return [self._reserve_pool.submit(share, idx) for idx in _shares(len(items), self._reserve_threads)]
 
     def write(self, items: list[WorkItem[EncodeJob]], job: Launched,
-              reserving: list[concurrent.futures.Future] | None = None) -> concurrent.futures.Future:
+              reserving: list[concurrent.futures.Future] | None = None) -> None:
         """Store one step's embeddings and answer every one of its items (result or error). `reserving`: its
-        reservations started at publish (_reserve_ahead); None: reserve here. Returns once the step's copy is
-        done, with a future that is done once every entry is written and answered and the output buffer is
-        back: at once for one image (a hand-off costs it latency) or a store that batches, else when the put
-        threads have committed the step."""
+        reservations started at publish (_reserve_ahead); None: reserve here."""
         n = len(items)
-        written: concurrent.futures.Future = concurrent.futures.Future()
-        handed_off = False
         offs = job.token_offsets
         t0 = time.perf_counter()
         # Every entry's file is reserved while the device still computes: allocating tmpfs pages is
@@ -127,31 +116,24 @@ class Writer:
                     self.batcher.finish(item, error=BackendError(f"encoding failed on the device ({type(e).__name__}); the server's log has the error"))
         else:
             rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
-            phase = self.metrics.step_phase_seconds
-            phase.labels(phase="reserve").observe(t_reserved - t0)
-            phase.labels(phase="copy_wait").observe(t_copied - t_reserved)
-
-            def committed() -> None:
-                _record(traced, n)
-                phase.labels(phase="commit").observe(time.perf_counter() - t_copied)
-
             # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
             # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
             # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
             if n == 1:
                 self._commit(items[0], held[0], rows[0])
-                committed()
             elif self.store.batch_commits:  # (Mooncake: a step in one call, see MooncakeStore.commit_many)
                 self._commit_step(items, held, rows)
-                committed()
             else:
-                self._commit_shares(items, held, rows, then=committed, finally_=lambda: _done(job, written))
-                handed_off = True
+                self._in_parallel(self._commit, items, held, rows)
+            _record(traced, n)
+            phase = self.metrics.step_phase_seconds
+            phase.labels(phase="reserve").observe(t_reserved - t0)
+            phase.labels(phase="copy_wait").observe(t_copied - t_reserved)
+            phase.labels(phase="commit").observe(time.perf_counter() - t_copied)
         finally:
-            if not handed_off:
-                _done(job, written)  # every commit above has returned (or none will run): the buffer is free
+            if job.output is not None:
+                job.output.release()  # every commit above has returned: the buffer is free
         # (The store's gauges are read at scrape time: Metrics.update_gauges.)
-        return written
 
     def write_part(self, item: WorkItem[EncodeJob], job: Launched | None, part: Part) -> None:
         """One part of a video split across steps: its rows into the video's output; the last part stores it."""
@@ -186,31 +168,6 @@ class Writer:
         if part.index == part.count - 1 and (out := self._parts.pop(item.key, None)) is not None:
             self._commit(item, self._reserve(item, tuple(out.shape), out.dtype, video.grid_thw), out)
             _record([item.payload] if item.payload.stamps is not None else [], 1, parts=part.count)
-
-    def _commit_shares(self, items: list[WorkItem[EncodeJob]], held: list, rows: list[torch.Tensor],
-                       then: Callable[[], None], finally_: Callable[[], None]) -> None:
-        """Commit a step in contiguous shares on the put threads; after the last share, on its thread, then()
-        and (whatever happened) finally_(). Returns at once."""
-        shares = _shares(len(items), self._writers)
-        left = [len(shares)]
-        lock = threading.Lock()
-
-        def run(idx: range) -> None:
-            try:
-                for j in idx:
-                    self._commit(items[j], held[j], rows[j])  # (answers its own failure: no raise)
-            finally:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    try:
-                        then()
-                    finally:
-                        finally_()
-
-        for idx in shares:
-            self._put_pool.submit(run, idx)
 
     def _in_parallel(self, fn, *columns: list) -> list:
         """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
@@ -266,15 +223,6 @@ class Writer:
         else:
             log.error("store write for %s failed: %r", item.key, e)
             self.batcher.finish(item, error=BackendError(f"could not write embeddings to the store: {clip(str(e), 120)}"))
-
-
-def _done(job: Launched, written: concurrent.futures.Future) -> None:
-    """A step is written: its output buffer back to the ring, then its `write` future done."""
-    try:
-        if job.output is not None:
-            job.output.release()
-    finally:
-        written.set_result(None)
 
 
 def _shares(n: int, threads: int) -> list[range]:
