@@ -420,6 +420,8 @@ class Settings(BaseSettings):
     # image per request (2026-12-03, bench/RESULTS.md: 591 -> 722 img/s; 134 graphs instead of 98, +3 s start-up).
     # Then the whole default step (16384 tokens), bench/RESULTS.md: mixed real-world steps beyond the graphs were
     # launch-bound too (80 ms of launch for 93 between steps), and the batcher's backlog hold grows steps to the budget.
+    # Measured in the mix: launch 3.1 ms per step against 40.4 at 50176, the rate the same (149.9 against 153.7 img/s:
+    # the store writer was the limit), start-up 141 graphs in 13.5-15 s against 134 in 11.
     graph_max_patches: int = Field(65536, gt=0, description="largest step (in patches) replayed from a CUDA graph; "
                                    "graphs are captured at start for every bucket up to it (65536: a step of the "
                                    "default --max-batch-tokens)")

@@ -49,7 +49,8 @@ from service.errors import Overloaded, Unavailable
 # is held instead of closed, and re-checked every BACKLOG_POLL_S (the writer's wake() comes only after
 # it has caught up). Why: under load at 1 image per request, closing on max_wait queued steps of ~26
 # 448px images behind each other on the device, which ran them at 740 img/s against 860 at 64
-# (2026-12-03, bench/RESULTS.md).
+# (2026-12-03, bench/RESULTS.md). Measured with the hold: steps of 31.8 images instead of 25.5, the
+# throughput the same (727.9 against 725.6 img/s), because the store's writes were then the limit.
 BACKLOG = 2
 BACKLOG_POLL_S = 0.001
 
