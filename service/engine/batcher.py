@@ -325,17 +325,16 @@ class Batcher(Generic[P]):
                     items, tokens, closed_by = self._plan()
                     if closed_by is None and self._closed:
                         closed_by = "drain"
-                    steps = 1 if closed_by is not None or busy is None else int(busy())
+                    steps = 1 if closed_by is not None or busy is None else busy()
                     if closed_by is None and steps == 0:
                         closed_by = "idle"
                     if closed_by is None:
                         # The batch closes max_wait after its OLDEST item, the queue's head.
                         wait_s = items[0].enqueued_at + self.limits.max_wait_s - self._clock()
-                        if wait_s <= 0:
-                            if steps < BACKLOG:
-                                closed_by = "wait"
-                            else:  # held: re-check soon whether the backlog has gone
-                                wait_s = BACKLOG_POLL_S
+                        if wait_s <= 0 and steps < BACKLOG:
+                            closed_by = "wait"
+                        elif wait_s <= 0:  # held: re-check soon whether the backlog has gone
+                            wait_s = BACKLOG_POLL_S
                     if closed_by is not None:
                         return self._schedule(items, tokens, closed_by)
                 if give_up_at is not None:
