@@ -94,13 +94,13 @@ class Writer:
         t0 = time.perf_counter()
         # Every entry's file is reserved while the device still computes: allocating tmpfs pages is
         # most of a store write's cost, and so it overlaps the tower instead of following it.
+        if reserving is None and n > 1:  # (a step not published: write called directly)
+            reserving = self._reserve_ahead(items, job)
         if reserving is not None:
             held = [r for f in reserving for r in f.result()]  # (_reserve answers its own failures: no raise)
-        elif n == 1:
+        else:  # a lone image, reserved here: a hand-off costs it latency
             shapes, dtypes = _entry_shapes(job)
             held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
-        else:
-            held = self._in_parallel(self._reserve, items, *_entry_shapes(job), job.grids)
         t_reserved = time.perf_counter()
         try:
             if job.done is not None:
