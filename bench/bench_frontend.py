@@ -180,7 +180,33 @@ def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
     return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
 
 
-STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit")
+STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit", "device")
+
+
+def gpu_busy() -> subprocess.Popen | None:
+    """nvidia-smi sampling the GPU's busy fraction every 100 ms (its stdout: one percentage per line)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    return subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0",
+                             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def gpu_busy_pct(p: subprocess.Popen | None) -> float | None:
+    if p is None:
+        return None
+    p.terminate()
+    vals = [float(v) for v in p.communicate()[0].split() if v.replace(".", "").isdigit()]
+    return round(sum(vals) / len(vals), 1) if vals else None
+
+
+
+def store_parent(flags: str) -> tuple[str | None, str]:
+    """A variant's `@store=DIR` (not a serve flag): its directory store goes under DIR (e.g. a tmpfs mounted
+    with huge pages) instead of /dev/shm. Returns (the parent directory, the serve flags without it)."""
+    words = shlex.split(flags)
+    parent = next((w[len("@store="):] for w in words if w.startswith("@store=")), None)
+    default = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return parent or default, shlex.join(w for w in words if not w.startswith("@store="))
 
 
 def engine_counters(port: int) -> dict[str, float]:
@@ -345,7 +371,8 @@ def main() -> int:
     ap.add_argument("--stores", default="directory", help="comma-separated backends each mode runs on, in turn: "
                     "directory, mooncake (needs Mooncake's client and mooncake_master: the `mooncake` extra)")
     ap.add_argument("--variants", default=":", help="semicolon-separated NAME:SERVE FLAGS, each mode run once per "
-                    "variant (e.g. \":;slots6:--pool-slots 6\"; the default: one, the server's defaults)")
+                    "variant (e.g. \":;slots6:--pool-slots 6\"; the default: one, the server's defaults); a flag "
+                    "@store=DIR puts that variant's directory store under DIR instead of /dev/shm")
     ap.add_argument("--x8", action=argparse.BooleanOptionalAction, default=True, help="the 8-images-per-request phase")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
@@ -399,7 +426,8 @@ def main() -> int:
             bodies8 = [body(blobs8[i : i + 8]) for i in range(0, n - n % 8, 8)]
             res["jpeg_kb_mean"] = round(sum(map(len, blobs1)) / len(blobs1) / 1024, 1)
             port = 18300 + mi
-            store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+            parent, vflags = store_parent(vflags)
+            store = Path(tempfile.mkdtemp(prefix="qve-frontend-", dir=parent))
             name = (str(mode) if kind == "directory" else f"{mode}@{kind}") + (f"/{vname}" if vname else "")
             tag = f"{mode}-{kind}-run{mi + 1}"  # (file names of letters, digits and dashes: they travel back)
             master = mooncake_master(args, tag) if kind == "mooncake" else None
@@ -413,9 +441,9 @@ def main() -> int:
                 s0 = engine_counters(port)
                 spies = profile(args, proc.pid, f"mode{mode}_x1")
                 roots = [proc.pid] + ([master.proc.pid] if master is not None else [])
-                c0 = cpu_snapshot(roots)
+                c0, busy = cpu_snapshot(roots), gpu_busy()
                 r["x1"] = load(port, bodies1, 1, args.clients, args.conc1)
-                r["x1"]["cpu"] = cpu_used(c0, cpu_snapshot(roots))
+                r["x1"]["cpu"], r["x1"]["gpu_busy_pct"] = cpu_used(c0, cpu_snapshot(roots)), gpu_busy_pct(busy)
                 summarize(spies)
                 s1 = engine_counters(port)
                 r["x1"].update(per_step(s0, s1, r["x1"]["wall_s"]))

@@ -24,8 +24,8 @@ import argparse
 import json
 import platform
 import resource
-import shutil
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_frontend import (cpu_snapshot, cpu_used, engine_counters, per_step, profile, stop,  # noqa: E402
-                                  summarize, wait_ready)
+from bench.bench_frontend import (cpu_snapshot, cpu_used, engine_counters, gpu_busy, gpu_busy_pct,  # noqa: E402
+                                  per_step, profile, stop, store_parent, summarize, wait_ready)
 from bench.bench_tower import REAL_WORLD_SIZES  # noqa: E402
 
 SIZES = ",".join(f"{w}x{h}" for w, h in REAL_WORLD_SIZES)
@@ -57,22 +57,6 @@ def children_cpu_s() -> float:
     """CPU seconds of this process's finished children (the load generator and its processes)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def gpu_busy() -> subprocess.Popen | None:
-    """nvidia-smi sampling the GPU's busy fraction every 100 ms (its stdout: one percentage per line)."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    return subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0",
-                             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def gpu_busy_pct(p: subprocess.Popen | None) -> float | None:
-    if p is None:
-        return None
-    p.terminate()
-    vals = [float(v) for v in p.communicate()[0].split() if v.replace(".", "").isdigit()]
-    return round(sum(vals) / len(vals), 1) if vals else None
 
 
 def main() -> int:
@@ -114,7 +98,8 @@ def main() -> int:
     for i, config in enumerate(args.configs.split(";")):
         name, _, flags = config.partition(":")
         port = 18200 + i
-        store = Path(tempfile.mkdtemp(prefix="qve-mix-", dir="/dev/shm"))
+        parent, flags = store_parent(flags)  # (a config's @store=DIR: its store under DIR)
+        store = Path(tempfile.mkdtemp(prefix="qve-mix-", dir=parent))
         log = args.out / f"serve_{name}.log"
         cmd = [sys.executable, "-m", "service", "serve", "--model", args.preset, "--port", str(port),
                "--store", str(store), "--store-capacity-bytes", str(16 * 1024**3), "--store-min-residency-s", "0",
@@ -149,6 +134,7 @@ def main() -> int:
             save()
         finally:
             stop(proc, 60)
+            shutil.rmtree(store, ignore_errors=True)  # (the next config's store may share its tmpfs)
     base = res["runs"][0]["img_s"] if res["runs"] else None
     print(f"\n{res['date']}  {res['gpu']}  preset {args.preset}  1 image/request, "
           f"{args.concurrency} in flight, {args.processes} client processes, sizes {args.sizes}")

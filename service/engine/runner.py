@@ -94,6 +94,9 @@ class Launched:
     token_offsets: list[int]  # [B+1] output-row offsets per image
     grids: list[tuple[int, int, int]]  # [B] (t, h, w) patch grid per image
     output_wait_s: float = 0.0  # host time `run` waited for a free output buffer (the writer behind)
+    # Timing events on the compute stream around the step's device work (H2D, patchify, tower), read by the
+    # writer once `done` has fired: the device's own time per step (the `device` step phase). None on CPU.
+    device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class Runner:
@@ -122,7 +125,7 @@ class Runner:
         exact = tuple(num_patches(grid_for(side, side, params)) for side in options.graph_exact_sides)
         self.buckets = graph_buckets(self.max_patches, options.graph_max_patches, smallest) if (
             fast and options.cuda_graphs) else None
-        self.equal_steps = equal_steps(self.buckets[-1], exact) if self.buckets else []
+        self.equal_steps = equal_steps(self.buckets[-1], exact, options.graph_exact_images) if self.buckets else []
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
         gaps = [b - a for a, b in zip([0, *self.buckets], self.buckets)] if self.buckets else [0]
         self.cu_length = self.max_images + 1 + pad_segments(max(gaps))
@@ -340,7 +343,9 @@ class Runner:
         slot, n, nbytes = st.slot, st.size.patches, st.size.pixel_bytes
         ni, g, vrow = st.image_entries, st.groups, st.video_row
         d = self.dev
+        span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            span[0].record(self.compute_stream)
             try:
                 if self.test_stall_cycles:  # a slow device, for the fence tests: the H2D copies run late
                     torch.cuda._sleep(self.test_stall_cycles)
@@ -366,6 +371,7 @@ class Runner:
                                    d.cu_seqlens[: len(st.seq_lens) + 1], st.seq_lens,
                                    frame1=self.frame1[: n - vrow] if g else None)
                 out = self.model.tower(batch)
+            span[1].record(self.compute_stream)
         t_out = time.perf_counter()
         output = self.outputs.acquire()  # back-pressure: only blocks when the writer is pool_slots steps behind
         output_wait_s = time.perf_counter() - t_out
@@ -378,7 +384,7 @@ class Runner:
         # `out` was allocated on compute_stream and is read on copy_stream: keep the allocator from reusing it early.
         out.record_stream(self.copy_stream)
         return Launched(host_out=host, done=done, output=output, token_offsets=st.token_offsets, grids=st.grids,
-                        output_wait_s=output_wait_s)
+                        output_wait_s=output_wait_s, device_span=span)
 
 
 def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:

@@ -130,6 +130,8 @@ class Writer:
             phase.labels(phase="reserve").observe(t_reserved - t0)
             phase.labels(phase="copy_wait").observe(t_copied - t_reserved)
             phase.labels(phase="commit").observe(time.perf_counter() - t_copied)
+            if job.device_span is not None:  # (both events have fired: `done` follows them on the device)
+                phase.labels(phase="device").observe(job.device_span[0].elapsed_time(job.device_span[1]) / 1e3)
         finally:
             if job.output is not None:
                 job.output.release()  # every commit above has returned: the buffer is free

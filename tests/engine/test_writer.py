@@ -105,6 +105,31 @@ def test_a_step_reports_its_reserve_copy_wait_and_commit_times(tmp_path):
     assert phase("reserve", "sum") < 0.3  # (three small files: not the device's wait, on a loaded machine too)
 
 
+class FakeTimingEvent:
+    """A CUDA timing event's elapsed_time: milliseconds from this event to `other`."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, other: "FakeTimingEvent") -> float:
+        return other.ms - self.ms
+
+
+def test_a_step_reports_its_time_on_the_device(tmp_path):
+    """The `device` phase: the step's span between its two compute-stream events, read after the copy;
+    a step without the span (CPU) reports none."""
+    store, batcher, writer, ring = _setup(tmp_path)
+    items, job, _ = _launched(batcher, ring, ["a", "b"], done=FakeEvent([]))
+    job.device_span = (FakeTimingEvent(1000.0), FakeTimingEvent(1042.5))
+    writer.write(items, job)
+    items, job, _ = _launched(batcher, ring, ["c"], done=FakeEvent([]))
+    writer.write(items, job)
+    m = writer.metrics.exposition().decode()
+    assert metric(m, "qve_step_phase_seconds_count", 'phase="device"') == 1
+    assert metric(m, "qve_step_phase_seconds_sum", 'phase="device"') == pytest.approx(0.0425)
+    assert metric(m, "qve_step_phase_seconds_count", 'phase="commit"') == 2
+
+
 @pytest.mark.parametrize("where", ["reserve", "commit"])
 def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
     store, batcher, writer, ring = _setup(tmp_path)
