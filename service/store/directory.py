@@ -101,6 +101,35 @@ def _allocate(fd: int, size: int) -> None:
             raise  # ENOSPC and real errors: the reservation fails
 
 
+def tmpfs_huge(path: str, mountinfo: str | None = None, shmem_enabled: str | None = None) -> str | None:
+    """How the tmpfs holding `path` (a real path) backs files with huge pages: its `huge=` mount option
+    ("never" when it has none), or "force" where the kernel forces them on every tmpfs; None when `path`
+    is not on a tmpfs or /proc cannot say. (`mountinfo`, `shmem_enabled`: the /proc and /sys texts, for tests.)"""
+    try:
+        if mountinfo is None:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        if shmem_enabled is None:
+            thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+            shmem_enabled = thp.read_text() if thp.exists() else ""
+    except OSError:
+        return None
+    best: tuple[int, str, str] | None = None  # (mount point length, fs type, its options)
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= best[0]):  # the last of equal ones is on top
+            best = (len(point), rest[0], rest[2])
+    if best is None or best[1] != "tmpfs":
+        return None
+    if "[force]" in shmem_enabled:
+        return "force"
+    return next((o[len("huge="):] for o in best[2].split(",") if o.startswith("huge=")), "never")
+
+
 def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool, mode: int = FILE_MODE) -> int:
     """Write header + tensor data to the new, empty file open as `fd`, make it `mode` (exactly, whatever
     the umask); return the file size. The caller closes `fd`. Only the store's temp files are written
@@ -217,6 +246,7 @@ class EmbeddingStore:
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first, MRU last
         self._bytes_used = 0
         self._evictions = 0
+        self._trash: list[Path] = []  # evicted files renamed aside under _lock, unlinked outside it (_empty_trash)
 
         self.file_mode = FILE_MODE
         self._lock_fd: int | None = None
@@ -226,9 +256,16 @@ class EmbeddingStore:
             self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
         self.capacity_bytes = self._fit_capacity(capacity_bytes)
+        if exclusive and tmpfs_huge(self._real_root) == "never":
+            # Measured on an H200 host (bench/RESULTS.md, 2026-12-03): a 448px image's 4 MB entry reserved and
+            # written in 0.6 ms on a tmpfs mounted huge=always, 1.5-2.1 ms on one without huge pages.
+            log.info("the store %s is on a tmpfs without huge pages: each write allocates its memory 4 KiB at a "
+                     "time; a tmpfs mounted with huge=within_size writes 2-3x faster (docs/operations.md)",
+                     self.root)
         self.unwritable: str | None = None  # why the last write failed, until one succeeds (/health reads it)
         with self._lock:
             self._evict_locked(keep=None)
+        self._empty_trash()
 
     def _fit_capacity(self, wanted: int) -> int:
         """`wanted`, or less where the filesystem cannot hold it (Docker's default /dev/shm is 64 MB):
@@ -430,7 +467,9 @@ class EmbeddingStore:
         with self._lock:
             before = self._bytes_used
             self._evict_locked(keep=keep, limit=max(0, before - nbytes))
-            return self._bytes_used < before
+            evicted = self._bytes_used < before
+        self._empty_trash()  # (the room is there once the files are gone)
+        return evicted
 
     def abort(self, r: PendingEntry) -> None:
         """Give up a pending entry: close and remove its temp file (the key's entry, if any, is untouched)."""
@@ -492,6 +531,7 @@ class EmbeddingStore:
                     key, nbytes, self.capacity_bytes,
                 )
             self._evict_locked(keep=key)
+        self._empty_trash()
         self.unwritable = None
         if self.fsync:
             try:
@@ -652,11 +692,29 @@ class EmbeddingStore:
             self._bytes_used -= entry.nbytes
             self._evictions += 1
             key_dir = self.root / victim
+            # Renamed aside (a temp name: a crash leaves it to start-up's cleanup), unlinked by _empty_trash
+            # after the lock: freeing a 448px entry's pages took 0.56 ms on a tmpfs of 4 KiB pages (0.02 ms in
+            # 2 MiB ones), and every put's commit waited for the lock meanwhile. The entry is gone for readers
+            # at the rename, as at an unlink; one that has the file open keeps reading it.
+            trash = self.root / f"{TMP_PREFIX}evicted-{secrets.token_hex(8)}"
             try:
-                _unlink_quietly(key_dir / FILE_NAME)
+                os.rename(key_dir / FILE_NAME, trash)
+                self._trash.append(trash)
+            except FileNotFoundError:
+                pass
             except OSError as e:  # the bytes are probably still used; say so rather than fail the put
                 log.error("store: cannot evict %s: %s", key_dir / FILE_NAME, e)
             _rmdir_quietly(key_dir)  # fails harmlessly while a put of this key has its temp file inside
+
+    def _empty_trash(self) -> None:
+        """Unlink the files _evict_locked renamed aside. Callers hold no lock."""
+        with self._lock:
+            trash, self._trash = self._trash, []
+        for path in trash:
+            try:
+                _unlink_quietly(path)
+            except OSError as e:
+                log.error("store: cannot remove evicted file %s: %s", path, e)
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -322,6 +322,28 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["a", "c", "d"]
 
 
+def test_an_evicted_file_is_freed_outside_the_lock_and_a_left_one_at_start(tmp_path, monkeypatch):
+    """Freeing an evicted file's pages (an unlink) happens after the store's lock is released: other puts'
+    commits wait for that lock. A file renamed aside but never unlinked (a crash) goes at the next start."""
+    root = tmp_path / "s"
+    size = item_nbytes(make_store(tmp_path / "x"), 4)
+    store = make_store(root, capacity=2 * size)
+    unlinked = []
+    real = store_mod._unlink_quietly
+    monkeypatch.setattr(store_mod, "_unlink_quietly",
+                        lambda path: unlinked.append((Path(path).name, store._lock.locked())) or real(path))
+    for k in "abc":
+        store.put(k, ec_for(ord(k), 4), (1, 2, 8))
+    assert store.evictions == 1 and store.lru_keys() == ["b", "c"]
+    assert [(name.startswith(format_mod.TMP_PREFIX + "evicted-"), locked) for name, locked in unlinked] == [(True, False)]
+    assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
+    monkeypatch.setattr(store_mod, "_unlink_quietly", real)
+
+    (root / f"{format_mod.TMP_PREFIX}evicted-0123456789abcdef").write_bytes(b"x" * 100)  # left by a crash
+    again = make_store(root, capacity=2 * size)
+    assert again.lru_keys() == ["b", "c"] and sorted(p.name for p in root.iterdir()) == ["b", "c"]
+
+
 def test_the_service_owns_its_root_private_checked_and_locked(tmp_path):
     root = tmp_path / "own"
     store = make_store(root, exclusive=True)
@@ -787,3 +809,38 @@ def test_a_video_entry_keeps_its_sampling_and_timestamps_through_the_reader_and_
     store.close()
     again = make_store(tmp_path / "s")
     assert again.lookup("v") == item and again.lookup("i") == image
+
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683568k
+31 27 0:40 / /mnt/huge rw,relatime - tmpfs tmpfs rw,size=41943040k,huge=within_size
+32 31 0:41 / /mnt/huge/plain\\040dir rw,relatime - tmpfs tmpfs rw,size=1024k
+33 27 8:1 / /work rw,relatime - ext4 /dev/sda1 rw
+34 25 0:42 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1g,huge=always
+"""
+
+
+@pytest.mark.parametrize(("path", "shmem", "expected"), [
+    ("/dev/shm/qwen3vl-encoder-cache", "always within_size advise [never] deny force", "always"),  # the top mount
+    ("/mnt/huge/store", "", "within_size"),
+    ("/mnt/huge/plain dir/store", "", "never"),  # a mount inside it, its name escaped in mountinfo
+    ("/mnt/hugestore", "", None),  # not under /mnt/huge: on / (not listed: not a tmpfs)
+    ("/work/store", "", None),  # ext4
+    ("/mnt/huge/plain dir", "always within_size advise never deny [force]", "force"),  # forced on every tmpfs
+])
+def test_tmpfs_huge_reads_the_mount_holding_the_path(path, shmem, expected):
+    assert store_mod.tmpfs_huge(path, MOUNTINFO, shmem) == expected
+
+
+def test_a_service_store_on_a_tmpfs_without_huge_pages_says_how_to_mount_it(tmp_path, monkeypatch, caplog):
+    seen = []
+    monkeypatch.setattr(store_mod, "tmpfs_huge", lambda path: seen.append(path) or "never")
+    with caplog.at_level("INFO", logger="service.store.directory"):
+        EmbeddingStore(tmp_path / "a", 1 << 20, MODEL, D, 1, exclusive=True).close()
+    assert "huge=within_size" in caplog.text and seen == [os.path.realpath(tmp_path / "a")]
+    caplog.clear()
+    monkeypatch.setattr(store_mod, "tmpfs_huge", lambda path: "within_size")
+    with caplog.at_level("INFO", logger="service.store.directory"):
+        EmbeddingStore(tmp_path / "b", 1 << 20, MODEL, D, 1, exclusive=True).close()
+    assert "huge" not in caplog.text
