@@ -131,6 +131,7 @@ class RunnerOptions:
     cuda_graphs: bool  # replay the tower from CUDA graphs (where the tower is fast: CUDA, bf16/fp16)
     graph_max_patches: int  # the largest step replayed from a graph
     graph_exact_sides: tuple[int, ...]  # square sides whose equal steps get unpadded graphs
+    graph_exact_images: int  # ... of 1..this many images
     compile: bool  # torch.compile the tower (where it is fast)
     attention: str  # "auto" (measure a plan at start-up) or a Backend's value to force (attention.py)
     compile_cache: Path  # on-disk compile caches (runner.use_compile_cache; the entry points set it up)
@@ -412,7 +413,11 @@ class Settings(BaseSettings):
                                        "processes answer 503 before the supervisor exits with status 1")
 
     # step loop and GPU
-    pool_slots: int = Field(3, ge=2, description="pinned staging slots (>= steps in flight + 1)")
+    # 4, not 3: the writer holds one step's output buffer while it commits it, and with two steps on the device
+    # (batcher.BACKLOG) a third buffer left the loop waiting for the writer (output_wait 8.7-24.4 ms per step at 1
+    # image per request). H200, 2026-12-03 (bench/RESULTS.md), with --graph-exact-images 64: 673.5 -> 773.8 img/s.
+    pool_slots: int = Field(4, ge=2, description="pinned staging slots, and as many output buffers (>= steps in "
+                            "flight + 2: the writer holds one)")
     warmup: bool = Field(True, description="run one step before /ready says ready")
     cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
     # 64 images of 448x448: a step launched from Python took ~25 ms of the step loop's time under HTTP load (from
@@ -426,9 +431,15 @@ class Settings(BaseSettings):
                                    "graphs are captured at start for every bucket up to it (65536: a step of the "
                                    "default --max-batch-tokens)")
     graph_exact_sides: Annotated[list[int], NoDecode] = Field(
-        default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..16 equal images get "
-        "an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps pad to the "
-        "nearest bucket)")
+        default_factory=lambda: [448, 512], description="square image sides (px) whose steps of 1..--graph-exact-images "
+        "equal images get an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps "
+        "pad to the nearest bucket)")
+    # 64: equal steps of up to 64 images run batched attention from a graph of their own, 1.164 ms per 448px image
+    # on the device against 1.209-1.256 through the varlen graphs (H200, 2026-12-03, bench/RESULTS.md; the tower
+    # alone 1.150). Start-up captures 237 graphs in 21 s instead of 141 in 13.5.
+    graph_exact_images: int = Field(64, gt=0, description="the largest step of equal --graph-exact-sides images "
+                                    "that gets a graph of its own (1..this many images; larger steps of them pad "
+                                    "to the nearest bucket, with varlen attention)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
     attention: Literal["auto", "cudnn", "fa3", "fa2", "sdpa"] = Field(
         "auto", description="the attention kernel on a GPU: auto times each one that runs at start-up and each "
@@ -567,8 +578,8 @@ class Settings(BaseSettings):
         return RunnerOptions(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
                              pool_slots=self.pool_slots, cuda_graphs=self.cuda_graphs,
                              graph_max_patches=self.graph_max_patches, graph_exact_sides=tuple(self.graph_exact_sides),
-                             compile=self.compile, attention=self.attention, compile_cache=self.compile_cache,
-                             faults=faults)
+                             graph_exact_images=self.graph_exact_images, compile=self.compile,
+                             attention=self.attention, compile_cache=self.compile_cache, faults=faults)
 
     def engine_options(self, faults: FaultInjection = FaultInjection()) -> EngineOptions:
         """The options of one engine (`faults`: FaultInjection.from_env(os.environ) at an entry point)."""

@@ -75,7 +75,7 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
                                 StoreOptions)
 
     s = _from_cli("--max-batch-tokens", "2048", "--max-batch-images", "12", "--max-wait-ms", "7", "--pool-slots", "4",
-                  "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--no-compile",
+                  "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--graph-exact-images", "24", "--no-compile",
                   "--attention", "fa3",
                   "--compile-cache", "/tmp/cc", "--store", "/tmp/st", "--store-capacity-bytes", "1000",
                   "--store-group", "video", "--store-min-residency-s", "9", "--store-writers", "2",
@@ -85,7 +85,7 @@ def test_each_part_gets_its_options_derived_from_the_settings_once():
     faults = FaultInjection(stall_cycles=5)
     assert s.runner_options(faults) == RunnerOptions(
         max_batch_tokens=2048, max_batch_images=12, pool_slots=4, cuda_graphs=False, graph_max_patches=4096,
-        graph_exact_sides=(448, 512), compile=False, attention="fa3", compile_cache=Path("/tmp/cc"), faults=faults)
+        graph_exact_sides=(448, 512), graph_exact_images=24, compile=False, attention="fa3", compile_cache=Path("/tmp/cc"), faults=faults)
     assert s.store_options() == StoreOptions(root=Path("/tmp/st"), mooncake=None, capacity_bytes=1000, group="video",
                                              min_residency_s=9.0, writers=2)
     pooled = Settings(store="mooncake://10.0.0.5:50051", mooncake_local_host="10.0.0.7", mooncake_segment_bytes="2GiB",

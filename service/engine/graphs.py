@@ -16,7 +16,7 @@ Output rows of the real images are exactly the first n/4 rows of the graph's out
 Buckets are close together (a sixteenth of the size apart, see graph_buckets) so padding wastes at
 most ~6% of a step: padding to 1024-patch buckets measured 20-30% slower than exact sizes.
 
-Equal steps: k images of one common size (the --graph-exact-sides, k = 1..16) also get a graph with
+Equal steps: k images of one common size (the --graph-exact-sides, k = 1..--graph-exact-images) also get a graph with
 batched attention (one [k, heads, L, dim] call, no cu_seqlens). Measured inside CUDA graphs on an
 H200, 784 patches per image: varlen flash 20.9 us per block at k=1 and 111 us at k=8, batched cuDNN
 14.1 and 73.6 us (bench/results/2026-11-30-h200-graphs-staging/). A step of the same patch count whose
@@ -52,7 +52,7 @@ def graph_buckets(max_patches: int, limit: int, smallest: int = 256) -> list[int
     return sorted(set([*out, top])) if top > 0 else []
 
 
-def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 16) -> list[tuple[int, int]]:
+def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 64) -> list[tuple[int, int]]:
     """(images, patches per image) of the equal steps that get a batched-attention graph: 1..exact_images
     images of each common size (`exact`: their patch counts), up to the largest bucket. The steps light
     traffic makes most often (a few equal images) then run unpadded. (Before 2026-11-30's graphs-staging

@@ -32,6 +32,9 @@ def test_equal_steps_are_the_exact_sizes_up_to_the_largest_bucket():
     assert [(k, 784) for k in range(1, 17)] == [s for s in steps if s[1] == 784]
     assert [(k, 1024) for k in range(1, 13)] == [s for s in steps if s[1] == 1024]  # 13 x 1024 > 12544
     assert equal_steps(12544) == [] and equal_steps(1000, exact=(784, 0)) == [(1, 784)]
+    # --graph-exact-images: up to that many equal images, still within the largest bucket
+    assert equal_steps(65536, exact=(784,), exact_images=64) == [(k, 784) for k in range(1, 65)]
+    assert equal_steps(12544, exact=(784,), exact_images=4) == [(k, 784) for k in range(1, 5)]
 
 
 def test_padded_cu_seqlens_layout():
