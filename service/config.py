@@ -416,6 +416,8 @@ class Settings(BaseSettings):
     # 4, not 3: the writer holds one step's output buffer while it commits it, and with two steps on the device
     # (batcher.BACKLOG) a third buffer left the loop waiting for the writer (output_wait 8.7-24.4 ms per step at 1
     # image per request). H200, 2026-12-03 (bench/RESULTS.md), with --graph-exact-images 64: 673.5 -> 773.8 img/s.
+    # The fourth slot costs pinned host memory: with the 4B preset's defaults a staging slot is ~0.10 GB (two
+    # frames' pixels of a 65536-patch step) and an output buffer ~0.34 GB (16384 tokens x 10240 bf16).
     pool_slots: int = Field(4, ge=2, description="pinned staging slots, and as many output buffers (>= steps in "
                             "flight + 2: the writer holds one)")
     warmup: bool = Field(True, description="run one step before /ready says ready")
