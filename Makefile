@@ -101,7 +101,7 @@ soak: $(DEV_STAMP)
 		--min-pixels 16384 --max-pixels 16384" --images 2000 --sizes 128x128 --read-pause-ms 2 --out-dir $(OUT) $(ARGS)
 
 lint: $(DEV_STAMP)
-	$(PY) -m compileall -q service kernels bench tests
+	$(PY) -m compileall -q service bench tests
 
 docker-build:
 	docker build -f docker/Dockerfile -t qwen3vl-encoder:local .

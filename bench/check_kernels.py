@@ -1,4 +1,4 @@
-"""Check and time kernels/preprocess.py on a GPU. Standalone: needs torch (CUDA) and cupy.
+"""Check and time service/kernels/preprocess.py on a GPU. Standalone: needs torch (CUDA) and cupy.
 
     python bench/check_kernels.py --out DIR [--reps 200] [--warmup 20]
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import torch  # noqa: E402
 
-from kernels.preprocess import patchify_cuda  # noqa: E402
+from service.kernels.preprocess import patchify_cuda  # noqa: E402
 
 P, M = 16, 2
 

@@ -5,7 +5,7 @@
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
     media    store
-    base     service.errors, service.config, service.limits, service.presets, service.metrics, service.tracing; kernels
+    base     service.errors, service.config, service.limits, service.presets, service.metrics, service.tracing; service.kernels
 
 A module may import its own package, any package of a lower layer, and nothing else: not a package of a
 higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"base", "kernels"},
+    {"base", "service.kernels"},
     {"service.media", "service.store"},
     {"service.engine"},
     {"service.api"},
@@ -33,7 +33,7 @@ CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.d
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for top in ("service", "kernels"):
+    for top in ("service",):
         for path in (ROOT / top).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -71,8 +71,6 @@ def _group(module: str) -> str:
         return "base"
     if module in CLI:
         return "cli"
-    if module.startswith("kernels"):
-        return "kernels"
     group = ".".join(module.split(".")[:2])
     assert any(group in layer for layer in LAYERS), f"{module}: a module of service/ in no layer (add it to LAYERS)"
     return group
@@ -91,11 +89,11 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
     """Each import that points up a layer or across to another package of the same layer."""
     bad = []
     for src, targets in edges.items():
-        if src in ("service", "kernels"):
+        if src == "service":
             continue
         g = _group(src)
         for dst in sorted(targets):
-            if dst in ("service", "kernels"):
+            if dst == "service":
                 continue
             h = _group(dst)
             if h != g and _layer(h) >= _layer(g):

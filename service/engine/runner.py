@@ -142,7 +142,7 @@ class Runner:
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
         self.video_lut = torch.from_numpy(video_lut(model.video)).to(self.device)  # [3, 256] float32: not the image's
         if self.cuda:
-            from kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
+            from service.kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
 
             self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
             # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
@@ -389,7 +389,7 @@ class Runner:
 
 def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:
     """(dst pointer, src pointer, bytes per row) of each buffer, in field order: made once per slot, so
-    a step's copies are plain integer arithmetic (see kernels.preprocess.copy_async for why raw copies)."""
+    a step's copies are plain integer arithmetic (see service.kernels.preprocess.copy_async for why raw copies)."""
     return [(d.data_ptr(), s.data_ptr(), s[:1].nbytes) for s, d in zip(src.values(), dst.values())]
 
 
