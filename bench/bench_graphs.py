@@ -78,7 +78,8 @@ def main() -> int:
             model.tower(eager)
         host_eager = time.perf_counter() - h0
         torch.cuda.synchronize()
-        row = {"images": k, "patches": n, "bucket": bucket, "eager_ms": round(t_e * 1e3, 2), "graph_ms": round(t_g * 1e3, 2), "equal_graph_ms": round(t_q * 1e3, 2),
+        row = {"images": k, "patches": n, "bucket": bucket, "eager_ms": round(t_e * 1e3, 2), "graph_ms": round(t_g * 1e3, 2),
+               "equal_graph_ms": round(t_q * 1e3, 2),
                "eager_img_s": round(k / t_e, 1), "graph_img_s": round(k / t_g, 1), "eager_host_launch_ms": round(host_eager * 1e3, 2),
                "rel_diff": rel, "equal_rel_diff": rel_eq}
         rows.append(row)

@@ -33,12 +33,11 @@ CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.d
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for top in ("service",):
-        for path in (ROOT / top).rglob("*.py"):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
+    for path in (ROOT / "service").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
     return found
 
 

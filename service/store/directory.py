@@ -708,6 +708,8 @@ class EmbeddingStore:
 
     def _empty_trash(self) -> None:
         """Unlink the files _evict_locked renamed aside. Callers hold no lock."""
+        if not self._trash:  # (most commits evict nothing: no second trip through the lock; a file added
+            return           # meanwhile is emptied by the thread whose eviction added it)
         with self._lock:
             trash, self._trash = self._trash, []
         for path in trash:
