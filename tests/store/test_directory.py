@@ -816,7 +816,7 @@ MOUNTINFO = """\
 25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683568k
 31 27 0:40 / /mnt/huge rw,relatime - tmpfs tmpfs rw,size=41943040k,huge=within_size
 32 31 0:41 / /mnt/huge/plain\\040dir rw,relatime - tmpfs tmpfs rw,size=1024k
-33 27 8:1 / /work rw,relatime - ext4 /dev/sda1 rw
+33 27 8:1 / /srv rw,relatime - ext4 /dev/sda1 rw
 34 25 0:42 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1g,huge=always
 """
 
@@ -826,7 +826,7 @@ MOUNTINFO = """\
     ("/mnt/huge/store", "", "within_size"),
     ("/mnt/huge/plain dir/store", "", "never"),  # a mount inside it, its name escaped in mountinfo
     ("/mnt/hugestore", "", None),  # not under /mnt/huge: on / (not listed: not a tmpfs)
-    ("/work/store", "", None),  # ext4
+    ("/srv/store", "", None),  # ext4
     ("/mnt/huge/plain dir", "always within_size advise never deny [force]", "force"),  # forced on every tmpfs
 ])
 def test_tmpfs_huge_reads_the_mount_holding_the_path(path, shmem, expected):
