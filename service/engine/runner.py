@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,18 +44,9 @@ from service.media.preprocess import grid_for, normalize_lut, num_patches, patch
 from service.engine import attention, tower as tower_module
 from service.engine.graphs import (GraphKey, StaticInputs, TowerGraphs, equal_steps, graph_buckets, pad_segments,
                                    padded_cu_seqlens)
-from service.engine.tower import AttentionKind, GridGeometry, TowerBatch, build_batch, grid_geometry, segments
+from service.engine.tower import AttentionKind, TowerBatch, build_batch, grid_geometry, segments
 
 log = logging.getLogger(__name__)
-
-
-def _silence_read_only_warning() -> None:
-    """An API process's pixels are a read-only mapping of its arena (procs/arena.py), which staging wraps
-    with torch.from_numpy to copy (Runner._stage_into) and never writes. torch warns about that the first
-    time in a process, and only then: the first time is here, at start-up, silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 
 def fast_tower(model: LoadedModel) -> bool:
@@ -116,7 +106,6 @@ class Runner:
         """Loads nothing and reads no environment: `model` is loaded, `options` derived from Settings
         (Settings.runner_options). Compiles and captures CUDA graphs now, where the tower is fast (an
         entry point calls use_compile_cache first)."""
-        _silence_read_only_warning()
         self.model = model
         spec, params = model.spec, model.params
         self.device = model.device
@@ -262,14 +251,13 @@ class Runner:
         assert all(isinstance(v, PreparedVideo) for v in videos), "a step's images come before its videos: this is a bug"
         off = row = 0
         seq_lens, grids, token_offsets = [], [], [0]
-        # What goes into the slot, gathered first and copied at the end with one torch.cat per buffer.
-        # Why: a numpy copy per image (and three per frame's geometry) gives up the GIL and takes it back
-        # each time, and in the engine process, with the store's threads and the IPC thread busy, each
-        # take-back can wait a switch interval: a 39-image step took 21.6 ms to stage under load against
-        # 0.24 ms for one image idle (H200 host, 2026-12-03; bench/RESULTS.md). torch.cat gives it up once.
-        pixels: list[np.ndarray] = []
-        entries: list[tuple[int, int, int, int]] = []  # the image table's rows, in entry order
-        geos: list[GridGeometry] = []  # each frame's geometry, in patch-row order
+
+        def place(gh: int, gw: int, at: int) -> None:  # one frame's positions at patch row `at`
+            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
+            n = gh * gw
+            bufs.pos_hw[at : at + n] = geo.pos_hw
+            bufs.interp_idx[at : at + n] = geo.interp_idx
+            bufs.interp_w[at : at + n] = geo.interp_w
 
         for i, img in enumerate(images):
             t, gh, gw = img.grid_thw
@@ -277,9 +265,9 @@ class Runner:
             h, w = img.pixels.shape[:2]
             n_bytes, n_patches = img.pixels.size, gh * gw
             assert row + n_patches <= self.max_patches and i < self.max_images, "batch over staging capacity: this is a bug"
-            pixels.append(img.pixels.reshape(-1))
-            entries.append((off, h, w, row))
-            geos.append(grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings))
+            bufs.pixels[off : off + n_bytes] = img.pixels.reshape(-1)
+            bufs.images[i] = (off, h, w, row)
+            place(gh, gw, row)
             off += n_bytes
             row += n_patches
             seq_lens.append(n_patches)
@@ -288,32 +276,25 @@ class Runner:
         ni, video_row = len(images), row
         total_groups = sum(v.grid_thw[0] for v in videos)
         assert total_groups <= self.max_groups, f"{total_groups} video groups in one step: this is a bug"
-        second: list[tuple[int, int, int, int]] = []  # every group's second frame, after every first one
+        g = 0  # groups staged so far; group g's frames are entries ni + g and ni + total_groups + g
         for v in videos:
             t, gh, gw = v.grid_thw
             nf, h, w, _ = v.frames.shape
             assert nf == 2 * t and v.frames.dtype.itemsize == 1, f"{nf} frames for {t} groups: this is a bug"
             n_patches, frame_bytes = gh * gw, h * w * 3
             assert row + t * n_patches <= self.max_patches, "batch over staging capacity: this is a bug"
-            pixels.append(v.frames.reshape(-1))
-            geo = grid_geometry(gh, gw, spec.merge_size, spec.num_position_embeddings)
+            bufs.pixels[off : off + v.frames.size] = v.frames.reshape(-1)
             for k in range(t):
                 rel = row - video_row  # the same row of `patches[video_row:]` and of `frame1`
-                entries.append((off + 2 * k * frame_bytes, h, w, rel))
-                second.append((off + (2 * k + 1) * frame_bytes, h, w, rel))
-                geos.append(geo)  # every group repeats the frame's positions
+                bufs.images[ni + g] = (off + 2 * k * frame_bytes, h, w, rel)
+                bufs.images[ni + total_groups + g] = (off + (2 * k + 1) * frame_bytes, h, w, rel)
+                place(gh, gw, row)  # every group repeats the frame's positions
                 row += n_patches
+                g += 1
             off += v.frames.size
             seq_lens.extend(segments(v.grid_thw))
             grids.append(v.grid_thw)
             token_offsets.append(token_offsets[-1] + t * n_patches // merge2)
-        entries += second
-        host = slot.buffers
-        torch.cat([torch.from_numpy(p) for p in pixels], out=host.pixels[:off])
-        for name in ("pos_hw", "interp_idx", "interp_w"):
-            torch.cat([torch.from_numpy(getattr(g, name)) for g in geos], out=getattr(host, name)[:row])
-        if entries:
-            bufs.images[: len(entries)] = entries
         if videos:  # eager, never a graph; cu_seqlens is just the segments
             graph, cu_entries = None, len(seq_lens) + 1
             bufs.cu_seqlens[:cu_entries] = np.cumsum([0, *seq_lens])

@@ -6,8 +6,6 @@ its slot back; a video grid there is an assert."""
 from __future__ import annotations
 
 import ctypes
-import mmap
-import warnings
 
 import numpy as np
 import pytest
@@ -75,33 +73,6 @@ def test_staging_writes_each_image_back_to_back_into_the_slot_and_says_what_it_f
         assert cu == [0, 8, 24, 36] + [36] * (runner.cu_length - 4)
         assert cu == padded_cu_seqlens(lens, 36, runner.cu_length)
         runner.run(st)
-
-
-def test_pixels_in_a_read_only_mapping_stage_as_they_are_and_warn_nothing(runner, tmp_path):
-    # The engine process reads an API process's pixels through a read-only mapping of its arena
-    # (procs/arena.py's ArenaReader): staging copies them in one torch.cat. torch warns once per process
-    # about wrapping a non-writable array; the runner takes that once at start-up, silenced, so a step
-    # never logs it (where nothing earlier in this process wrapped one, this checks it).
-    imgs = _images(seed=40)
-    path = tmp_path / "arena"
-    path.write_bytes(b"".join(img.pixels.tobytes() for img in imgs))
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    views, off = [], 0
-    for img in imgs:
-        view = np.frombuffer(mapped, dtype=np.uint8, count=img.pixels.size, offset=off).reshape(img.pixels.shape)
-        assert not view.flags.writeable
-        views.append(PreparedImage(pixels=view, grid_thw=img.grid_thw, num_patches=img.num_patches,
-                                   num_tokens=img.num_tokens))
-        off += img.pixels.size
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", append=True)  # after the runner's filter, which stays first
-        with runner.stage(views) as st:
-            staged = st.slot.buffers.pixels[:off].numpy().copy()
-            runner.run(st)
-    assert np.array_equal(staged, np.concatenate([img.pixels.reshape(-1) for img in imgs]))
-    assert [str(w.message) for w in caught] == []
-    del views, view
 
 
 def test_a_staged_step_runs_to_what_the_tower_gives_for_the_same_images_called_directly(runner, model):
