@@ -11,7 +11,9 @@ parts, `max_tokens`, greedy decoding only):
      embeddings, the deepstack features and, for a video, its timestamps;
   3. the prompt is the checkpoint's chat template with one `<|image_pad|>` per image embedding row, and
      each video's `<|video_pad|>` expanded as Qwen3VLProcessor.replace_video_token does: per temporal
-     group `<{t:.1f} seconds><|vision_start|>` + one `<|video_pad|>` per row + `<|vision_end|>`;
+     group `<{t:.1f} seconds><|vision_start|>` + one `<|video_pad|>` per row + `<|vision_end|>` (the
+     template's `<|vision_start|>`/`<|vision_end|>` around the video kept or dropped as the installed
+     transformers' processor does: `processor_drops_video_wrapper`);
   4. transformers' Qwen3-VL generates greedily from the embeddings (`mm_encoder_outputs`), taking
      the 3-D rotary positions from image_grid_thw / video_grid_thw and mm_token_type_ids (its
      get_rope_index splits a video into one grid per temporal group, with the timestamp text between),
@@ -138,6 +140,32 @@ class ChatRequest(BaseModel):
                                    "and the prompt's (prompt_token_ids), as vLLM does")
 
 
+def processor_drops_video_wrapper() -> bool:
+    """Whether the installed transformers' Qwen3VLProcessor expands the chat template's whole
+    `<|vision_start|><|video_pad|><|vision_end|>` into the per-group text (True: Qwen3-VL's own format, that
+    of transformers 4.57 and of 5.25 on) or only its bare `<|video_pad|>`, keeping the template's two
+    markers around the whole video (False: transformers 5.0 to 5.24). Asked of the processor's own code
+    (get_text_with_replacements, on a processor built without __init__, which would need torchvision),
+    not of its version; where that code cannot be asked, the version decides."""
+    start, pad, end = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
+    try:
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+        proc = object.__new__(Qwen3VLProcessor)
+        proc.image_token, proc.video_token, proc.vision_start_token, proc.vision_end_token = "<|image_pad|>", pad, start, end
+        (text,), _ = proc.get_text_with_replacements([f"{start}{pad}{end}"], videos_replacements=["V"])
+    except Exception as e:  # noqa: BLE001 - a transformers whose processor code has moved: its version decides
+        import transformers
+
+        log.warning("could not ask Qwen3VLProcessor how it expands a video (%s); deciding by transformers %s",
+                    e, transformers.__version__)
+        return tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) >= (5, 25)
+    if text not in ("V", f"{start}V{end}"):
+        raise ModelLoadError(f"transformers' Qwen3VLProcessor expands a video placeholder as {text!r}: not a "
+                             "form this consumer knows")
+    return text == "V"
+
+
 # ---- the language model -------------------------------------------------------------------------
 class LanguageModel:
     """Qwen3-VL from a checkpoint directory, fed precomputed image embeddings. One generation at a time."""
@@ -160,6 +188,7 @@ class LanguageModel:
         self.vision_start = self.tokenizer.convert_ids_to_tokens(mc.vision_start_token_id)
         self.vision_end = self.tokenizer.convert_ids_to_tokens(mc.vision_end_token_id)
         self.vision_start_id, self.vision_end_id = mc.vision_start_token_id, mc.vision_end_token_id
+        self.drops_video_wrapper = processor_drops_video_wrapper()
         self.hidden_size = mc.text_config.hidden_size
         self.deepstack_levels = len(mc.vision_config.deepstack_visual_indexes)
         self.merge = mc.vision_config.spatial_merge_size
@@ -192,10 +221,12 @@ class LanguageModel:
         """The prompt as text, for reading and the tests (prompt_ids is what runs, and it reads control
         tokens in message text as text): the chat template's text with each placeholder expanded, in order:
         an image's `<|image_pad|>` to its rows, a video's `<|video_pad|>` to
-        Qwen3VLProcessor.replace_video_token's text (transformers 5.x
-        replaces the bare video token, so the template's own `<|vision_start|>`/`<|vision_end|>` around it
-        stay; vLLM's Qwen3-VL processor does the same for transformers >= 5.10)."""
+        Qwen3VLProcessor.replace_video_token's text (transformers 5.0 to 5.24 replace the bare video token,
+        so the template's own `<|vision_start|>`/`<|vision_end|>` around it stay, as vLLM 0.33 does with
+        them; 5.25 on replace the three, as Qwen3-VL's own processor did: `drops_video_wrapper`)."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if self.drops_video_wrapper:
+            text = text.replace(self.vision_start + self.video_pad + self.vision_end, self.video_pad)
         pieces = re.split(f"({re.escape(self.image_pad)}|{re.escape(self.video_pad)})", text)
         found = [("image" if p == self.image_pad else "video") for p in pieces[1::2]]
         if found != [e.modality for e in media]:
@@ -306,18 +337,28 @@ class LanguageModel:
             return ids
         out: list[int] = []
         rest = iter(media)
-        for i in ids:
-            if i == self.image_token_id:
+        skip = False
+        for n, i in enumerate(ids):
+            if skip:  # the template's <|vision_end|> after a video placeholder whose wrapper is dropped
+                skip = False
+            elif i == self.image_token_id:
                 out += [i] * next(rest).main.shape[0]
             elif i == self.video_token_id:
+                if (self.drops_video_wrapper and out and out[-1] == self.vision_start_id
+                        and ids[n + 1:n + 2] == [self.vision_end_id]):
+                    out.pop()
+                    skip = True
                 out += self.video_ids(next(rest))
             else:
                 out.append(i)
         return out
 
     def video_ids(self, e: StoredEmbeddings) -> list[int]:
-        """`video_text` as ids. Each timestamp lies between two vision markers (the template's before the
-        placeholder, this text's own after it), so it encodes alone as it would inside the whole prompt."""
+        """`video_text` as ids, each timestamp encoded alone (as vLLM's get_video_repl does). After the first
+        group each lies between two vision markers, so it encodes as it would inside the whole prompt; the
+        first does too where the template's <|vision_start|> stays before it, or where the text before the
+        video ends in a letter, a digit, a newline or a marker (a punctuation or a space there may join
+        `<` into one token when transformers tokenises the whole text)."""
         t, h, w = e.grid_thw
         group = [self.vision_start_id, *[self.video_token_id] * (h * w // self.merge**2), self.vision_end_id]
         return [i for s in e.timestamps for i in self._encode(f"<{s:.1f} seconds>") + group]

@@ -314,8 +314,9 @@ def test_chat_with_a_video_from_the_store_equals_monolithic_generation(tmp_path,
 
 def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
     """The consumer's video text, against transformers' processor code and written out by hand from
-    processing_qwen3_vl.py (replace_video_token; transformers 5.x replaces the bare `<|video_pad|>`, so
-    the template's vision markers stay around the whole video)."""
+    processing_qwen3_vl.py (replace_video_token; transformers 5.0 to 5.24 replace the bare `<|video_pad|>`,
+    so the template's vision markers stay around the whole video; 5.25 on replace the three, as Qwen3-VL's
+    own processor did: the consumer asks the installed one, processor_drops_video_wrapper)."""
     pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
     video = video_inputs(vd.clip())  # 24 frames at 8 fps: indices [0, 5, 9, 14, 18, 23], 3 temporal groups
     assert video.frames_indices == [0, 5, 9, 14, 18, 23] and video.grid_thw == (3, 8, 12)
@@ -326,8 +327,9 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
                                                                            [0.3125, 1.4375, 2.5625])
     msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what is in this"}]}]
     group = "<|vision_start|>" + "<|video_pad|>" * 24 + "<|vision_end|>"
-    by_hand = ("<|im_start|>user\n<|vision_start|>" + "".join(f"<{t} seconds>" + group for t in ("0.3", "1.4", "2.6"))
-               + "<|vision_end|>what is in this<|im_end|>\n<|im_start|>assistant\n")
+    outer = ("", "") if lm.drops_video_wrapper else ("<|vision_start|>", "<|vision_end|>")
+    by_hand = ("<|im_start|>user\n" + outer[0] + "".join(f"<{t} seconds>" + group for t in ("0.3", "1.4", "2.6"))
+               + outer[1] + "what is in this<|im_end|>\n<|im_start|>assistant\n")
     template = lm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert lm.prompt_text(msgs, [emb]) == by_hand == processor_text(lm.tokenizer, template, [], [video])
     with pytest.raises(BadRequest, match="placeholders"):  # a video part the template did not place
