@@ -68,9 +68,10 @@ def request_bytes(port: int, payload: bytes) -> bytes:
             b"Content-Length: %d\r\n\r\n" % (port, len(payload))) + payload
 
 
-async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float, dict]]:
+async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float, dict, float]]:
+    """(status, latency s, Server-Timing phases, perf_counter when answered) of each request."""
     todo = list(reversed(requests))
-    out: list[tuple[int, float, dict]] = []
+    out: list[tuple[int, float, dict, float]] = []
 
     async def conn():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -86,7 +87,8 @@ async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[i
                 elif line.lower().startswith(b"server-timing:"):  # where the server says the time went
                     phases = _phases(line.split(b":", 1)[1].decode())
             await reader.readexactly(length)
-            out.append((status, time.perf_counter() - t0, phases))
+            t1 = time.perf_counter()
+            out.append((status, t1 - t0, phases, t1))
         writer.close()
 
     await asyncio.gather(*(conn() for _ in range(conc)))
@@ -122,16 +124,22 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
         p.join()
     wall = max(p[1] for p in parts) - min(p[0] for p in parts)
     res = [r for p in parts for r in p[2]]
-    ok = sorted(lat for st, lat, _ in res if st == 200)
+    ok = sorted(lat for st, lat, _, _ in res if st == 200)
     phases: dict[str, list[float]] = {}
-    for st, _, ph in res:
+    for st, _, ph, _ in res:
         for k, v in ph.items():
             phases.setdefault(k, []).append(v)
     codes: dict[str, int] = {}
-    for st, _, _ in res:
+    for st, _, _, _ in res:
         codes[str(st)] = codes.get(str(st), 0) + 1
+    # The rate between the 10th and the 90th percentile of the answers' times: the load's steady state, without
+    # its start (every connection's first request at once) and its end (fewer than `connections` in flight).
+    done = sorted(t for st, _, _, t in res if st == 200)
+    lo, hi = len(done) // 10, len(done) * 9 // 10
+    steady = round((hi - lo) * images_per_request / (done[hi] - done[lo]), 1) if hi > lo and done[hi] > done[lo] else None
     return {"requests": len(res), "images_per_request": images_per_request, "clients": clients, "connections": clients * conc,
-            "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1), "status": codes,
+            "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1),
+            "img_s_steady": steady, "status": codes,
             "p50_ms": round(1e3 * ok[len(ok) // 2], 2) if ok else None,
             "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None,
             "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
@@ -180,7 +188,7 @@ def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
     return {"processes": sorted(out, key=lambda x: -x["cpu_s"])[:top]}
 
 
-STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit", "device")
+STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit", "device", "device_gap")
 
 
 def gpu_busy() -> subprocess.Popen | None:
@@ -471,11 +479,12 @@ def main() -> int:
 
     loop = res.get("step_loop_img_s")
     print(f"\n{res['date']}  {res['gpu']}  {res['cpus']} CPUs  preset {args.preset}  step loop {loop} img/s")
-    print("api processes | idle p50 ms | 1 img/req img/s (% loop) | 8 img/req img/s (% loop)")
+    print("api processes | idle p50 ms | 1 img/req img/s (% loop) | its steady state | 8 img/req img/s (% loop)")
     pct = lambda v: f"{100 * v / loop:.0f}%" if loop else "-"  # noqa: E731
     for mode, r in res["modes"].items():
         x8 = f"{r['x8']['img_s']:>8} ({pct(r['x8']['img_s'])})" if "x8" in r else "-"
-        print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | {x8}")
+        print(f"{mode:>13} | {r['idle']['p50_ms']:>11} | {r['x1']['img_s']:>8} ({pct(r['x1']['img_s'])}) | "
+              f"{r['x1'].get('img_s_steady')} | {x8}")
     print("per step at 1 img/request (ms): images, between steps, " + ", ".join(STEP_PHASES))
     for mode, r in res["modes"].items():
         x = r["x1"]

@@ -47,7 +47,8 @@ class Metrics:
         #   writer: reserve (its wait for the step's entries' files, reserved from the step's launch on),
         #           copy_wait (for the step's D2H copy: the device is behind), commit (the writes and answers)
         #   device: the step's own time on the device (CUDA events around its H2D copies and tower; image
-        #           steps), so device / (time between steps) is how busy the device was
+        #           steps), so device / (time between steps) is how busy the device was; device_gap: its
+        #           time with no step between one step's end and the next one's start (no work, or a late launch)
         # So the thread whose phases other than idle / copy_wait add up to the time between steps is the limit.
         self.step_phase_seconds = Histogram(
             "qve_step_phase_seconds", "Step loop and store writer time per step, by phase", ["phase"],

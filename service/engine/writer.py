@@ -53,6 +53,9 @@ class Writer:
         self._reserve_threads = max(1, self._writers // 2)
         self._reserve_pool = concurrent.futures.ThreadPoolExecutor(self._reserve_threads,
                                                                    thread_name_prefix="store-reserve")
+        # The end event of the last step written (Launched.device_span[1]; None after a CPU step or a part of a
+        # split video): the `device_gap` phase is the device's time from it to the next step's start.
+        self._last_end = None
 
     def publish(self, items: list[WorkItem[EncodeJob]], launched: Launched | None, part: Part | None = None) -> None:
         """Hand over a launched step and its items (in staging order), to be written once its copy is done;
@@ -131,7 +134,14 @@ class Writer:
             phase.labels(phase="copy_wait").observe(t_copied - t_reserved)
             phase.labels(phase="commit").observe(time.perf_counter() - t_copied)
             if job.device_span is not None:  # (both events have fired: `done` follows them on the device)
-                phase.labels(phase="device").observe(job.device_span[0].elapsed_time(job.device_span[1]) / 1e3)
+                start, end = job.device_span
+                phase.labels(phase="device").observe(start.elapsed_time(end) / 1e3)
+                if self._last_end is not None:
+                    # How long the device had no step between this one and the one before (steps run in
+                    # order on one stream): no work, or a step launched after the previous one ended. Under
+                    # load it says whether the step loop keeps the device fed.
+                    phase.labels(phase="device_gap").observe(max(0.0, self._last_end.elapsed_time(start) / 1e3))
+            self._last_end = job.device_span[1] if job.device_span is not None else None
         finally:
             if job.output is not None:
                 job.output.release()  # every commit above has returned: the buffer is free
@@ -140,6 +150,7 @@ class Writer:
     def write_part(self, item: WorkItem[EncodeJob], job: Launched | None, part: Part) -> None:
         """One part of a video split across steps: its rows into the video's output; the last part stores it."""
         video = item.payload.image
+        self._last_end = None  # (a part's device time is not observed: no gap across it either)
         if part.index == 0:
             assert job is not None, "a split video's first part failed in the step loop, which answers it: a bug"
             self._parts[item.key] = torch.empty(video.num_tokens, job.host_out.shape[1], dtype=job.host_out.dtype)

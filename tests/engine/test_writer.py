@@ -128,6 +128,22 @@ def test_a_step_reports_its_time_on_the_device(tmp_path):
     assert metric(m, "qve_step_phase_seconds_count", 'phase="device"') == 1
     assert metric(m, "qve_step_phase_seconds_sum", 'phase="device"') == pytest.approx(0.0425)
     assert metric(m, "qve_step_phase_seconds_count", 'phase="commit"') == 2
+    assert metric(m, "qve_step_phase_seconds_count", 'phase="device_gap"') == 0  # no step with a span before it
+
+
+def test_the_device_gap_is_the_time_between_one_steps_end_and_the_next_steps_start(tmp_path):
+    """`device_gap`: from the end event of the step written before to this step's start event, on the
+    device's clock; never negative; not across a step without a span (CPU)."""
+    store, batcher, writer, ring = _setup(tmp_path)
+    spans = [(1000.0, 1040.0), (1047.5, 1090.0), (1090.0, 1130.0), None, (2000.0, 2010.0)]
+    for i, span in enumerate(spans):
+        items, job, _ = _launched(batcher, ring, [f"k{i}"], done=FakeEvent([]))
+        job.device_span = None if span is None else tuple(FakeTimingEvent(ms) for ms in span)
+        writer.write(items, job)
+    m = writer.metrics.exposition().decode()
+    # 1040 -> 1047.5 and 1090 -> 1090; after the CPU step, none (nothing says when the last device step ended)
+    assert metric(m, "qve_step_phase_seconds_count", 'phase="device_gap"') == 2
+    assert metric(m, "qve_step_phase_seconds_sum", 'phase="device_gap"') == pytest.approx(0.0075)
 
 
 @pytest.mark.parametrize("where", ["reserve", "commit"])
