@@ -189,6 +189,9 @@ def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
 
 
 STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit", "device", "device_gap")
+# Histogram bounds (service/metrics.py's _PHASE_BUCKETS) at which the device_gap distribution is read: the mean
+# alone mixes many short gaps with the one before a load's first step (the device idle since the last request).
+GAP_LE = ("0.0005", "0.001", "0.005", "0.02")
 
 
 def gpu_busy() -> subprocess.Popen | None:
@@ -230,6 +233,9 @@ def engine_counters(port: int) -> dict[str, float]:
     out = {"steps": val("qve_step_images_count"), "images": val("qve_step_images_sum")}
     for ph in STEP_PHASES:
         out[ph] = val("qve_step_phase_seconds_sum", f'phase="{ph}"')
+    for le in GAP_LE:  # how many of the device's gaps between steps were at most `le` seconds
+        out[f"gap_le_{le}"] = val("qve_step_phase_seconds_bucket", 'phase="device_gap"', f'le="{le}"')
+    out["gap_count"] = val("qve_step_phase_seconds_count", 'phase="device_gap"')
     return out
 
 
@@ -240,7 +246,11 @@ def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -
         return {"steps": 0}
     return {"steps": int(steps), "images_per_step": round((after["images"] - before["images"]) / steps, 1),
             "ms_between_steps": round(1e3 * wall_s / steps, 2),
-            "phase_ms": {ph: round(1e3 * (after[ph] - before[ph]) / steps, 2) for ph in STEP_PHASES}}
+            "phase_ms": {ph: round(1e3 * (after[ph] - before[ph]) / steps, 2) for ph in STEP_PHASES},
+            # the share of the device's gaps between steps of at most 0.5, 1, 5 and 20 ms
+            "device_gap_share_le_ms": {f"{1e3 * float(le):g}": round((after[f"gap_le_{le}"] - before[f"gap_le_{le}"])
+                                                                      / gaps, 3) for le in GAP_LE}
+            if (gaps := after.get("gap_count", 0) - before.get("gap_count", 0)) > 0 else None}
 
 
 def idle(port: int, blobs: list[bytes]) -> dict:
