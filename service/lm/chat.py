@@ -353,6 +353,10 @@ class LanguageModel:
                 out.append(i)
         return out
 
+    def media_rows(self, media: list[StoredEmbeddings]) -> int:
+        """The prompt tokens `expand` puts in for these media: an image's rows, a video's `video_ids`."""
+        return sum(e.main.shape[0] if e.modality == "image" else len(self.video_ids(e)) for e in media)
+
     def video_ids(self, e: StoredEmbeddings) -> list[int]:
         """`video_text` as ids, each timestamp encoded alone (as vLLM's get_video_repl does). After the first
         group each lies between two vision markers, so it encodes as it would inside the whole prompt; the
@@ -601,8 +605,7 @@ class Chat:
         cancel.phase = "encoding its images and videos"
         media = [e for _, e in await self.embeddings(parts)]
         input_ids = self.lm.expand(template_ids, media)
-        rows = len(input_ids) - len(template_ids) + len(parts)  # (each placeholder was one token)
-        self._check_prompt(len(input_ids), 0, req.max_tokens, media_rows=rows)
+        self._check_prompt(len(input_ids), 0, req.max_tokens, media_rows=self.lm.media_rows(media))
         new = await self.generate(input_ids, media, req.max_tokens, cancel)
         finish = "stop" if new and new[-1] in self.lm.eos_ids else "length"
         choice = {"index": 0, "finish_reason": finish,

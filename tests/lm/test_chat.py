@@ -332,6 +332,10 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
                + outer[1] + "what is in this<|im_end|>\n<|im_start|>assistant\n")
     template = lm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert lm.prompt_text(msgs, [emb]) == by_hand == processor_text(lm.tokenizer, template, [], [video])
+    # What a prompt-limit error counts as the media's tokens: all the expansion put in, the dropped wrapper aside.
+    ids = lm.template_ids(msgs)
+    kept = len(ids) - 1 - (2 if lm.drops_video_wrapper else 0)  # the template's tokens but the placeholder (and wrapper)
+    assert lm.media_rows([emb]) == len(lm.expand(ids, [emb])) - kept > 3 * 26
     with pytest.raises(BadRequest, match="placeholders"):  # a video part the template did not place
         lm.prompt_text([{"role": "user", "content": "no media"}], [emb])
 
