@@ -189,9 +189,10 @@ def cpu_used(before: dict, after: dict, top: int = 12) -> dict:
 
 
 STEP_PHASES = ("idle", "stage", "launch", "output_wait", "reserve", "copy_wait", "commit", "device", "device_gap")
-# Histogram bounds (service/metrics.py's _PHASE_BUCKETS) at which the device_gap distribution is read: the mean
-# alone mixes many short gaps with the one before a load's first step (the device idle since the last request).
-GAP_LE = ("0.0005", "0.001", "0.005", "0.02")
+# Phases whose distribution is read too, at these histogram bounds (service/metrics.py's _PHASE_BUCKETS), in s:
+# device_gap's mean alone mixes many short gaps with the one before a load's first step (the device idle since the
+# last request); a few slow stagings could leave the device without a step where the mean stage time would not.
+SHARE_LE = {"device_gap": ("0.0005", "0.001", "0.005", "0.02"), "stage": ("0.005", "0.02", "0.05")}
 
 
 def gpu_busy() -> subprocess.Popen | None:
@@ -233,10 +234,20 @@ def engine_counters(port: int) -> dict[str, float]:
     out = {"steps": val("qve_step_images_count"), "images": val("qve_step_images_sum")}
     for ph in STEP_PHASES:
         out[ph] = val("qve_step_phase_seconds_sum", f'phase="{ph}"')
-    for le in GAP_LE:  # how many of the device's gaps between steps were at most `le` seconds
-        out[f"gap_le_{le}"] = val("qve_step_phase_seconds_bucket", 'phase="device_gap"', f'le="{le}"')
-    out["gap_count"] = val("qve_step_phase_seconds_count", 'phase="device_gap"')
+    for ph, bounds in SHARE_LE.items():  # how many of the phase's times were at most `le` seconds
+        for le in bounds:
+            out[f"{ph}_le_{le}"] = val("qve_step_phase_seconds_bucket", f'phase="{ph}"', f'le="{le}"')
+        out[f"{ph}_count"] = val("qve_step_phase_seconds_count", f'phase="{ph}"')
     return out
+
+
+def _shares(before: dict[str, float], after: dict[str, float], ph: str) -> dict[str, float] | None:
+    """The shares of `ph`'s times between two engine_counters that were at most each SHARE_LE bound, by ms."""
+    n = after.get(f"{ph}_count", 0) - before.get(f"{ph}_count", 0)
+    if n <= 0:
+        return None
+    return {f"{1e3 * float(le):g}": round((after[f"{ph}_le_{le}"] - before[f"{ph}_le_{le}"]) / n, 3)
+            for le in SHARE_LE[ph]}
 
 
 def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
@@ -247,10 +258,7 @@ def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -
     return {"steps": int(steps), "images_per_step": round((after["images"] - before["images"]) / steps, 1),
             "ms_between_steps": round(1e3 * wall_s / steps, 2),
             "phase_ms": {ph: round(1e3 * (after[ph] - before[ph]) / steps, 2) for ph in STEP_PHASES},
-            # the share of the device's gaps between steps of at most 0.5, 1, 5 and 20 ms
-            "device_gap_share_le_ms": {f"{1e3 * float(le):g}": round((after[f"gap_le_{le}"] - before[f"gap_le_{le}"])
-                                                                      / gaps, 3) for le in GAP_LE}
-            if (gaps := after.get("gap_count", 0) - before.get("gap_count", 0)) > 0 else None}
+            **{f"{ph}_share_le_ms": _shares(before, after, ph) for ph in SHARE_LE}}
 
 
 def idle(port: int, blobs: list[bytes]) -> dict:
