@@ -113,6 +113,7 @@ class Writer:
             t_copied = time.perf_counter()
         except Exception as e:  # a device fault surfaced by the wait: nothing of this step is usable
             log.error("step of %d images failed on the device: %r", n, e)
+            self._last_end = None  # (its events may never have fired: no gap is measured across it)
             for item, r in zip(items, held):
                 if r is not None:
                     self.store.abort(r)
