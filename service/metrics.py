@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,6 +53,11 @@ class Metrics:
         #           steps), so device / (time between steps) is how busy the device was; device_gap: its
         #           time with no step between one step's end and the next one's start (no work, or a late launch)
         # So the thread whose phases other than idle / copy_wait add up to the time between steps is the limit.
+        self.gc_pause_seconds = Histogram(
+            "qve_gc_pause_seconds", "Python garbage collections of generations 1 and 2 in the engine's process, by "
+            "generation: every thread of it waits meanwhile (see watch_gc)", ["generation"],
+            buckets=_PHASE_BUCKETS, registry=r,
+        )
         self.step_phase_seconds = Histogram(
             "qve_step_phase_seconds", "Step loop and store writer time per step, by phase", ["phase"],
             buckets=_PHASE_BUCKETS, registry=r,
@@ -67,6 +75,24 @@ class Metrics:
                                  "the API processes; 0 in a single-process service)", registry=r,
                                  multiprocess_mode="livesum")  # a dead API process's cells are gone with it
         self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Observe this process's collections of generations 1 and 2 into gc_pause_seconds from now on (a
+        generation-0 one takes microseconds and runs every few hundred allocations: not timed). Once per
+        process (its entry point): gc.callbacks is the process's. Returns the function that stops it."""
+        started: dict[int, float] = {}
+
+        def callback(phase: str, info: dict) -> None:
+            gen = info["generation"]
+            if gen == 0:
+                return
+            if phase == "start":
+                started[gen] = time.perf_counter()
+            elif (t0 := started.pop(gen, None)) is not None:
+                self.gc_pause_seconds.labels(generation=str(gen)).observe(time.perf_counter() - t0)
+
+        gc.callbacks.append(callback)
+        return lambda: gc.callbacks.remove(callback)
 
     def exposition(self, api_side: bool | None = None) -> bytes:
         """Prometheus text of every family, or of one side of a supervised service (see API_FAMILIES)."""

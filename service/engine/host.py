@@ -108,15 +108,19 @@ class EngineHost:
         self._created = time.perf_counter()
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def warm_up(self) -> None:
+    def warm_up(self, before_ready: Callable[[], None] | None = None) -> None:
         """Run one step through the whole path (compiled kernels, graphs), start the step loop, and say
-        ready. Blocking (seconds on a GPU); a failure is logged and reported by `status`, not raised."""
+        ready. Blocking (seconds on a GPU); a failure is logged and reported by `status`, not raised.
+        `before_ready`: what the process does last before it serves (an engine process: procs/child.py's
+        settle_heap)."""
         try:
             t0 = time.perf_counter()
             if self._warmup:
                 self.engine.encode_sync([warmup_image(self.model.params)])
             self.startup["warmup_s"] = round(time.perf_counter() - t0, 2)
             self.engine.start()
+            if before_ready is not None:
+                before_ready()
             self.startup["total_s"] = round(time.perf_counter() - self._created + self.model.load_s, 2)
             self.ready.set()
             log.info("engine ready: %s on %s (%s); start-up %s", self.model.model_id, self.model.device,

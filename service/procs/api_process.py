@@ -9,7 +9,7 @@ import socket
 import sys
 
 from service.config import MULTIPROC_ENV, Settings
-from service.procs.child import RunDirLease, child_setup
+from service.procs.child import RunDirLease, child_setup, settle_heap
 
 
 def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: str, engine_sockets: list[str],
@@ -42,7 +42,9 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
         decoder = ArenaDecoder(Arena(arena_name, settings.arena_bytes), settings.decode_worker_count(),
                                settings.image_limits, metrics, video_limits=settings.video_limits)
         engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
-        return Runtime(settings, decoder, engines, metrics)
+        runtime = Runtime(settings, decoder, engines, metrics)
+        settle_heap()  # (procs/child.py: this process's start-up objects out of the collector's way)
+        return runtime
 
     app = create_app(settings, make_runtime)
     # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request

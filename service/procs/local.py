@@ -4,6 +4,7 @@ in this process, reached through engine/host.py's LocalTransport (no socket, no 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 
@@ -14,24 +15,37 @@ from service.engine.client import EngineRouter
 from service.engine.host import LocalTransport, build_host
 from service.engine.loader import LoadedModel, load_model
 from service.metrics import Metrics
+from service.procs.child import settle_heap
 from service.procs.decoders import PoolDecoder
 
+log = logging.getLogger(__name__)
 
-async def local_runtime(settings: Settings, model: LoadedModel) -> Runtime:
+
+async def local_runtime(settings: Settings, model: LoadedModel, settle: bool = False) -> Runtime:
     """The Runtime of a single-process service for `model`: the engine host is built in a thread (on
     cuda the Engine compiles and captures graphs, seconds, and meanwhile the loop keeps answering) and
-    warms up in another; /ready says when it is done. The host is drained when the Runtime shuts down."""
+    warms up in another; /ready says when it is done. The host is drained when the Runtime shuts down.
+    `settle`: the process is the service's own (procs/single.py), not a test's or a library user's: freeze its
+    start-up objects before it says ready and time its collections (as an engine process does)."""
     faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
     host = await asyncio.to_thread(build_host, model, settings.engine_options(faults))
-    threading.Thread(target=host.warm_up, name="warmup", daemon=True).start()
+
+    def settle_process() -> None:
+        frozen, seconds = settle_heap()
+        host.metrics.watch_gc()
+        log.info("start-up's %d objects frozen (gc.freeze, %.2f s)", frozen, seconds)
+
+    threading.Thread(target=host.warm_up, args=(settle_process if settle else None,), name="warmup",
+                     daemon=True).start()
     decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, video_limits=settings.video_limits)
     return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
 
 
-def local_app(settings: Settings, model: LoadedModel | None = None):
-    """The real app of a single-process service (tests serve it in process); `model` loaded if None."""
+def local_app(settings: Settings, model: LoadedModel | None = None, settle: bool = False):
+    """The real app of a single-process service (tests serve it in process); `model` loaded if None;
+    `settle`: see local_runtime."""
     async def make_runtime() -> Runtime:
         loaded = model or await asyncio.to_thread(load_model, settings)
-        return await local_runtime(settings, loaded)
+        return await local_runtime(settings, loaded, settle)
 
     return create_app(settings, make_runtime)

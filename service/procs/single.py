@@ -78,10 +78,11 @@ class Booting:
     the real app (its lifespan) and hands every request to it. Before that: /ready 503 with the phase,
     /health 200 (alive, starting), anything else 503 `unavailable` with Retry-After."""
 
-    def __init__(self, settings: Settings, stop: Callable[[], None], load: Callable | None = None):
+    def __init__(self, settings: Settings, stop: Callable[[], None], load: Callable | None = None, settle: bool = True):
         self.settings = settings
         self.stop = stop  # ends the server: a start-up failure exits the process
         self.load = load  # load_model if None; a stand-in in tests
+        self.settle = settle  # freeze the process's start-up objects (procs/local.py); not in a test's process
         self.phase = "loading"
         self.app = None  # the real app, once its lifespan has started
         self.exit_code = 0
@@ -121,7 +122,7 @@ class Booting:
                 self.phase = "compiling"
             from service.procs.local import local_app  # (imported by the loading thread already)
 
-            app = local_app(self.settings, model)
+            app = local_app(self.settings, model, settle=self.settle)
             await self._lifespans.enter_async_context(app.router.lifespan_context(app))
             self.app = app
         except asyncio.CancelledError:

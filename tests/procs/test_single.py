@@ -39,7 +39,8 @@ def test_ready_says_the_phase_until_the_model_is_loaded_then_the_app_answers(tmp
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server: Server | None = None
-    booting = Booting(settings, stop=lambda: setattr(server, "should_exit", True), load=slow_load)
+    booting = Booting(settings, stop=lambda: setattr(server, "should_exit", True), load=slow_load,
+                      settle=False)  # (a freeze would be this test process's: test_server.py checks it)
     server = Server(uvicorn.Config(booting, log_level="warning", **server_options(settings)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

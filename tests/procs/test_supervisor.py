@@ -76,6 +76,10 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
         assert codes.count(200) == n
         text = httpx.get(server.url + "/metrics", timeout=10).text
         assert metric(text, "qve_requests_total", 'status="200"') == 32 + n
+        # The engine process froze its start-up objects before it said ready, and times its collections since
+        # (procs/child.py's settle_heap, Metrics.watch_gc): hundreds of requests make some of generation 1.
+        assert "start-up's" in server.log.read_text() and "objects frozen" in server.log.read_text()
+        assert metric(text, "qve_gc_pause_seconds_count", 'generation="1"') > 0
 
         # Bad input in a request beside good ones: a clear 4xx for it, the others answered, no cell kept.
         good = data.encode(data.textured_rgb(96, 96, seed=424242), "PNG")
