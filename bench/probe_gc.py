@@ -5,6 +5,10 @@ long-lived objects trigger (a store entry per image: here ENTRIES small objects,
 per entry), with their pauses, before and after the freeze.
 
     python bench/probe_gc.py --out DIR [--model qwen3-vl-4b] [--entries 50000]
+    python bench/probe_gc.py --out DIR --survivors 1000   # the tracked objects a real request leaves alive
+
+--survivors N: the single-process service (tiny model, CPU) in this process answers N distinct small PNGs one
+by one after a warm-up; the tracked objects alive after a full collection, per image (what the store keeps).
 """
 
 from __future__ import annotations
@@ -59,14 +63,54 @@ def churn(entries: int) -> dict:
             "pause_ms_total": round(1e3 * sum(pauses), 1), "pause_ms_max": round(1e3 * max(pauses, default=0), 1)}
 
 
+def survivors(n: int) -> dict:
+    """Tracked objects left alive per image by n requests to the single-process service (tiny model, CPU)."""
+    import base64
+    import tempfile
+
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from service.procs.local import local_app
+    from tests import imagedata
+
+    settings = Settings(model="tiny", device="cpu", store=Path(tempfile.mkdtemp()) / "store", decode_workers=1,
+                        max_pixels=256 * 256)
+    blobs = [imagedata.encode(imagedata.textured_rgb(64, 64, seed=i), "PNG") for i in range(n + 200)]
+
+    def body(b: bytes) -> dict:
+        url = "data:image/png;base64," + base64.b64encode(b).decode()
+        return {"images": [{"type": "image_url", "image_url": {"url": url}}]}
+
+    with TestClient(local_app(settings)) as client:
+        while client.get("/ready").status_code != 200:
+            time.sleep(0.1)
+        for b in blobs[:200]:  # warm-up: every path's caches filled
+            assert client.post("/encode", json=body(b)).status_code == 200
+        gc.collect()
+        before = len(gc.get_objects())
+        for b in blobs[200:]:
+            assert client.post("/encode", json=body(b)).status_code == 200
+        gc.collect()
+        after = len(gc.get_objects())
+    return {"images": n, "objects_alive_per_image": round((after - before) / n, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen3-vl-4b")
     ap.add_argument("--entries", type=int, default=50_000)
+    ap.add_argument("--survivors", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.survivors:
+        res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+               "python": sys.version.split()[0], **survivors(args.survivors)}
+        print(json.dumps(res, indent=1))
+        (out / "probe_gc_survivors.json").write_text(json.dumps(res, indent=1))
+        return
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
