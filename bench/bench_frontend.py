@@ -234,6 +234,9 @@ def engine_counters(port: int) -> dict[str, float]:
     out = {"steps": val("qve_step_images_count"), "images": val("qve_step_images_sum")}
     for ph in STEP_PHASES:
         out[ph] = val("qve_step_phase_seconds_sum", f'phase="{ph}"')
+    for gen in ("1", "2"):  # the engine's garbage collections (Metrics.watch_gc): every thread of it waits
+        out[f"gc{gen}_s"] = val("qve_gc_pause_seconds_sum", f'generation="{gen}"')
+        out[f"gc{gen}_n"] = val("qve_gc_pause_seconds_count", f'generation="{gen}"')
     for ph, bounds in SHARE_LE.items():  # how many of the phase's times were at most `le` seconds
         for le in bounds:
             out[f"{ph}_le_{le}"] = val("qve_step_phase_seconds_bucket", f'phase="{ph}"', f'le="{le}"')
@@ -258,7 +261,10 @@ def per_step(before: dict[str, float], after: dict[str, float], wall_s: float) -
     return {"steps": int(steps), "images_per_step": round((after["images"] - before["images"]) / steps, 1),
             "ms_between_steps": round(1e3 * wall_s / steps, 2),
             "phase_ms": {ph: round(1e3 * (after[ph] - before[ph]) / steps, 2) for ph in STEP_PHASES},
-            **{f"{ph}_share_le_ms": _shares(before, after, ph) for ph in SHARE_LE}}
+            **{f"{ph}_share_le_ms": _shares(before, after, ph) for ph in SHARE_LE},
+            # the engine's garbage collections of generations 1 and 2 meanwhile: how many, and their pauses in all (ms)
+            "gc": {f"gen{g}": [int(after.get(f"gc{g}_n", 0) - before.get(f"gc{g}_n", 0)),
+                               round(1e3 * (after.get(f"gc{g}_s", 0) - before.get(f"gc{g}_s", 0)), 1)] for g in ("1", "2")}}
 
 
 def idle(port: int, blobs: list[bytes]) -> dict:
@@ -509,6 +515,9 @@ def main() -> int:
         if x.get("steps"):
             print(f"{mode:>13} | {x['images_per_step']} | {x['ms_between_steps']} | "
                   + ", ".join(str(x["phase_ms"][ph]) for ph in STEP_PHASES))
+    for mode, r in res["modes"].items():
+        if r["x1"].get("gc"):
+            print(f"{mode:>13} | engine gc at 1 img/request (collections, ms in all): {r['x1']['gc']}")
     for name, r in res["modes"].items():
         if "vs_directory" in r:
             print(f"{name}: img/s {r['vs_directory']} of the directory run before it")
