@@ -43,12 +43,8 @@ def engine_main(settings: Settings, socket_path: str, log_level: str, parent_pid
     # SIGTERM (from the supervisor, once the API processes have stopped) drains; SIGINT stays ignored
     # (child_setup): a terminal's Ctrl-C reaches this process too, before the API processes are done.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    def settle() -> None:  # start-up's objects out of the collector's way, and its pauses from now on measured
-        frozen, seconds = settle_heap()
-        host.metrics.watch_gc()
-        log.info("start-up's %d objects frozen (gc.freeze, %.2f s)", frozen, seconds)
-
-    host.warm_up(before_ready=settle)
+    # start-up's objects out of the collector's way, and its pauses from then on measured
+    host.warm_up(before_ready=lambda: settle_heap(host.metrics))
     while not stop.wait(0.5):
         if host.ready.is_set() and not host.engine.alive():
             log.error("the step loop died; the engine exits")

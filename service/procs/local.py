@@ -4,7 +4,6 @@ in this process, reached through engine/host.py's LocalTransport (no socket, no 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 
@@ -18,8 +17,6 @@ from service.metrics import Metrics
 from service.procs.child import settle_heap
 from service.procs.decoders import PoolDecoder
 
-log = logging.getLogger(__name__)
-
 
 async def local_runtime(settings: Settings, model: LoadedModel, settle: bool = False) -> Runtime:
     """The Runtime of a single-process service for `model`: the engine host is built in a thread (on
@@ -29,14 +26,8 @@ async def local_runtime(settings: Settings, model: LoadedModel, settle: bool = F
     start-up objects before it says ready and time its collections (as an engine process does)."""
     faults = FaultInjection.from_env(os.environ)  # test-only (the soak's fence-off control)
     host = await asyncio.to_thread(build_host, model, settings.engine_options(faults))
-
-    def settle_process() -> None:
-        frozen, seconds = settle_heap()
-        host.metrics.watch_gc()
-        log.info("start-up's %d objects frozen (gc.freeze, %.2f s)", frozen, seconds)
-
-    threading.Thread(target=host.warm_up, args=(settle_process if settle else None,), name="warmup",
-                     daemon=True).start()
+    threading.Thread(target=host.warm_up, args=((lambda: settle_heap(host.metrics)) if settle else None,),
+                     name="warmup", daemon=True).start()
     decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, video_limits=settings.video_limits)
     return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
 
