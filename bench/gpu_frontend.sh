@@ -2,11 +2,11 @@
 # One GPU machine call for issue 24's HTTP lines, each against its baseline in the same run:
 #   1. the tower alone at 448px x 64 (bench_tower.py; the rate 1 image per request is held to),
 #   2. the HTTP front end at 1 image per request and one image on an idle server (bench_frontend.py: 4 client
-#      processes x 32 connections, distinct 448px JPEGs, per-step phases from /metrics), first of BASE_TREE
-#      (a checkout of an earlier commit, if given), then of this tree,
+#      processes x 32 connections, distinct 448px JPEGs, per-step phases from /metrics), first of each BASE_TREE
+#      (checkouts of earlier commits, separated by spaces, if given), then of this tree,
 #   3. the real-world size mix over HTTP (bench_mix.py) with the MIX servers ("name:serve flags;...").
 #
-#   [BASE_TREE=DIR] [VARIANTS="name:serve flags;..."] [MIX="..." MIX_REQUESTS=3000 MIX_TIMEOUT=600] [IMAGES=8192] \
+#   [BASE_TREE="DIR..."] [VARIANTS="name:serve flags;..."] [MIX="..." MIX_REQUESTS=3000 MIX_TIMEOUT=600] [IMAGES=8192] \
 #     [HUGE=DIR] [PROBE=1] [GRAPHS="bench_graphs.py flags"] [FE_MORE="flags"] bash bench/gpu_frontend.sh OUT
 #
 # VARIANTS: this tree's servers (bench_frontend --variants; default one, the server's defaults).
@@ -38,10 +38,11 @@ python3 bench/bench_tower.py --out "$OUT" --sections ceiling,tower --shapes "448
   > "$OUT/bench_tower.log" 2>&1
 tail -4 "$OUT/bench_tower.log"
 FE=(--modes 4 --conc1 32 --no-x8 --no-baseline --images "${IMAGES:-8192}" --compile-cache /tmp/fe-cc ${FE_MORE:-})
-if [ -n "${BASE_TREE:-}" ]; then
-  python3 bench/bench_frontend.py --out /tmp/frontend/base --tree "$BASE_TREE" "${FE[@]}" > "$OUT/frontend_base.log" 2>&1
-  tail -6 "$OUT/frontend_base.log"
-fi
+for base in ${BASE_TREE:-}; do  # (several: one server each, in this order, before this tree's)
+  name=base-$(basename "$base")
+  python3 bench/bench_frontend.py --out "/tmp/frontend/$name" --tree "$base" "${FE[@]}" > "$OUT/frontend_$name.log" 2>&1
+  tail -6 "$OUT/frontend_$name.log"
+done
 python3 bench/bench_frontend.py --out /tmp/frontend/tree "${FE[@]}" --variants "${VARIANTS:-:}" > "$OUT/frontend_tree.log" 2>&1
 tail -8 "$OUT/frontend_tree.log"
 tar czf "$OUT/frontend.tgz" -C /tmp frontend 2>/dev/null

@@ -101,9 +101,9 @@ class Writer:
             reserving = self._reserve_ahead(items, job)
         if reserving is not None:
             held = [r for f in reserving for r in f.result()]  # (_reserve answers its own failures: no raise)
-        else:  # a lone image, reserved here: a hand-off costs it latency
+        else:  # a lone image, reserved here (a hand-off costs it latency) and mapped: its write is its latency
             shapes, dtypes = _entry_shapes(job)
-            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0])]
+            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0], mapped=True)]
         t_reserved = time.perf_counter()
         try:
             if job.done is not None:
@@ -197,11 +197,12 @@ class Writer:
         return out
 
     def _reserve(self, item: WorkItem[EncodeJob], shape: tuple[int, int], dtype: torch.dtype,
-                 grid: tuple[int, int, int]) -> PendingEntry | None:
-        """Reserve one entry's file, or answer its waiters with the error (then None)."""
+                 grid: tuple[int, int, int], mapped: bool = False) -> PendingEntry | None:
+        """Reserve one entry's file (`mapped`: see EmbeddingStore.reserve), or answer its waiters with the
+        error (then None)."""
         try:
             return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256,
-                                      video=video_meta(item.payload.image))
+                                      video=video_meta(item.payload.image), mapped=mapped)
         except Exception as e:
             self._store_failed(item, e)
             return None
@@ -210,12 +211,10 @@ class Writer:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
         if pending is None:
             return  # answered by _reserve
-        try:
-            stored = self.store.commit(pending, rows)
-        except Exception as e:
+        try:  # answered as soon as the entry is published, before the store tidies up after it
+            self.store.commit(pending, rows, answer=lambda stored: self.batcher.finish(item, result=stored))
+        except Exception as e:  # (raised before the answer: commit raises nothing after it)
             self._store_failed(item, e)
-        else:
-            self.batcher.finish(item, result=stored)
 
     def _commit_step(self, items: list[WorkItem[EncodeJob]], held: list, rows: list[torch.Tensor]) -> None:
         """A step's entries in one store call; each image answered with its own result or error."""

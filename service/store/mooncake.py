@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -360,9 +361,10 @@ class MooncakeStore:
 
     # ---- writes ---------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
-                content_sha256: str | None = None, video: VideoMeta | None = None) -> MooncakePending:
+                content_sha256: str | None = None, video: VideoMeta | None = None, *,
+                mapped: bool = False) -> MooncakePending:
         """The first half of a put (directory.EmbeddingStore's shape): checks only; Mooncake allocates in
-        the put itself."""
+        the put itself (so `mapped`, a directory store's, means nothing here)."""
         validate_key(key)
         name = str(dtype).removeprefix("torch.")
         n, width = shape
@@ -373,12 +375,16 @@ class MooncakeStore:
     def abort(self, pending: MooncakePending) -> None:
         pass  # nothing was written
 
-    def commit(self, pending: MooncakePending, ec_cache: torch.Tensor) -> StoredItem:
+    def commit(self, pending: MooncakePending, ec_cache: torch.Tensor,
+               answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
         """Put one entry (commit_many's one). Raises StoreFull (the pool has no room) or Unavailable (the
-        master or a peer is unreachable): 503 + Retry-After; nothing half-written is left as a hit."""
+        master or a peer is unreachable): 503 + Retry-After; nothing half-written is left as a hit.
+        `answer(item)` once it is stored, as directory.EmbeddingStore.commit's (nothing to tidy here)."""
         (out,) = self.commit_many([pending], [ec_cache])
         if isinstance(out, Exception):
             raise out
+        if answer is not None:
+            answer(out)
         return out
 
     def commit_many(self, pendings: list[MooncakePending], tensors: list[torch.Tensor]) -> list[StoredItem | Exception]:

@@ -375,11 +375,11 @@ def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
         store = local_host(app.state.rt).store
         real_commit, bad = store.commit, {}
 
-        def commit(reservation, ec_cache):  # the write itself fails (after the reservation succeeded)
+        def commit(reservation, ec_cache, answer=None):  # the write itself fails (after the reservation succeeded)
             if reservation.key == bad.get("key"):
                 store.abort(reservation)
                 raise OSError(28, "No space left on device")
-            return real_commit(reservation, ec_cache)
+            return real_commit(reservation, ec_cache, answer)
 
         store.commit = commit
         bad["key"] = "doomed"

@@ -90,6 +90,26 @@ def test_a_step_is_reserved_then_waited_for_then_committed_and_answered(tmp_path
     assert metric(m, "qve_store_items") == 5 and metric(m, "qve_store_bytes") == store.bytes_used > 0
 
 
+def test_a_lone_image_is_reserved_mapped_and_answered_before_the_store_tidies(tmp_path):
+    """A lone image's write is its answer's latency: its file is mapped at reservation (the commit is then a
+    memmove) and its waiter is answered before the store unlinks what the entry evicted."""
+    store, batcher, writer, ring = _setup(tmp_path)
+    mapped: list[bool] = []
+    real_reserve, real_trash = store.reserve, store._empty_trash
+    store.reserve = lambda *a, **k: mapped.append(k.get("mapped", False)) or real_reserve(*a, **k)
+    answered_first: list[bool] = []
+    items, job, tickets = _launched(batcher, ring, ["lone"], done=FakeEvent([]))
+    store._empty_trash = lambda: answered_first.append(tickets[0].future.done()) or real_trash()
+    writer.write(items, job)
+    assert mapped == [True] and answered_first == [True]
+    stored = read_embeddings(tmp_path / "store", "lone")
+    assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), job.host_out)
+    items, job, tickets = _launched(batcher, ring, ["a", "b"], done=FakeEvent([]))
+    writer.write(items, job)
+    assert mapped == [True, False, False]  # a step's entries: writev (mapping them costs throughput)
+    assert all(t.future.result(timeout=0).key == k for t, k in zip(tickets, ["a", "b"]))
+
+
 def test_a_step_reports_its_reserve_copy_wait_and_commit_times(tmp_path):
     """qve_step_phase_seconds: the writer's three phases of a step, the device's copy wait apart."""
     store, batcher, writer, ring = _setup(tmp_path)
@@ -238,7 +258,7 @@ class _BatchedStore:
     def abort(self, pending):
         self.inner.abort(pending)
 
-    def commit(self, pending, rows):
+    def commit(self, pending, rows, answer=None):
         raise AssertionError("a step of several images goes through commit_many")
 
     def commit_many(self, pendings, rows):

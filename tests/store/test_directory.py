@@ -84,6 +84,67 @@ def test_reserve_allocates_the_file_before_the_data_exists_then_commit_or_abort(
     assert tmp_files(tmp_path / "s") == [] and not (tmp_path / "s" / "c").exists()
 
 
+def test_a_mapped_reservation_writes_the_same_bytes_as_writev_and_unmaps(tmp_path):
+    # A lone image's entry is reserved mapped (Writer): its commit is a memmove into the mapped file.
+    ec = ec_for(7, 5)
+    plain, mapped = make_store(tmp_path / "plain"), make_store(tmp_path / "mapped")
+    plain.put("a", ec, (1, 2, 10), content_sha256="cd" * 32)
+    r = mapped.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, mapped=True)
+    assert r.mapping is not None and len(r.mapping) == (tmp_files(tmp_path / "mapped")[0]).stat().st_size
+    item = mapped.commit(r, ec)
+    assert r.mapping is None and tmp_files(tmp_path / "mapped") == []  # unmapped, renamed onto the final name
+    assert (tmp_path / "mapped" / "a" / FILE_NAME).read_bytes() == (tmp_path / "plain" / "a" / FILE_NAME).read_bytes()
+    assert stat.S_IMODE((tmp_path / "mapped" / "a" / FILE_NAME).stat().st_mode) == mapped.file_mode
+    assert item.nbytes == len(r.header) + ec.numel() * 4 and mapped.lookup("a") == item
+    # A bf16 row slice of a larger buffer (the engine's pinned output), as the writer hands it over.
+    buf = ec_for(8, 9, torch.bfloat16)
+    r = mapped.reserve("b", (4, W), torch.bfloat16, (1, 2, 8), mapped=True)
+    mapped.commit(r, buf[2:6])
+    assert torch.equal(torch.cat([(got := read_embeddings(tmp_path / "mapped", "b")).main, *got.deepstack], 1), buf[2:6])
+    # Aborted: unmapped and removed.
+    r = mapped.reserve("c", tuple(ec.shape), ec.dtype, (1, 2, 10), mapped=True)
+    mapped.abort(r)
+    assert r.mapping is None and tmp_files(tmp_path / "mapped") == [] and not (tmp_path / "mapped" / "c").exists()
+
+
+def test_a_reservation_is_not_mapped_with_fsync_or_where_the_file_could_not_be_allocated(tmp_path, monkeypatch):
+    ec = ec_for(9, 3)
+    durable = make_store(tmp_path / "durable", fsync=True)
+    r = durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), mapped=True)
+    assert r.mapping is None  # (a mapping would need an msync: writev then fsync, as always)
+    durable.commit(r, ec)
+    monkeypatch.setattr(store_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(store_mod.errno.EOPNOTSUPP, "not supported")))
+    store = make_store(tmp_path / "s")
+    r = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), mapped=True)
+    assert r.mapping is None  # the file is still empty: a write through a mapping would fault past its end
+    store.commit(r, ec)
+    for root in (tmp_path / "durable", tmp_path / "s"):
+        got = read_embeddings(root, "a")
+        assert torch.equal(torch.cat([got.main, *got.deepstack], 1), ec)
+
+
+def test_commit_answers_once_the_entry_is_published_and_before_its_evictions_are_unlinked(tmp_path):
+    ec = ec_for(1, 4)
+    size = item_nbytes(make_store(tmp_path / "x"), 4)
+    store = make_store(tmp_path / "s", capacity=size)  # room for one entry: each commit evicts the last one
+    store.put("old", ec, (1, 2, 8))
+    seen = {}
+
+    def answer(item):
+        seen["item"] = item
+        seen["lookup"] = store.lookup("new")
+        seen["files"] = sorted(str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*") if p.is_file())
+
+    r = store.reserve("new", tuple(ec.shape), ec.dtype, (1, 2, 8), mapped=True)
+    item = store.commit(r, ec, answer=answer)
+    assert seen["item"] == item == seen["lookup"]  # published when answered
+    assert r.mapping is None
+    # When answered, "old" was out of the index and renamed aside but not yet unlinked; after the commit it is gone.
+    assert store.lookup("old") is None and f"new/{FILE_NAME}" in seen["files"] and len(seen["files"]) == 2
+    assert [p for p in (tmp_path / "s").rglob("*") if p.is_file()] == [tmp_path / "s" / "new" / FILE_NAME]
+
+
 # ---- byte identity with safetensors ---------------------------------------------------------------
 # NOTE: safetensors 0.8 writes the __metadata__ entries in Rust HashMap order, randomized per call, so
 # its own output is not reproducible; our writer uses the metadata dict's order. Byte identity is
@@ -239,7 +300,7 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
             os.write(fd, b"\x00" * 100)
             raise OSError(5, "Input/output error")
     elif where == "_write_ec_file":  # the whole file write fails
-        def half_write(fd, header, ec_cache, *, fsync, mode):
+        def half_write(fd, header, ec_cache, *, fsync, mode, mapping):
             os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
             raise OSError(28, "No space left on device")
     else:  # the real writer (fchmod) runs, and its data write fails half way
@@ -558,11 +619,11 @@ def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
     real_write = store_mod._write_ec_file
     new_k = ec_for(3, 4)
 
-    def slow_write(fd, header, ec_cache, *, fsync, mode):
+    def slow_write(fd, header, ec_cache, **kw):
         if ec_cache is new_k:  # the put of k
             writing.set()
             assert release.wait(5)
-        return real_write(fd, header, ec_cache, fsync=fsync, mode=mode)
+        return real_write(fd, header, ec_cache, **kw)
 
     monkeypatch.setattr(store_mod, "_write_ec_file", slow_write)
     result: list = []

@@ -101,10 +101,13 @@ def test_a_lookup_finds_only_a_whole_entry_of_this_model(master):
     # A value whose companion is gone (a lost half) is no hit either.
     writer.client.remove(meta_key(writer.namespace, "k"), True)
     assert writer.lookup("k") is None
-    # A re-put replaces it whole (an upsert: a put onto an existing key would keep the old value).
-    writer.put("k", ec * 2, (1, 4, 4), content_sha256="ef" * 32)
+    # A re-put replaces it whole (an upsert: a put onto an existing key would keep the old value); the writer's
+    # lone-image commit (a reservation asked to be mapped, which means nothing here) answers once it is stored.
+    answered = []
+    pending = writer.reserve("k", (4, WIDTH), torch.bfloat16, (1, 4, 4), content_sha256="ef" * 32, mapped=True)
+    item = writer.commit(pending, ec * 2, answer=lambda stored: answered.append((stored, writer.lookup("k"))))
     again = writer.lookup("k")
-    assert again is not None and again.content_sha256 == "ef" * 32
+    assert again is not None and again.content_sha256 == "ef" * 32 and answered == [(item, again)]
     assert torch.equal(open_reader(master.url, namespace=writer.namespace).read("k").main, (ec * 2)[:, :OUT_HIDDEN])
 
 
