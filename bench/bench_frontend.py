@@ -7,7 +7,7 @@
 2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes,
    KxG = K API processes and G engines, one per GPU: --devices cuda:0,...,cuda:G-1):
    start `python -m service serve`, then
-     idle   one distinct 448px JPEG at a time, 100 requests: p50 / p90 end to end, and the p50 of each
+     idle   one distinct 448px JPEG at a time, 100 requests (--idle-requests): p50 / p90 end to end, and the p50 of each
             phase of the server's Server-Timing header (parse, keys, admit, decode, encode, total)
      x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
      x8     the same with 8 images per request, --clients x --conc8 connections
@@ -395,6 +395,8 @@ def main() -> int:
     ap.add_argument("--modes", default="0,4,8", help="--api-processes values to run (0: one process); "
                     "KxG: K API processes and G engines (--devices cuda:0..G-1)")
     ap.add_argument("--images", type=int, default=4096, help="images per load phase")
+    ap.add_argument("--idle-requests", type=int, default=100, help="one image on an idle server: requests measured "
+                    "(after 10 not measured)")
     ap.add_argument("--clients", type=int, default=4, help="load-generator processes")
     ap.add_argument("--conc1", type=int, default=48, help="connections per client, 1 image per request")
     ap.add_argument("--conc8", type=int, default=8, help="connections per client, 8 images per request")
@@ -451,7 +453,7 @@ def main() -> int:
                 for variant in variants]
         for mi, (mode, kind, (vname, vflags)) in enumerate(runs):
             base = 1_000_000 * (mi + 1)
-            blobs_idle = pool.map(jpeg_448, range(base, base + 110))
+            blobs_idle = pool.map(jpeg_448, range(base, base + 10 + args.idle_requests))
             blobs1 = pool.map(jpeg_448, range(base + 1000, base + 1000 + n))
             blobs8 = pool.map(jpeg_448, range(base + 500_000, base + 500_000 + n))
             bodies1 = [body([b]) for b in blobs1]

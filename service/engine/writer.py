@@ -125,6 +125,10 @@ class Writer:
             # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
             if n == 1:
                 self._commit(items[0], held[0], rows[0])
+                if reserving is None and held[0] is not None:
+                    # The next lone image's file, made on a reserve thread while the server waits for it
+                    # (EmbeddingStore.prepare_spare): its reservation is then no longer its critical path.
+                    self._reserve_pool.submit(self._prepare_spare, held[0])
             elif self.store.batch_commits:  # (Mooncake: a step in one call, see MooncakeStore.commit_many)
                 self._commit_step(items, held, rows)
             else:
@@ -206,6 +210,12 @@ class Writer:
         except Exception as e:
             self._store_failed(item, e)
             return None
+
+    def _prepare_spare(self, like: PendingEntry) -> None:
+        try:
+            self.store.prepare_spare(like)
+        except Exception as e:  # (a bug: it answers its own failures with False) only costs the next image latency
+            log.error("making a spare store file failed: %r", e)
 
     def _commit(self, item: WorkItem[EncodeJob], pending: PendingEntry | None, rows: torch.Tensor) -> None:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""

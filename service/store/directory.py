@@ -66,6 +66,14 @@ log = logging.getLogger(__name__)
 _CODE_OF: dict[str, str] = {f"torch.{name}": code for code, (name, _) in _DTYPES.items()}
 
 
+# A lone image's next store file, made ahead (EmbeddingStore.prepare_spare): "<prefix><shard index>-<random>" in
+# the root. Not a key (keys never start with a dot), so other shards leave it alone; start-up removes its own
+# shard's. Its size is rounded up to SPARE_ROUND (an entry's header varies by a few bytes) and trimmed at commit.
+SPARE_PREFIX = ".spare-"
+SPARE_ROUND = 64 * 1024
+# The largest spare made (about a 1600x1600 image's bf16 entry): a spare is held outside the store's capacity.
+SPARE_MAX_BYTES = 64 << 20
+
 ROOT_LOCK = ".lock"  # held by the root's one writer: a service's store, or the supervisor of a sharded service
 
 
@@ -160,15 +168,22 @@ def _write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: boo
     allocated to that size and mapped), make it `mode` (exactly, whatever the umask); return the file
     size. The caller closes `fd`. Only the store's temp files are written this way; `put` renames them
     onto the final name."""
-    data = tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
     os.fchmod(fd, mode)
     if mapping is not None:
-        _copy_into(mapping, header, ec_cache.data_ptr(), len(data))
+        nbytes = ec_cache.numel() * ec_cache.element_size()
+        _copy_into(mapping, header, ec_cache.data_ptr(), nbytes)
+        if len(mapping) != len(header) + nbytes:  # a spare, rounded up: trim it (nothing is written past here)
+            os.ftruncate(fd, len(header) + nbytes)
+        # Its pages were faulted in for writing when it was mapped (a spare: perhaps long before), which is when
+        # the kernel stamped its mtime; start-up's LRU order is by mtime.
+        os.utime(fd)
     else:
+        data = tensor_bytes(ec_cache)  # borrows ec_cache's memory: the caller holds ec_cache meanwhile
         _write_all(fd, [header, data])
+        nbytes = len(data)
     if fsync:
         os.fsync(fd)
-    return len(header) + len(data)
+    return len(header) + nbytes
 
 
 # ---- the writer side -------------------------------------------------------------------------------
@@ -199,6 +214,34 @@ class PendingEntry:
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None
+
+    @property
+    def nbytes(self) -> int:
+        """The entry's file size."""
+        return len(self.header) + self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
+@dataclass
+class _Spare:
+    """A file made ahead for a lone image's entry (EmbeddingStore.prepare_spare): allocated and mapped."""
+
+    path: Path
+    fd: int
+    nbytes: int
+    mapping: mmap.mmap | None = None
+
+    def drop(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        _unlink_quietly(self.path)
+
+
+def _spare_size(nbytes: int) -> int:
+    return -(-nbytes // SPARE_ROUND) * SPARE_ROUND
 
 
 class EmbeddingStore:
@@ -282,6 +325,7 @@ class EmbeddingStore:
         self._bytes_used = 0
         self._evictions = 0
         self._trash: list[Path] = []  # evicted files renamed aside under _lock, unlinked outside it (_empty_trash)
+        self._spare: _Spare | None = None  # under _lock (prepare_spare)
 
         self.file_mode = FILE_MODE
         self._lock_fd: int | None = None
@@ -322,6 +366,7 @@ class EmbeddingStore:
         preflight checks (then close()s), and what the supervisor of a sharded service holds until it exits."""
         probe = cls.__new__(cls)
         probe.root, probe._lock_fd = Path(root).absolute(), None
+        probe._lock, probe._spare = threading.Lock(), None  # (what close() reads)
         probe._own_root(group, ROOT_LOCK)
         return probe
 
@@ -375,7 +420,11 @@ class EmbeddingStore:
         self._lock_fd = fd  # held for the life of the store: the lock goes with the process, or close()
 
     def close(self) -> None:
-        """Release the root's lock (a later service may then take the root)."""
+        """Remove the spare file, if any; release the root's lock (a later service may then take the root)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.drop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -447,7 +496,8 @@ class EmbeddingStore:
         a writev, which goes through the page cache a page at a time. For an entry whose write delays
         its answer (a lone image): the faulting costs more than the writev saves, but it is paid here,
         while the device computes (issue 24: 2026-11-30 probes on an H200 host, writev 0.69-1.07 ms, a
-        mapped copy 0.29-0.56 after a 0.75 ms populate and before a 0.22 ms unmap). Not with fsync."""
+        mapped copy 0.29-0.56 after a 0.75 ms populate and before a 0.22 ms unmap). Not with fsync. Where a
+        spare file of its size was made ahead (prepare_spare), it takes that one instead."""
         key_dir = self._key_dir(key)
         assert shard_of(key, self.shard[1]) == self.shard[0], f"{key} is another shard's: a routing bug"
         grid = tuple(int(g) for g in grid_thw)
@@ -470,6 +520,13 @@ class EmbeddingStore:
         header = _encode_header(code, (n, width), data_bytes, metadata)
         with self._lock:
             self._check_room_locked(key, len(header) + data_bytes)
+            spare = self._spare if mapped and not self.fsync else None
+            if spare is not None and spare.nbytes == _spare_size(len(header) + data_bytes):
+                # The file made ahead for it (prepare_spare): no create, allocate or map here. It is renamed
+                # from the root onto the key's name at commit (which makes the key's directory then).
+                self._spare = None
+                return PendingEntry(key, key_dir, spare.path, spare.fd, header, (n, width), dtype, grid,
+                                    content_sha256, video, mapping=spare.mapping)
 
         # The temp file is created (empty) under the lock together with the mkdir: from then on the
         # directory is non-empty, so a concurrent eviction of this key cannot rmdir it from under us.
@@ -506,6 +563,36 @@ class EmbeddingStore:
             self.abort(r)
             raise
         return r
+
+    def prepare_spare(self, like: PendingEntry) -> bool:
+        """Make ahead the file that the next mapped reservation of `like`'s size takes, instead of creating,
+        allocating and mapping its own: a lone image's reservation (2.4-2.8 ms for a 448px entry on an H200
+        host, its pages faulted in) ended after the device and delayed its answer (issue 24, bench/RESULTS.md
+        2026-12-04). The writer calls it once a lone image is answered, while the server waits for the next
+        request. One spare at a time, the size of the last; none with fsync or above SPARE_MAX_BYTES (or an
+        eighth of the capacity): it is held outside the capacity. Returns whether one of that size is ready;
+        a failure (a full filesystem) only means there is none."""
+        size = _spare_size(like.nbytes)
+        if self.fsync or size > min(SPARE_MAX_BYTES, self.capacity_bytes // 8):
+            return False
+        with self._lock:
+            if self._spare is not None and self._spare.nbytes == size:
+                return True
+        spare = _Spare(self.root / f"{SPARE_PREFIX}{self.shard[0]}-{secrets.token_hex(8)}", -1, size)
+        try:
+            spare.fd = os.open(spare.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC, self.file_mode)
+            if _allocate(spare.fd, size):  # (a file not allocated would fault past its end)
+                spare.mapping = _map(spare.fd, size)
+        except OSError as e:
+            log.debug("store: no spare file (%s)", e)
+        if spare.mapping is None:
+            spare.drop()
+            return False
+        with self._lock:
+            old, self._spare = self._spare, spare
+        if old is not None:  # another size's
+            old.drop()
+        return True
 
     def _evict_bytes(self, nbytes: int, keep: str) -> bool:
         """Evict least recently used entries (not `keep`, not young ones) holding at least `nbytes`;
@@ -571,6 +658,8 @@ class EmbeddingStore:
             video=r.video,
         )
         with self._lock:
+            if tmp.parent != key_dir:  # a spare (reserve): the key's directory may not exist yet
+                key_dir.mkdir(exist_ok=True)
             os.replace(tmp, final)
             old = self._index.pop(key, None)
             if old is not None:
@@ -643,13 +732,15 @@ class EmbeddingStore:
     def _rebuild_index(self) -> None:
         """Index every `<root>/<key>/encoder_cache.safetensors` from its header, LRU order = mtime order.
 
-        Removes temp files left by a crashed writer and empty key directories. Leaves anything that is
+        Removes temp files left by a crashed writer, this shard's spare file and empty key directories. Leaves anything that is
         not in the store's layout (other names, invalid keys) alone and uncounted, and so the keys of
         other shards (their writers run beside this one).
         """
         found: list[tuple[int, str, _Entry]] = []
         for tmp in self.root.glob(".tmp*"):
             _unlink_quietly(tmp)
+        for spare in self.root.glob(f"{SPARE_PREFIX}{self.shard[0]}-*"):  # (other shards' spares are theirs)
+            _unlink_quietly(spare)
         with os.scandir(self.root) as it:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
         for d in dirs:

@@ -375,6 +375,10 @@ class MooncakeStore:
     def abort(self, pending: MooncakePending) -> None:
         pass  # nothing was written
 
+    def prepare_spare(self, like: MooncakePending) -> bool:
+        """directory.EmbeddingStore's file made ahead for a lone image: nothing to make here (the put allocates)."""
+        return False
+
     def commit(self, pending: MooncakePending, ec_cache: torch.Tensor,
                answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
         """Put one entry (commit_many's one). Raises StoreFull (the pool has no room) or Unavailable (the

@@ -110,6 +110,43 @@ def test_a_lone_image_is_reserved_mapped_and_answered_before_the_store_tidies(tm
     assert all(t.future.result(timeout=0).key == k for t, k in zip(tickets, ["a", "b"]))
 
 
+def _spares(store) -> list:
+    """The store's spare file, once it is ready to be taken (its file exists a little before)."""
+    return sorted(store.root.glob(".spare-*")) if store._spare is not None else []
+
+
+def _wait_for(cond, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (got := cond()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return got
+
+
+def test_a_lone_image_is_answered_then_the_next_ones_file_is_made_ahead(tmp_path):
+    """After a lone image, the writer makes its store a spare file of that size (on a reserve thread): the next
+    lone image's reservation takes it, and a new one is made after that image too. A step's entries do not."""
+    store, batcher, writer, ring = _setup(tmp_path)
+    taken: list = []
+    real_reserve = store.reserve
+    store.reserve = lambda *a, **k: taken.append(r := real_reserve(*a, **k)) or r
+    root = tmp_path / "store"
+    items, job, tickets = _launched(batcher, ring, ["one"], done=FakeEvent([]), seed=1)
+    writer.write(items, job)
+    assert tickets[0].future.result(timeout=0).key == "one"
+    first = _wait_for(lambda: _spares(store))
+    assert len(first) == 1 and taken[0].tmp.parent == root / "one"  # the first lone image had none to take
+    items, job, tickets = _launched(batcher, ring, ["two"], done=FakeEvent([]), seed=2)
+    writer.write(items, job)
+    assert taken[1].tmp == first[0]  # the spare, renamed onto two's entry
+    stored = read_embeddings(root, "two")
+    assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), job.host_out)
+    second = _wait_for(lambda: _spares(store))
+    assert len(second) == 1 and second != first
+    items, job, tickets = _launched(batcher, ring, ["a", "b"], done=FakeEvent([]))
+    writer.write(items, job)
+    assert [r.tmp.parent for r in taken[2:]] == [root / "a", root / "b"] and _spares(store) == second
+
+
 def test_a_step_reports_its_reserve_copy_wait_and_commit_times(tmp_path):
     """qve_step_phase_seconds: the writer's three phases of a step, the device's copy wait apart."""
     store, batcher, writer, ring = _setup(tmp_path)

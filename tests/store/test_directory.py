@@ -107,6 +107,8 @@ def test_a_mapped_reservation_writes_the_same_bytes_as_writev_and_unmaps(tmp_pat
     assert r.mapping is None and tmp_files(tmp_path / "mapped") == [] and not (tmp_path / "mapped" / "c").exists()
 
 
+
+
 def test_a_reservation_is_not_mapped_with_fsync_or_where_the_file_could_not_be_allocated(tmp_path, monkeypatch):
     ec = ec_for(9, 3)
     durable = make_store(tmp_path / "durable", fsync=True)
@@ -143,6 +145,85 @@ def test_commit_answers_once_the_entry_is_published_and_before_its_evictions_are
     # When answered, "old" was out of the index and renamed aside but not yet unlinked; after the commit it is gone.
     assert store.lookup("old") is None and f"new/{FILE_NAME}" in seen["files"] and len(seen["files"]) == 2
     assert [p for p in (tmp_path / "s").rglob("*") if p.is_file()] == [tmp_path / "s" / "new" / FILE_NAME]
+
+
+def spares(root: Path) -> list[Path]:
+    return sorted(root.glob(f"{store_mod.SPARE_PREFIX}*"))
+
+
+def test_a_spare_file_is_taken_by_the_next_mapped_reservation_of_its_size(tmp_path):
+    # A lone image's next file is made ahead (Writer, after answering one): its reservation is then no
+    # create, allocate or map, and the entry it becomes is byte for byte a writev entry.
+    ec, other = ec_for(7, 5), ec_for(8, 5)
+    plain, store = make_store(tmp_path / "plain"), make_store(tmp_path / "s")
+    plain.put("b", other, (1, 2, 10), content_sha256="ef" * 32)
+    first = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, mapped=True)
+    assert spares(tmp_path / "s") == []
+    store.commit(first, ec)
+    assert store.prepare_spare(first) is True and store.prepare_spare(first) is True  # (one spare, kept)
+    (spare,) = spares(tmp_path / "s")
+    assert spare.name.startswith(".spare-0-") and spare.stat().st_size == store_mod.SPARE_ROUND  # rounded up
+    os.utime(spare, (1, 1))  # made long ago
+    r = store.reserve("b", tuple(other.shape), other.dtype, (1, 2, 10), content_sha256="ef" * 32, mapped=True)
+    assert r.tmp == spare and r.mapping is not None and spares(tmp_path / "s") == [spare]  # taken, not yet renamed
+    assert not (tmp_path / "s" / "b").exists()  # the key's directory is made at commit
+    item = store.commit(r, other)
+    assert spares(tmp_path / "s") == [] and r.mapping is None and tmp_files(tmp_path / "s") == []
+    final = tmp_path / "s" / "b" / FILE_NAME
+    assert final.read_bytes() == (tmp_path / "plain" / "b" / FILE_NAME).read_bytes()  # trimmed to its size
+    assert item.nbytes == final.stat().st_size == r.nbytes and store.lookup("b") == item
+    assert final.stat().st_mtime > time.time() - 60  # written now, for start-up's LRU order
+    assert stat.S_IMODE(final.stat().st_mode) == store.file_mode
+    assert store.bytes_used == 2 * item.nbytes  # the spare was never counted; its entry is, once
+    # Another size neither takes it nor loses it; a spare of the new size replaces it.
+    assert store.prepare_spare(r) is True
+    (spare,) = spares(tmp_path / "s")
+    big = store.reserve("c", (2000, W), torch.float32, (1, 2, 4000), mapped=True)  # 2000 * W * 4 bytes of rows
+    assert big.tmp.parent == tmp_path / "s" / "c" and spares(tmp_path / "s") == [spare]
+    store.commit(big, ec_for(9, 2000))
+    assert store.prepare_spare(big) is True
+    (bigger,) = spares(tmp_path / "s")
+    rounds = -(-big.nbytes // store_mod.SPARE_ROUND)
+    assert rounds > 1 and bigger != spare and bigger.stat().st_size == rounds * store_mod.SPARE_ROUND
+    # A reservation that is not mapped (a step's entries) does not take it; an aborted spare is removed.
+    assert store.reserve("d", (2000, W), torch.float32, (1, 2, 4000)).tmp.parent == tmp_path / "s" / "d"
+    r = store.reserve("e", (2000, W), torch.float32, (1, 2, 4000), mapped=True)
+    assert r.tmp == bigger
+    store.abort(r)
+    assert spares(tmp_path / "s") == [] and not (tmp_path / "s" / "e").exists() and store.lookup("e") is None
+
+
+def test_no_spare_with_fsync_or_beyond_its_bound_and_close_removes_it(tmp_path, monkeypatch):
+    ec = ec_for(1, 4)
+    durable = make_store(tmp_path / "durable", fsync=True)
+    assert durable.prepare_spare(durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 8))) is False
+    assert spares(tmp_path / "durable") == []
+    small = make_store(tmp_path / "small", capacity=7 * store_mod.SPARE_ROUND)  # an eighth: less than one round
+    r = small.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 8))
+    assert small.prepare_spare(r) is False and spares(tmp_path / "small") == []
+    store = make_store(tmp_path / "s")
+    monkeypatch.setattr(store_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(store_mod.errno.ENOSPC, "no space left")))
+    assert store.prepare_spare(r) is False and spares(tmp_path / "s") == []  # a full filesystem: none, no error
+    monkeypatch.undo()
+    assert store.prepare_spare(r) is True and len(spares(tmp_path / "s")) == 1
+    store.close()
+    assert spares(tmp_path / "s") == []
+
+
+def test_start_up_removes_its_own_shards_spare_and_leaves_the_others(tmp_path):
+    root = tmp_path / "s"
+    ec = ec_for(1, 4)
+    store = make_store(root, shard=(0, 2))
+    key = next(k for k in (f"k{i}" for i in range(100)) if shard_of(k, 2) == 0)
+    assert store.prepare_spare(store.reserve(key, tuple(ec.shape), ec.dtype, (1, 2, 8))) is True
+    (mine,) = spares(root)
+    theirs = root / f"{store_mod.SPARE_PREFIX}1-0123456789abcdef"
+    theirs.write_bytes(b"x" * 10)
+    make_store(root, shard=(0, 2))  # the first one crashed: its spare is stale
+    assert spares(root) == [theirs]
+    make_store(root, shard=(1, 2))
+    assert spares(root) == []
 
 
 # ---- byte identity with safetensors ---------------------------------------------------------------
