@@ -304,6 +304,43 @@ def test_submit_joins_in_flight_item_and_new_item_after_finish():
     assert not t3.coalesced and b.queue_depth() == 1
 
 
+class _Payload:
+    """A payload that can be watched for its end (the engine's holds a view of the image's pixels)."""
+
+
+def test_a_finished_or_cancelled_request_leaves_no_reference_cycle():
+    # Reference counting alone (the collector off) must free a request's ticket, work item, payload and
+    # futures once nobody holds them: a cycle among them would wait for a full collection, which stops every
+    # thread of the engine (bench/RESULTS.md, 2026-12-04, "the engine's garbage").
+    import gc
+    import weakref
+
+    b = make(max_batch_tokens=10)
+    gc.collect()
+    gc.disable()
+    try:
+        answered = []
+        payload = _Payload()
+        t1, t2 = b.submit("k", payload, 10), b.submit("k", None, 10)  # one item, two waiters
+        t1.future.add_done_callback(lambda f: answered.append(f.result()))  # as the engine host answers
+        t2.work_future.add_done_callback(lambda f: answered.append("pixels freed"))
+        (item,) = b.next_batch(timeout=0).items
+        b.finish(item, result="r")
+        assert answered == ["r", "pixels freed"] and t2.future.result(0) == "r"
+        watched = [weakref.ref(x) for x in (t1, t2, item, payload, t1.future, t2.future, item.future)]
+        del t1, t2, item, payload
+        assert [w() for w in watched] == [None] * len(watched)
+        # A waiter that cancels (its client went away) while its item is queued: the item is dropped.
+        t3 = b.submit("q", _Payload(), 10)
+        watched = [weakref.ref(x) for x in (t3, t3.future, t3.work_future, t3.payload)]
+        t3.cancel()
+        assert b.queue_depth() == 0
+        del t3
+        assert [w() for w in watched] == [None] * len(watched)
+    finally:
+        gc.enable()
+
+
 def test_finish_error_reaches_every_waiter():
     b = make(max_batch_tokens=10)
     tickets = [b.submit("k", None, 10) for _ in range(3)]
