@@ -81,6 +81,8 @@ class Metrics:
         generation-0 one takes microseconds and runs every few hundred allocations: not timed). Once per
         process (its entry point): gc.callbacks is the process's. Returns the function that stops it."""
         started: dict[int, float] = {}
+        for gen in ("1", "2"):  # both series from the start, at 0 (a quiet engine may not collect for minutes)
+            self.gc_pause_seconds.labels(generation=gen)
 
         def callback(phase: str, info: dict) -> None:
             gen = info["generation"]

@@ -12,6 +12,11 @@ def test_watch_gc_times_the_collections_of_generations_1_and_2_until_stopped():
     gc.disable()  # no collection but the ones below (an allocation-triggered one would add to the counts)
     try:
         stop = m.watch_gc()
+        # Both series are there at 0 before any collection: a scrape (and the service tests) see them at once.
+        first = {line.split()[0]: float(line.split()[1]) for line in m.exposition().decode().splitlines()
+                 if line.startswith("qve_gc_pause_seconds_count")}
+        assert first == {'qve_gc_pause_seconds_count{generation="1"}': 0.0,
+                         'qve_gc_pause_seconds_count{generation="2"}': 0.0}
         try:
             gc.collect(0)  # too short and too frequent to time: not observed
             gc.collect(1)

@@ -68,9 +68,11 @@ def test_32_concurrent_clients_match_transformers(shared, reference):
     assert grew("qve_images_total", 'outcome="encoded"') == len(IMAGES)  # each distinct image once
     assert grew("qve_store_items") == len(IMAGES)
     # The single-process service froze its start-up objects before it said ready, and times its collections
-    # since (procs/child.py's settle_heap, Metrics.watch_gc): 32 requests make some of generation 1.
+    # since (procs/child.py's settle_heap, Metrics.watch_gc, whose series are there from the start). Whether 32
+    # requests make a collection of generation 1 depends on how many objects they leave in cycles: no count here.
     assert "objects frozen (gc.freeze" in server.log.read_text()
-    assert metric(after, "qve_gc_pause_seconds_count", 'generation="1"') > 0
+    assert {'qve_gc_pause_seconds_count{generation="1"}', 'qve_gc_pause_seconds_count{generation="2"}'} <= {
+        line.split()[0] for line in after.splitlines()}
 
 
 @pytest.mark.slow  # two server starts and a queue of large images

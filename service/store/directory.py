@@ -518,10 +518,11 @@ class EmbeddingStore:
         code = _CODE_OF[str(dtype)]
         data_bytes = n * width * dtype.itemsize
         header = _encode_header(code, (n, width), data_bytes, metadata)
+        total = len(header) + data_bytes  # the file's size
         with self._lock:
-            self._check_room_locked(key, len(header) + data_bytes)
+            self._check_room_locked(key, total)
             spare = self._spare if mapped and not self.fsync else None
-            if spare is not None and spare.nbytes == _spare_size(len(header) + data_bytes):
+            if spare is not None and spare.nbytes == _spare_size(total):
                 # The file made ahead for it (prepare_spare): no create, allocate or map here. It is renamed
                 # from the root onto the key's name at commit (which makes the key's directory then).
                 self._spare = None
@@ -542,15 +543,15 @@ class EmbeddingStore:
         r = PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256, video)
         try:
             try:
-                allocated = _allocate(fd, len(header) + data_bytes)
+                allocated = _allocate(fd, total)
             except OSError as e:
                 # The filesystem is fuller than our capacity says (other users, temp files): make room
                 # by evicting as if over capacity, then try once more.
-                if e.errno != errno.ENOSPC or not self._evict_bytes(len(header) + data_bytes, keep=key):
+                if e.errno != errno.ENOSPC or not self._evict_bytes(total, keep=key):
                     raise
-                allocated = _allocate(fd, len(header) + data_bytes)
+                allocated = _allocate(fd, total)
             if mapped and allocated and not self.fsync:  # (a file not allocated would fault past its end)
-                r.mapping = _map(fd, len(header) + data_bytes)
+                r.mapping = _map(fd, total)
         except OSError as e:
             self.abort(r)
             if e.errno == errno.ENOSPC:
