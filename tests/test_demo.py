@@ -34,12 +34,17 @@ def test_make_demo_on_a_fresh_clone_answers_and_leaves_nothing(tmp_path):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
     venv = Path(sys.executable).parent.parent  # this checkout's .venv (make skips the install: its stamps exist)
     assert (venv / ".installed-serve").exists(), "run through `make test`, which installs the virtualenv"
+    # The clone's pyproject.toml gets this checkout's mtime: its fresh one is newer than the stamps, and make
+    # would install into this venv again (its editable install then pointing at the clone) before the demo.
+    mine = (ROOT / "pyproject.toml").stat()
+    os.utime(clone / "pyproject.toml", ns=(mine.st_atime_ns, mine.st_mtime_ns))
     t0 = time.monotonic()
     done = subprocess.run(["make", "-C", str(clone), "demo", f"VENV={venv}", f"ARGS=--workdir {tmp_path / 'work'}"],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
+    assert "==> installing" not in out, out  # the venv was used as it was
     answer = next(line for line in out.splitlines() if "chat answered:" in line)
     assert '"' in answer and "completion_tokens" in answer, answer  # a generated text and OpenAI's usage counts
     assert "RANDOM weights" in out and "1 cached answer" in out, out  # the consumer's image came from the store

@@ -23,11 +23,27 @@ from tests.proctree import descendants, state
 
 GRACE_S = float(os.environ.get("QVE_WATCHDOG_GRACE_S", "60"))
 _real_stderr: int | None = None
+_policy: tuple[int, int] = (os.SCHED_OTHER, 0)  # the test process's scheduling policy and priority at start
 
 
 def pytest_configure(config):
-    global _real_stderr
+    global _real_stderr, _policy
     _real_stderr = os.dup(2)  # while output is not captured: the run's own standard error
+    _policy = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)
+
+
+@pytest.fixture(autouse=True)
+def _scheduling_policy_kept():
+    """A test that leaves the test process under another scheduling policy fails, and the policy is put back.
+    Why: SVT-AV1's encoder, run as root, put the process under SCHED_FIFO 99 (tests/videodata.py's clip); the
+    servers later tests started inherited it, and two busy ones on a 2-core CI machine starved everything,
+    this watchdog included, until CI's own limit, with nothing printed."""
+    yield
+    policy, priority = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+    if (policy, priority) != _policy:
+        os.sched_setscheduler(0, _policy[0], os.sched_param(_policy[1]))
+        pytest.fail(f"the test left the test process under scheduling policy {policy} (priority {priority}), "
+                    f"not {_policy[0]} ({_policy[1]}) as it started: put back; the processes it starts inherit it")
 
 
 def _timeout_of(item) -> float:
