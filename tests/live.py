@@ -247,6 +247,14 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def series(text: str) -> set[str]:
+    """The names (with labels) of every sample in Prometheus text: which series exist, whatever their values."""
+    return {line.split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+GC_SERIES = {'qve_gc_pause_seconds_count{generation="1"}', 'qve_gc_pause_seconds_count{generation="2"}'}
+
+
 class RawHTTPServer:
     """A raw HTTP/1.1 server: `script(conn_no, req_no)` says whether to answer a request (200 JSON,
     keep-alive) or to close the connection without answering (what a server's idle close looks like
