@@ -300,7 +300,9 @@ def main() -> int:
             runner.patches[:n].normal_()
             for nm in ("pos_hw", "interp_idx", "interp_w"):
                 getattr(d, nm)[:n].copy_(torch.from_numpy(arr[nm]))
-            d.cu_seqlens.copy_(torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
+            # (the image layout's prefix: the buffer also holds a video step's groups after it)
+            d.cu_seqlens[: runner.cu_length].copy_(
+                torch.tensor(padded_cu_seqlens([784] * k, bucket, runner.cu_length), dtype=torch.int32))
             key = runner.graphs.graph_for((784,) * k)  # what the step loop replays: the equal-step graph
             with torch.inference_mode(), torch.cuda.stream(runner.compute_stream):
                 t_g = cuda_time(lambda: runner.graphs.run(key), reps=50)

@@ -20,7 +20,7 @@ SECTIONS=${2:-ceiling,tower,accuracy,fp8}
 shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . bench/gpu_common.sh
-gpu_setup "$OUT" .whl .fa3 || exit 1
+gpu_setup "$OUT" .whl .fa3 .fa4 || exit 1
 cat "$OUT/machine.txt"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_attention_cuda.py tests/engine/test_tower_cuda.py \

@@ -443,10 +443,11 @@ class Settings(BaseSettings):
                                     "that gets a graph of its own (1..this many images; larger steps of them pad "
                                     "to the nearest bucket, with varlen attention)")
     compile: bool = Field(True, description="torch.compile the tower (cuda + bfloat16 only); --no-compile runs it eagerly")
-    attention: Literal["auto", "cudnn", "fa3", "fa2", "sdpa"] = Field(
+    attention: Literal["auto", "cudnn", "fa3", "fa4", "fa2", "sdpa"] = Field(
         "auto", description="the attention kernel on a GPU: auto times each one that runs at start-up and each "
         "step takes the fastest for its longest image; a name forces that kernel where it runs (fa3: the `fa3` "
-        "extra, Hopper GPUs; cudnn and sdpa: steps of equal images; fa2: the others), the default elsewhere")
+        "extra, Hopper GPUs; fa4: the `fa4` extra, Hopper and Blackwell GPUs; cudnn and sdpa: steps of equal "
+        "images; fa2: the others), the default elsewhere")
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
 

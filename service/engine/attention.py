@@ -8,16 +8,18 @@ Two things are decided per step, on the host, from host integers (never a device
   * the backend (Backend, from the AttentionPlan): which kernel runs that layout.
 
     layout    backends
-    BATCHED   cuDNN's fused kernel, FA3 dense (the optional `fa3` extra), SDPA (its own pick: flash)
-    VARLEN    FA3 varlen, FA2 (torch's varlen_attn)
+    BATCHED   cuDNN's fused kernel, FA3 dense (the optional `fa3` extra), FA4 dense (the optional `fa4`
+              extra), SDPA (its own pick: flash)
+    VARLEN    FA3 varlen, FA4 varlen, FA2 (torch's varlen_attn)
     LOOP      SDPA, once per segment
 
 Why measured, not fixed: on an H200 (issue 24's probes, 16 heads x 64) cuDNN ran 273-288 TFLOP/s for 64
 segments of 784 patches against FA3 dense's 240, while for 4 segments of 8,160 FA3 dense ran 530 against
-cuDNN's 411; varlen FA3 beat FA2 at every length probed (215-490 against 203-300). The winner changes with
-the segment length and with the build of each library, so the engine times every backend it can run at a
-ladder of lengths (measure_plan, ~1 s) and each step takes the winner at its longest segment's length.
-A backend that fails to run, or disagrees with float32 SDPA, is left out of the plan.
+cuDNN's 411; varlen FA3 beat FA2 at every length probed (215-490 against 203-300). On an H100 (2026-12-05)
+FA4 ran segments of 1,600 patches and more 0.4-8% faster than FA3, and of 784 1-3% slower. The winner
+changes with the segment length and with the build of each library, so the engine times every backend it
+can run at a ladder of lengths (measure_plan, about 3 s with FA3 and FA4) and each step takes the winner at
+its longest segment's length. A backend that fails to run, or disagrees with float32 SDPA, is left out of the plan.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ class Backend(enum.Enum):
     CUDNN = "cudnn"  # cuDNN's fused attention, called directly (BATCHED)
     FA2 = "fa2"  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2 (VARLEN)
     FA3 = "fa3"  # FlashAttention-3 from the `fa3-fwd` wheel, Hopper only (BATCHED dense, VARLEN)
+    FA4 = "fa4"  # FlashAttention-4 (CuTe DSL) from the `flash-attn-4` wheel, Hopper and Blackwell (BATCHED, VARLEN)
 
 
 CANDIDATES: dict[AttentionKind, tuple[Backend, ...]] = {
-    AttentionKind.BATCHED: (Backend.CUDNN, Backend.FA3, Backend.SDPA),
-    AttentionKind.VARLEN: (Backend.FA3, Backend.FA2),
+    AttentionKind.BATCHED: (Backend.CUDNN, Backend.FA3, Backend.FA4, Backend.SDPA),
+    AttentionKind.VARLEN: (Backend.FA3, Backend.FA4, Backend.FA2),
     AttentionKind.LOOP: (Backend.SDPA,),
 }
 FALLBACK = {AttentionKind.BATCHED: Backend.SDPA, AttentionKind.VARLEN: Backend.FA2, AttentionKind.LOOP: Backend.SDPA}
@@ -169,6 +172,58 @@ def fa3_status() -> str:
     return _fa3_state[1]
 
 
+# ---- FlashAttention-4 (optional) ------------------------------------------------------------------------
+_fa4_state: tuple[object | None, str] | None = None
+
+
+def fa4_op():
+    """torch.ops.qve.fa4_fwd(q, k, v, cu_seqlens, max_seqlen, scale), or None (with the reason in fa4_status()).
+
+    FA4's Python entry point is not a torch op: it compiles its CuTe DSL kernel on first use (seconds, per
+    configuration, cached in the process) and launches it through TVM-FFI on torch's current stream. Wrapped
+    here as a custom op with a fake implementation so torch.compile traces through it as one node and CUDA
+    graphs capture its launch. cu_seqlens None: the dense [B, L, H, D] layout."""
+    global _fa4_state
+    if _fa4_state is None:
+        try:
+            from flash_attn.cute.interface import _flash_attn_fwd
+        except ImportError as e:
+            _fa4_state = (None, f"not installed ({e.name or e}): pip install '.[fa4]' on a Hopper or Blackwell GPU")
+            return None
+        except Exception as e:  # noqa: BLE001 - the CuTe DSL's native libraries fail in many ways
+            _fa4_state = (None, f"does not load: {type(e).__name__}: {e}")
+            return None
+
+        @torch.library.custom_op("qve::fa4_fwd", mutates_args=())
+        def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                    max_seqlen: int, scale: float) -> torch.Tensor:
+            varlen = cu_seqlens is not None
+            return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                   max_seqlen_q=max_seqlen if varlen else None,
+                                   max_seqlen_k=max_seqlen if varlen else None, softmax_scale=scale)[0]
+
+        @fa4_fwd.register_fake
+        def _(q, k, v, cu_seqlens, max_seqlen, scale):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+        _fa4_state = (torch.ops.qve.fa4_fwd, "installed")
+    return _fa4_state[0]
+
+
+def fa4_status() -> str:
+    fa4_op()
+    return _fa4_state[1]
+
+
+def why_not(backend: Backend) -> str:
+    """What an error or a skip adds when `backend` does not run: an optional kernel's install status."""
+    if backend == Backend.FA3:
+        return f": FA3 {fa3_status()}"
+    if backend == Backend.FA4:
+        return f": FA4 {fa4_status()}"
+    return ""
+
+
 def varlen_available() -> bool:
     return _varlen_attn is not None
 
@@ -181,6 +236,8 @@ def available(kind: AttentionKind, device: torch.device) -> tuple[Backend, ...]:
     for b in CANDIDATES[kind]:
         if b == Backend.FA3 and (fa3_op() is None or torch.cuda.get_device_capability(device)[0] != 9):
             continue  # FA3's kernels are Hopper's (sm_90) only
+        if b == Backend.FA4 and (fa4_op() is None or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
+            continue  # FA4's forward: Hopper (sm_90) and Blackwell (sm_100)
         if b == Backend.FA2 and _varlen_attn is None:
             continue
         out.append(b)
@@ -197,12 +254,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Attn, scale:
         if attn.backend == Backend.FA3:
             return fa3_op()(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
                             softmax_scale=scale)[0]
+        if attn.backend == Backend.FA4:
+            return fa4_op()(q, k, v, cu, m, scale)
         return _varlen_attn(q, k, v, cu, cu, m, m, scale=scale)
     if attn.kind == AttentionKind.BATCHED:
         bsz = attn.batch
         if attn.backend == Backend.FA3:  # [B, L, H, D] views of the packed rows: no transposes
             q4, k4, v4 = (t.reshape(bsz, n // bsz, h, d) for t in (q, k, v))
             return fa3_op()(q4, k4, v4, softmax_scale=scale)[0].reshape(n, h, d)
+        if attn.backend == Backend.FA4:
+            q4, k4, v4 = (t.reshape(bsz, n // bsz, h, d) for t in (q, k, v))
+            return fa4_op()(q4, k4, v4, None, 0, scale).reshape(n, h, d)
         qs, ks, vs = (t.reshape(bsz, n // bsz, h, d).transpose(1, 2) for t in (q, k, v))
         if attn.backend == Backend.CUDNN:
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(qs, ks, vs, None, False, scale=scale)[0]
@@ -258,10 +320,35 @@ def backend_agrees(kind: AttentionKind, backend: Backend, num_heads: int, head_d
     return err < 2e-2
 
 
+def gpu_ms(fn, calls: int = 8, reps: int = 3) -> float:
+    """Device milliseconds per call of `fn`, its launches queued ahead of the device: the median over `reps`
+    of `calls` back-to-back calls between two events, all queued behind a busy-wait kernel.
+
+    Why not one call between two events on an idle device: that times the host's launch as well, and the
+    kernels differ there (on an H100: FA4's Python entry point 0.09-0.18 ms of host time a call, FA3's 0.06,
+    cuDNN's 0.03). In the service the host is ahead of the device: small steps replay graphs without any
+    Python, and a large compiled step queues its blocks while the device runs the first ones. Timed one call
+    at a time, FA3 led FA4 by 5-21% at 784 and 4,096 patches, yet the whole tower forced to FA4 ran 1-2%
+    faster than forced to FA3; queued, FA4 leads from 1,600 patches up (bench/RESULTS.md, 2026-12-05)."""
+    per = []
+    with torch.inference_mode():
+        fn()  # warm-up (and a JIT compile where a kernel has one)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(20_000_000)  # ~10 ms at ~2 GHz: longer than queueing the calls below
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            per.append(start.elapsed_time(end) / calls)
+    return statistics.median(per)
+
+
 def measure_plan(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int,
-                 lengths: tuple[int, ...] = LADDER, rows: int = MEASURE_ROWS, reps: int = 10) -> AttentionPlan:
-    """Time every backend that runs (and agrees) at each ladder length; the plan takes the fastest.
-    Median of `reps` timed calls after one warm-up, CUDA events on the current stream."""
+                 lengths: tuple[int, ...] = LADDER, rows: int = MEASURE_ROWS, reps: int = 3) -> AttentionPlan:
+    """Time every backend that runs (and agrees) at each ladder length on the device (gpu_ms); the plan takes
+    the fastest."""
     scale = head_dim**-0.5
     ms: dict[tuple[AttentionKind, int], dict[Backend, float]] = {}
     for kind in (AttentionKind.BATCHED, AttentionKind.VARLEN):
@@ -270,17 +357,7 @@ def measure_plan(device: torch.device, dtype: torch.dtype, num_heads: int, head_
             ms[(kind, length)] = {}
             for backend in working:
                 q, k, v, attn = _step(kind, backend, length, max(rows, length), num_heads, head_dim, device, dtype)
-                times = []
-                with torch.inference_mode():
-                    attend(q, k, v, attn, scale)
-                    for _ in range(reps):
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        attend(q, k, v, attn, scale)
-                        end.record()
-                        end.synchronize()
-                        times.append(start.elapsed_time(end))
-                ms[(kind, length)][backend] = statistics.median(times)
+                ms[(kind, length)][backend] = gpu_ms(lambda: attend(q, k, v, attn, scale), reps=reps)
                 del q, k, v
     return plan_from_timings(ms)
 
@@ -294,7 +371,6 @@ def plan_for(choice: str, device: torch.device, dtype: torch.dtype, num_heads: i
     kinds = [k for k in (AttentionKind.BATCHED, AttentionKind.VARLEN) if backend in CANDIDATES[k]]
     for kind in kinds:
         if backend not in available(kind, device) or not backend_agrees(kind, backend, num_heads, head_dim, device, dtype):
-            why = f": FA3 {fa3_status()}" if backend == Backend.FA3 else ""
             raise RuntimeError(f"--attention {choice} does not run on {device} "
-                               f"({torch.cuda.get_device_name(device)}){why}; use --attention auto")
+                               f"({torch.cuda.get_device_name(device)}){why_not(backend)}; use --attention auto")
     return AttentionPlan.forced(backend)

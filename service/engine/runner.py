@@ -165,9 +165,9 @@ class Runner:
             model.tower.attention_plan = attention.plan_for(options.attention, self.device, model.dtype, spec.num_heads,
                                                             spec.head_dim)
             self.startup["attention_s"] = round(time.perf_counter() - t0, 2)
-            log.info("attention: %s (%s; FA3 %s)", model.tower.attention_plan.describe(),
+            log.info("attention: %s (%s; FA3 %s; FA4 %s)", model.tower.attention_plan.describe(),
                      "measured" if options.attention == "auto" else f"--attention {options.attention}",
-                     attention.fa3_status())
+                     attention.fa3_status(), attention.fa4_status())
             t0 = time.perf_counter()
         if fast and options.compile:
             if not model.tower.compiled:  # several engines may share one loaded model (tests)

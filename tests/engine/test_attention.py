@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from service.engine.attention import (FALLBACK, LADDER, AttentionKind, AttentionPlan, Attn, Backend, attend, available,
-                                      fa3_op, fa3_status, plan_from_timings)
+                                      fa3_op, fa3_status, fa4_op, fa4_status, plan_from_timings, why_not)
 
 B, V = AttentionKind.BATCHED, AttentionKind.VARLEN
 
@@ -94,11 +94,15 @@ def test_a_forced_kernel_runs_every_layout_it_can_and_the_others_keep_their_fall
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's answers")
-def test_on_the_cpu_only_the_per_segment_loop_and_batched_sdpa_are_available_and_fa3_says_why_not():
+def test_on_the_cpu_only_the_per_segment_loop_and_batched_sdpa_are_available_and_fa3_fa4_say_why_not():
     cpu = torch.device("cpu")
     assert available(B, cpu) == (Backend.SDPA,) and available(V, cpu) == ()
     if fa3_op() is None:  # the fa3 extra is not installed here (CI): the reason names the wheel
         assert "not installed" in fa3_status() and "fa3" in fa3_status()
+    if fa4_op() is None:  # likewise the fa4 extra
+        assert "not installed" in fa4_status() and "fa4" in fa4_status()
+    assert why_not(Backend.FA3) == f": FA3 {fa3_status()}" and why_not(Backend.FA4) == f": FA4 {fa4_status()}"
+    assert why_not(Backend.CUDNN) == why_not(Backend.FA2) == ""
 
 
 def test_batched_sdpa_equals_each_segment_attended_alone():

@@ -1,14 +1,16 @@
 """Every attention kernel on a CUDA GPU (skipped without one) against float32 attention: each layout
 with each kernel that runs here, for 1..16 equal images, mixed sizes, a video-sized step and 1080p
 segments; and the start-up measurement (a plan whose every choice is the fastest it timed). FA3 runs
-where the `fa3` extra is installed on a Hopper GPU; otherwise its cases are skipped, saying why."""
+where the `fa3` extra is installed on a Hopper GPU, FA4 where the `fa4` extra is, on a Hopper or Blackwell
+GPU; otherwise their cases are skipped, saying why. FA4's op also under torch.compile and in a CUDA graph,
+as the service runs it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from service.engine.attention import (LADDER, AttentionKind, Attn, Backend, attend, available, backend_agrees,
-                                      fa3_status, measure_plan)
+from service.engine.attention import (CANDIDATES, LADDER, AttentionKind, Attn, Backend, attend, available,
+                                      backend_agrees, measure_plan, why_not)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,9 +37,7 @@ def _cases():
     out = []
     for name, lens in STEPS.items():
         kinds = [AttentionKind.VARLEN] + ([AttentionKind.BATCHED] if len(set(lens)) == 1 else [])
-        out += [(name, kind, backend) for kind in kinds for backend in Backend
-                if backend in {AttentionKind.VARLEN: (Backend.FA3, Backend.FA2),
-                               AttentionKind.BATCHED: (Backend.CUDNN, Backend.FA3, Backend.SDPA)}[kind]]
+        out += [(name, kind, backend) for kind in kinds for backend in CANDIDATES[kind]]
     return out
 
 
@@ -45,7 +45,7 @@ def _cases():
 def test_every_kernel_equals_float32_attention(name, kind, backend):
     device = torch.device("cuda")
     if backend not in available(kind, device):
-        pytest.skip(f"{backend.value} does not run {kind.value} here" + (f": FA3 {fa3_status()}" if backend == Backend.FA3 else ""))
+        pytest.skip(f"{backend.value} does not run {kind.value} here" + why_not(backend))
     lens = STEPS[name]
     n = sum(lens)
     g = torch.Generator(device=device).manual_seed(len(lens))
@@ -76,3 +76,39 @@ def test_the_measured_plan_takes_the_fastest_kernel_it_timed_at_every_length():
             assert plan.choose(kind, n).value == min(times, key=times.get), (kind, n, times)
     print("plan:", plan.describe())
     print({k: v for k, v in plan.ms.items()})
+
+
+@pytest.mark.parametrize("kind", [AttentionKind.VARLEN, AttentionKind.BATCHED], ids=lambda k: k.value)
+def test_fa4_compiled_and_replayed_from_a_cuda_graph_equals_its_eager_call(kind):
+    """The service compiles the tower and replays small steps from CUDA graphs: FA4's custom op must trace
+    as one node and its launch must be captured (on the capturing stream), giving the eager call's bits."""
+    device = torch.device("cuda")
+    if Backend.FA4 not in available(kind, device):
+        pytest.skip(f"fa4 does not run {kind.value} here" + why_not(Backend.FA4))
+    lens = (784,) * 4
+    n = sum(lens)
+    g = torch.Generator(device=device).manual_seed(11)
+    qkv = torch.randn(n, 3, HEADS, DIM, device=device, dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, 784, 1568, 2352, 3136], dtype=torch.int32, device=device)
+    attn = Attn(kind, Backend.FA4, cu, 784 if kind == AttentionKind.VARLEN else 0,
+                4 if kind == AttentionKind.BATCHED else 0, None)
+    step = lambda x: attend(*x.unbind(1), attn, DIM**-0.5) * 2  # noqa: E731  (something for compile to fuse)
+    with torch.inference_mode():
+        eager = step(qkv)
+        compiled = torch.compile(step, fullgraph=True)(qkv)
+        static = qkv.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(static)  # warm-up outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = step(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        static.copy_(torch.randn(n, 3, HEADS, DIM, device=device, dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        replayed_ref = step(static)
+    torch.cuda.synchronize()
+    assert torch.equal(compiled, eager)
+    assert torch.equal(captured, replayed_ref)  # the replay read the new inputs, as the eager call did
+    assert not torch.equal(captured, eager)
