@@ -141,78 +141,76 @@ def plan_from_timings(ms: dict[tuple[AttentionKind, int], dict[Backend, float]])
                          {f"{k.value}/{n}": {b.value: round(t, 4) for b, t in times.items()} for (k, n), times in ms.items()})
 
 
-# ---- FlashAttention-3 (optional) ------------------------------------------------------------------------
-_fa3_state: tuple[object | None, str] | None = None
+# ---- FlashAttention-3 and -4 (optional extras) -----------------------------------------------------------
+_optional: dict[str, tuple[object | None, str]] = {}  # name -> (the op or None, "installed" or why not)
+
+
+def _optional_op(name: str, load, hint: str):
+    """The op `load()` returns, loaded once per process, or None with the reason kept for the status line.
+    A wheel that is missing says how to install it (`hint`); one built for another torch or CUDA fails to
+    load in many ways, and any of them leaves the backend out rather than stopping the engine."""
+    if name not in _optional:
+        try:
+            _optional[name] = (load(), "installed")
+        except ImportError as e:
+            _optional[name] = (None, f"not installed ({e.name or e}): {hint}")
+        except Exception as e:  # noqa: BLE001 - see above
+            _optional[name] = (None, f"does not load: {type(e).__name__}: {e}")
+    return _optional[name][0]
+
+
+def _load_fa3():
+    """The `fa3-fwd` wheel registers its forward as a torch custom op with a fake implementation, so
+    torch.compile traces through it and CUDA graphs capture it. Its interface module imports a module
+    `flash_attn_config` that the wheel ships as `fa3_fwd_config`: aliased here."""
+    import fa3_fwd_config
+
+    sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+    import fa3_fwd_interface  # noqa: F401  (registers the op)
+
+    return torch.ops.fa3_fwd._flash_attn_forward
+
+
+def _load_fa4():
+    """FA4's Python entry point is not a torch op: it compiles its CuTe DSL kernel on first use (seconds, per
+    configuration, cached in the process) and launches it through TVM-FFI on torch's current stream. Wrapped
+    here as a custom op with a fake implementation so torch.compile traces through it as one node and CUDA
+    graphs capture its launch. cu_seqlens None: the dense [B, L, H, D] layout."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    @torch.library.custom_op("qve::fa4_fwd", mutates_args=())
+    def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                max_seqlen: int, scale: float) -> torch.Tensor:
+        varlen = cu_seqlens is not None
+        return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                               max_seqlen_q=max_seqlen if varlen else None,
+                               max_seqlen_k=max_seqlen if varlen else None, softmax_scale=scale)[0]
+
+    @fa4_fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return torch.ops.qve.fa4_fwd
 
 
 def fa3_op():
-    """torch.ops.fa3_fwd._flash_attn_forward, or None (with the reason in fa3_status()).
+    """torch.ops.fa3_fwd._flash_attn_forward (FlashAttention-3's forward, Hopper only), or None."""
+    return _optional_op("fa3", _load_fa3, "pip install '.[fa3]' on a Hopper GPU")
 
-    The `fa3-fwd` wheel (the `fa3` extra) registers its forward as a torch custom op with a fake
-    implementation, so torch.compile traces through it and CUDA graphs capture it. Its interface
-    module imports a module `flash_attn_config` that the wheel ships as `fa3_fwd_config`: aliased here."""
-    global _fa3_state
-    if _fa3_state is None:
-        try:
-            import fa3_fwd_config
 
-            sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
-            import fa3_fwd_interface  # noqa: F401  (registers the op)
-
-            _fa3_state = (torch.ops.fa3_fwd._flash_attn_forward, "installed")
-        except ImportError as e:
-            _fa3_state = (None, f"not installed ({e.name or e}): pip install '.[fa3]' on a Hopper GPU")
-        except Exception as e:  # noqa: BLE001 - a wheel built for another torch/CUDA fails in many ways
-            _fa3_state = (None, f"does not load: {type(e).__name__}: {e}")
-    return _fa3_state[0]
+def fa4_op():
+    """torch.ops.qve.fa4_fwd(q, k, v, cu_seqlens, max_seqlen, scale) (FlashAttention-4's), or None."""
+    return _optional_op("fa4", _load_fa4, "pip install '.[fa4]' on a Hopper or Blackwell GPU")
 
 
 def fa3_status() -> str:
     fa3_op()
-    return _fa3_state[1]
-
-
-# ---- FlashAttention-4 (optional) ------------------------------------------------------------------------
-_fa4_state: tuple[object | None, str] | None = None
-
-
-def fa4_op():
-    """torch.ops.qve.fa4_fwd(q, k, v, cu_seqlens, max_seqlen, scale), or None (with the reason in fa4_status()).
-
-    FA4's Python entry point is not a torch op: it compiles its CuTe DSL kernel on first use (seconds, per
-    configuration, cached in the process) and launches it through TVM-FFI on torch's current stream. Wrapped
-    here as a custom op with a fake implementation so torch.compile traces through it as one node and CUDA
-    graphs capture its launch. cu_seqlens None: the dense [B, L, H, D] layout."""
-    global _fa4_state
-    if _fa4_state is None:
-        try:
-            from flash_attn.cute.interface import _flash_attn_fwd
-        except ImportError as e:
-            _fa4_state = (None, f"not installed ({e.name or e}): pip install '.[fa4]' on a Hopper or Blackwell GPU")
-            return None
-        except Exception as e:  # noqa: BLE001 - the CuTe DSL's native libraries fail in many ways
-            _fa4_state = (None, f"does not load: {type(e).__name__}: {e}")
-            return None
-
-        @torch.library.custom_op("qve::fa4_fwd", mutates_args=())
-        def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                    max_seqlen: int, scale: float) -> torch.Tensor:
-            varlen = cu_seqlens is not None
-            return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                   max_seqlen_q=max_seqlen if varlen else None,
-                                   max_seqlen_k=max_seqlen if varlen else None, softmax_scale=scale)[0]
-
-        @fa4_fwd.register_fake
-        def _(q, k, v, cu_seqlens, max_seqlen, scale):
-            return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-        _fa4_state = (torch.ops.qve.fa4_fwd, "installed")
-    return _fa4_state[0]
+    return _optional["fa3"][1]
 
 
 def fa4_status() -> str:
     fa4_op()
-    return _fa4_state[1]
+    return _optional["fa4"][1]
 
 
 def why_not(backend: Backend) -> str:

@@ -113,3 +113,97 @@ def test_batched_sdpa_equals_each_segment_attended_alone():
     batched = attend(q, k, v, Attn(B, Backend.SDPA, cu, 0, 3, None), d**-0.5)
     loop = attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, cu, 0, 0, (50, 50, 50)), d**-0.5)
     assert torch.allclose(batched, loop, atol=1e-12, rtol=0)
+
+
+def _fake_fa4_package(monkeypatch, calls: list, fwd=None):
+    """Stand-in modules for FA4's package: `flash_attn.cute.interface._flash_attn_fwd` computes attention
+    with SDPA per segment (what FA4's kernel computes) and records how it was called."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        softmax_scale=None):
+        calls.append({"shape": tuple(q.shape), "cu": None if cu_seqlens_q is None else cu_seqlens_q.tolist(),
+                      "same_cu": cu_seqlens_q is cu_seqlens_k, "max": (max_seqlen_q, max_seqlen_k),
+                      "scale": softmax_scale})
+        if cu_seqlens_q is None:  # dense [B, L, H, D]
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=softmax_scale)
+            return out.transpose(1, 2), None
+        bounds = cu_seqlens_q.tolist()
+        outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                               scale=softmax_scale)[0].transpose(0, 1)
+                for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs), None
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = fwd or _flash_attn_fwd
+    for name, mod in (("flash_attn", types.ModuleType("flash_attn")), ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+                      ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_the_fa4_op_passes_each_layout_to_fa4_as_its_interface_expects_and_traces_as_one_op(monkeypatch):
+    """FA4 runs only on Hopper and Blackwell GPUs; what the service adds around it, the custom op that maps
+    a step's layout onto FA4's arguments and its fake implementation (what torch.compile traces), is
+    checked here against a stand-in for FA4's package, and against the per-segment loop's values."""
+    import importlib.util
+
+    from service.engine import attention
+
+    if importlib.util.find_spec("flash_attn") is not None:  # its op's name would be taken by the stand-in's
+        pytest.skip("a flash_attn package is installed here: test_attention_cuda.py runs the real FA4")
+    monkeypatch.setattr(attention, "_optional", {})  # loaded afresh, with the stand-in
+    calls: list = []
+    _fake_fa4_package(monkeypatch, calls)
+    op = fa4_op()
+    assert op is torch.ops.qve.fa4_fwd and fa4_status() == "installed" and why_not(Backend.FA4) == ": FA4 installed"
+    assert fa4_op() is op  # loaded once
+
+    torch.manual_seed(9)
+    h, d, scale = 2, 8, 8**-0.5
+    lens = (30, 50, 20)
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 30, 80, 100], dtype=torch.int32)
+    loop = attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, cu, 0, 0, lens), scale)
+    varlen = attend(q, k, v, Attn(V, Backend.FA4, cu, 50, 0, None), scale)
+    assert torch.allclose(varlen, loop, atol=1e-12, rtol=0)
+    assert calls[-1] == {"shape": (n, h, d), "cu": [0, 30, 80, 100], "same_cu": True, "max": (50, 50), "scale": scale}
+
+    equal = torch.tensor([0, 25, 50, 75, 100], dtype=torch.int32)
+    batched = attend(q, k, v, Attn(B, Backend.FA4, equal, 0, 4, None), scale)
+    assert calls[-1] == {"shape": (4, 25, h, d), "cu": None, "same_cu": True, "max": (None, None), "scale": scale}
+    assert torch.allclose(batched, attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, equal, 0, 0, (25,) * 4), scale),
+                          atol=1e-12, rtol=0)
+
+    # The fake implementation agrees with the real call (shape, dtype, strides), for both layouts: what
+    # torch.compile and CUDA graph capture rely on.
+    torch.library.opcheck(op, (q, k, v, cu, 50, scale), test_utils=("test_schema", "test_faketensor"))
+    q4, k4, v4 = (t.reshape(4, 25, h, d) for t in (q, k, v))
+    torch.library.opcheck(op, (q4, k4, v4, None, 0, scale), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_an_fa4_package_that_fails_to_load_is_left_out_with_the_reason(monkeypatch, tmp_path):
+    """A wheel built for another torch or CUDA fails at import in ways other than ImportError (its native
+    libraries): the backend is left out, the status line says what failed, and nothing is raised."""
+    import sys
+
+    from service.engine import attention
+
+    package = tmp_path / "flash_attn" / "cute"
+    package.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "interface.py").write_text('raise OSError("libcute_dsl_runtime.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        # absent again after the test, whatever the import leaves (a real FA4 put back where there is one)
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(attention, "_optional", {})
+    assert fa4_op() is None
+    assert fa4_status() == "does not load: OSError: libcute_dsl_runtime.so: cannot open shared object file"
+    assert why_not(Backend.FA4) == f": FA4 {fa4_status()}"
+    assert Backend.FA4 not in available(V, torch.device("cpu"))
