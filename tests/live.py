@@ -24,6 +24,20 @@ from service.api.server import server_options
 from service.procs.local import local_app
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# The Makefile's variables (ARGS, URL, VENV, ...). Given on make's command line they are exported to its
+# recipes' environment: `make test ARGS="-k docker"` handed the tests' own `make try` those pytest flags.
+MAKE_VARIABLES = frozenset(re.findall(r"^([A-Z_]+) *[?:]?=", (ROOT / "Makefile").read_text(), re.M))
+
+
+def without_outer_make(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment minus what an outer `make` put there (MAKEFLAGS, MAKELEVEL, MFLAGS and the Makefile's
+    variables): a make or a command that a test starts sees only what the test gives it."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if not k.startswith("MAKE") and k != "MFLAGS" and k not in MAKE_VARIABLES}
+
+
 class Gate:
     """Holds the step loop inside `run` until released: makes queueing states deterministic."""
 
@@ -160,7 +174,7 @@ class ServiceProcess:
     Always stop() it (in a finally): a test must leave no process behind. `prefix`: a command that runs
     the server, e.g. `ip netns exec NS` (it must exec it: the server keeps the Popen's pid, for signals)."""
 
-    ROOT = Path(__file__).resolve().parents[1]
+    ROOT = ROOT
 
     def __init__(self, args: list[str], log: Path, ready_timeout: float = 120.0, ready_path: str = "/ready",
                  wait: bool = True, prefix: list[str] = (), env: dict[str, str] | None = None):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.live import without_outer_make
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,7 +43,7 @@ def test_make_demo_on_a_fresh_clone_answers_and_leaves_nothing(tmp_path):
     t0 = time.monotonic()
     done = subprocess.run(["make", "-C", str(clone), "demo", f"VENV={venv}", f"ARGS=--workdir {tmp_path / 'work'}"],
                           capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+                          env={**without_outer_make(), "TMPDIR": str(tmp_path)})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "==> installing" not in out, out  # the venv was used as it was

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from service.config import Settings
+from tests.live import without_outer_make
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -362,7 +363,7 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def make_dry_run(*targets: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = without_outer_make()
     r = subprocess.run(["make", "-n", "-B", *targets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
@@ -442,7 +443,7 @@ def test_make_install_stamps_follow_pyproject(tmp_path):
     serve.write_text("")
     os.utime(tmp_path / "pyproject.toml", (1_000_000, 1_000_000))
     os.utime(serve, (2_000_000, 2_000_000))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = without_outer_make()
 
     def up_to_date(target: str) -> bool:
         return subprocess.run(["make", "-q", target], cwd=tmp_path, env=env, timeout=60).returncode == 0

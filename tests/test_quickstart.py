@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from service.store.format import read_embeddings
-from tests.live import ServiceProcess, refused_port
+from tests.live import ServiceProcess, refused_port, without_outer_make
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent  # the project's venv: `.venv/bin` in the README
 
 
 def env(**extra) -> dict:
-    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("QVE_") and not k.startswith("MAKE")}
+    base = {k: v for k, v in without_outer_make().items() if not k.upper().startswith("QVE_")}
     return {**base, "PYTHONPATH": str(ROOT), **extra}  # this tree's code, whichever tree the venv installed
 
 
