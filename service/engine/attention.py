@@ -71,6 +71,8 @@ FALLBACK = {AttentionKind.BATCHED: Backend.SDPA, AttentionKind.VARLEN: Backend.F
 # (1,600), 1024px (4,096), 1080p (8,160), a 16-megapixel image's fraction (16,384).
 LADDER = (256, 784, 1600, 4096, 8160, 16384)
 MEASURE_ROWS = 32768  # patch rows per timed call: segments of a length x as many as fit
+# gpu_ms's busy-wait before a repetition, in GPU clock cycles: ~1 ms at ~2 GHz to start, at most ~100 ms.
+SLEEP_CYCLES, MAX_SLEEP_CYCLES = 2_000_000, 200_000_000
 
 
 class Attn(NamedTuple):
@@ -327,18 +329,27 @@ def gpu_ms(fn, calls: int = 8, reps: int = 3) -> float:
     cuDNN's 0.03). In the service the host is ahead of the device: small steps replay graphs without any
     Python, and a large compiled step queues its blocks while the device runs the first ones. Timed one call
     at a time, FA3 led FA4 by 5-21% at 784 and 4,096 patches, yet the whole tower forced to FA4 ran 1-2%
-    faster than forced to FA3; queued, FA4 leads from 1,600 patches up (bench/RESULTS.md, 2026-12-05)."""
+    faster than forced to FA3; queued, FA4 leads from 1,600 patches up (bench/RESULTS.md, 2026-12-05).
+
+    The busy-wait starts short and is checked, not guessed: a repetition whose start event had already fired
+    once its calls were queued (the device caught up with the host) is dropped and run again behind a wait
+    four times as long. A fixed ~10 ms wait before each repetition was most of the start-up plan's time."""
     per = []
+    cycles = SLEEP_CYCLES
     with torch.inference_mode():
         fn()  # warm-up (and a JIT compile where a kernel has one)
-        for _ in range(reps):
+        while len(per) < reps:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(20_000_000)  # ~10 ms at ~2 GHz: longer than queueing the calls below
+            torch.cuda._sleep(cycles)
             start.record()
             for _ in range(calls):
                 fn()
             end.record()
+            caught_up = start.query()  # (read before the wait below: it says whether the host stayed ahead)
             end.synchronize()
+            if caught_up and cycles < MAX_SLEEP_CYCLES:
+                cycles = min(4 * cycles, MAX_SLEEP_CYCLES)
+                continue
             per.append(start.elapsed_time(end) / calls)
     return statistics.median(per)
 

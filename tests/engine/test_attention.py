@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from service.engine.attention import (FALLBACK, LADDER, AttentionKind, AttentionPlan, Attn, Backend, attend, available,
-                                      fa3_op, fa3_status, fa4_op, fa4_status, plan_from_timings, why_not)
+                                      MAX_SLEEP_CYCLES, SLEEP_CYCLES, fa3_op, fa3_status, fa4_op, fa4_status, gpu_ms,
+                                      plan_from_timings, why_not)
 
 B, V = AttentionKind.BATCHED, AttentionKind.VARLEN
 
@@ -113,6 +114,57 @@ def test_batched_sdpa_equals_each_segment_attended_alone():
     batched = attend(q, k, v, Attn(B, Backend.SDPA, cu, 0, 3, None), d**-0.5)
     loop = attend(q, k, v, Attn(AttentionKind.LOOP, Backend.SDPA, cu, 0, 0, (50, 50, 50)), d**-0.5)
     assert torch.allclose(batched, loop, atol=1e-12, rtol=0)
+
+
+class _Device:
+    """A simulated device for gpu_ms: the host needs `launch_cycles` of the device's clock to queue a
+    repetition's calls, each call runs 1 ms, and a call the host had not queued when the device reached it
+    starts late (the host's launch is then in the time)."""
+
+    def __init__(self, launch_cycles: int):
+        self.launch_cycles, self.sleeps, self.clock = launch_cycles, [], 0
+
+    def sleep(self, cycles: int) -> None:
+        self.sleeps.append(cycles)
+
+    def event(self, enable_timing: bool):
+        device = self
+
+        class Event:
+            def record(self):
+                self.sleep = device.sleeps[-1]
+
+            def query(self):  # the start event has fired iff the device's wait ended before the host was done
+                return self.sleep <= device.launch_cycles
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):  # 8 calls: 8 ms, plus the launch time the device waited for
+                return 8.0 + (0.5 if self.query() else 0.0)
+
+        return Event()
+
+
+@pytest.mark.parametrize("launch_cycles,sleeps", [
+    (1_000_000, [SLEEP_CYCLES] * 3),  # the host well ahead: the first wait is enough
+    (20_000_000, [SLEEP_CYCLES, 4 * SLEEP_CYCLES] + [16 * SLEEP_CYCLES] * 3),  # two dropped
+])
+def test_gpu_ms_drops_a_repetition_that_the_device_caught_up_with_and_waits_longer(monkeypatch, launch_cycles, sleeps):
+    device, calls = _Device(launch_cycles), []
+    monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
+    monkeypatch.setattr(torch.cuda, "Event", device.event)
+    assert gpu_ms(lambda: calls.append(1), calls=8, reps=3) == 1.0  # no host time in it
+    assert device.sleeps == sleeps
+    assert len(calls) == 1 + 8 * len(sleeps)  # the warm-up, then every repetition run, dropped ones included
+
+
+def test_gpu_ms_keeps_what_it_measured_once_the_wait_is_at_its_longest(monkeypatch):
+    device = _Device(launch_cycles=10**12)  # a host slower than any wait: the measurement ends anyway
+    monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
+    monkeypatch.setattr(torch.cuda, "Event", device.event)
+    assert gpu_ms(lambda: None, reps=3) == 8.5 / 8
+    assert device.sleeps[-3:] == [MAX_SLEEP_CYCLES] * 3 and device.sleeps[:2] == [SLEEP_CYCLES, 4 * SLEEP_CYCLES]
 
 
 def _fake_fa4_package(monkeypatch, calls: list, fwd=None):

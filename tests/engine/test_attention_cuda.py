@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.attention import (CANDIDATES, LADDER, AttentionKind, Attn, Backend, attend, available,
-                                      backend_agrees, measure_plan, why_not)
+                                      _step, backend_agrees, gpu_ms, measure_plan, why_not)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -76,6 +76,28 @@ def test_the_measured_plan_takes_the_fastest_kernel_it_timed_at_every_length():
             assert plan.choose(kind, n).value == min(times, key=times.get), (kind, n, times)
     print("plan:", plan.describe())
     print({k: v for k, v in plan.ms.items()})
+
+
+def test_gpu_ms_behind_its_checked_wait_equals_a_long_fixed_wait():
+    """gpu_ms starts with a ~1 ms busy-wait and lengthens it only when the device caught up with the host:
+    what it gives equals the time behind a ~50 ms wait, which no queueing of 8 calls outlasts."""
+    device = torch.device("cuda")
+    q, k, v, attn = _step(AttentionKind.BATCHED, Backend.SDPA, 784, 64 * 784, HEADS, DIM, device, torch.bfloat16)
+    run = lambda: attend(q, k, v, attn, DIM**-0.5)  # noqa: E731
+    fixed = []
+    with torch.inference_mode():
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(100_000_000)
+            start.record()
+            for _ in range(8):
+                run()
+            end.record()
+            end.synchronize()
+            fixed.append(start.elapsed_time(end) / 8)
+    checked = [gpu_ms(run) for _ in range(5)]
+    print(f"gpu_ms {sorted(checked)} against a fixed wait {sorted(fixed)}")
+    assert abs(sorted(checked)[2] / sorted(fixed)[2] - 1) < 0.1
 
 
 @pytest.mark.parametrize("kind", [AttentionKind.VARLEN, AttentionKind.BATCHED], ids=lambda k: k.value)
