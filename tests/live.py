@@ -30,11 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MAKE_VARIABLES = frozenset(re.findall(r"^([A-Z_]+) *[?:]?=", (ROOT / "Makefile").read_text(), re.M))
 
 
-def without_outer_make(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment minus what an outer `make` put there (MAKEFLAGS, MAKELEVEL, MFLAGS and the Makefile's
+def without_outer_make() -> dict[str, str]:
+    """os.environ minus what an outer `make` put there (MAKEFLAGS, MAKELEVEL, MFLAGS and the Makefile's
     variables): a make or a command that a test starts sees only what the test gives it."""
-    environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items()
+    return {k: v for k, v in os.environ.items()
             if not k.startswith("MAKE") and k != "MFLAGS" and k not in MAKE_VARIABLES}
 
 

@@ -3,7 +3,6 @@ a tiny server: the commands are read out of README.md, so an example that stops 
 
 import ast
 import json
-import os
 import re
 import shutil
 import subprocess

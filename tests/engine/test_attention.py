@@ -122,7 +122,7 @@ class _Device:
     starts late (the host's launch is then in the time)."""
 
     def __init__(self, launch_cycles: int):
-        self.launch_cycles, self.sleeps, self.clock = launch_cycles, [], 0
+        self.launch_cycles, self.sleeps = launch_cycles, []
 
     def sleep(self, cycles: int) -> None:
         self.sleeps.append(cycles)
