@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
                       help="how long to wait for a server still starting")
 
-    from service.config import default_store_dir
+    from service.store.options import default_store_dir
 
     consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)

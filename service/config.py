@@ -24,44 +24,14 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.limits import VideoLimits  # (stdlib only: media/video.py takes it without pydantic)
-
-
-def default_store_dir() -> Path:
-    # /dev/shm is RAM-backed and shared between containers that mount it: the LM consumer reads
-    # embeddings at memory speed. Fall back to the temp dir where it does not exist (macOS).
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / "qwen3vl-encoder-cache"
+from service.media.params import ImageLimits, VideoLimits
+from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_SCHEME, MooncakeOptions, StoreOptions, default_store_dir, parse_mooncake
 
 
 def default_compile_cache() -> Path:
     # Under the user's cache directory (XDG), so a restart finds the compiled kernels of the last run.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "qwen3vl-encoder" / "compile"
-
-
-@dataclass(frozen=True)
-class PreprocessParams:
-    """How an image becomes patches: Qwen3-VL's preprocessor_config.json values (never Qwen2-VL's)."""
-
-    min_pixels: int = 65536  # size.shortest_edge
-    max_pixels: int = 16777216  # size.longest_edge
-    patch_size: int = 16
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    rescale_factor: float = 1 / 255
-    resample: int = 3  # PIL.Image.BICUBIC
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
 @dataclass(frozen=True)
@@ -138,46 +108,6 @@ class RunnerOptions:
     faults: FaultInjection = FaultInjection()  # none, unless a test asks (FaultInjection.from_env)
 
 
-MOONCAKE_SCHEME = "mooncake://"
-# A Mooncake client's local transfer buffer: staging for one step's puts and a consumer's reads (an
-# entry of a 1080p image at 32B-preset width is about 24 MB).
-MOONCAKE_BUFFER_BYTES = 64 * 1024**2
-_MOONCAKE_RE = re.compile(r"^mooncake://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\d{1,5})$")
-
-
-def parse_mooncake(url: str) -> str:
-    """`mooncake://HOST:PORT` -> "HOST:PORT" (the master's RPC address); ValueError with the fix otherwise."""
-    m = _MOONCAKE_RE.match(url)
-    if m is None or not 0 < int(m[2]) < 65536:
-        raise ValueError(f"{url!r} is not a Mooncake master address: write mooncake://MASTER_HOST:RPC_PORT "
-                         "(the master's --rpc_address and --rpc_port)")
-    return f"{m[1]}:{m[2]}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class MooncakeOptions:
-    """One Mooncake client (store/mooncake.py), from --store mooncake://... and the --mooncake-* settings."""
-
-    master: str  # HOST:PORT of mooncake_master's RPC
-    local_host: str  # the address the pool's peers reach this host at
-    segment_bytes: int  # what this host adds to the pool; 0: a client only (its puts land in others' segments)
-    buffer_bytes: int  # the client's local transfer buffer
-    protocol: str  # "tcp" | "rdma"
-    namespace: str | None  # None: this service's own (store/mooncake.py's default_namespace)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StoreOptions:
-    """What an engine's embedding store and its writer need (Settings.store_options)."""
-
-    root: Path | str  # the directory, or the mooncake:// URL (then `mooncake` says how to join the pool)
-    mooncake: MooncakeOptions | None
-    capacity_bytes: int  # of the whole store: with n engines, each one's shard gets capacity_bytes // n
-    group: str | None  # a group that may read the store, or None (the service's user alone)
-    min_residency_s: float  # an answered entry is not evicted for this long
-    writers: int  # threads writing one step's entries, the writer thread included
-
-
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
     """Everything one engine is built from (Settings.engine_options; engine/host.py's build_host)."""
@@ -188,24 +118,8 @@ class EngineOptions:
     warmup: bool  # run one step through the whole path before saying ready
 
 
-@dataclass(frozen=True)
-class ImageLimits:
-    """Checked before an image is fully decoded, so hostile input costs little."""
-
-    max_image_bytes: int = 32 * 1024 * 1024
-    max_input_pixels: int = 64_000_000  # width * height as declared in the header
-    max_aspect_ratio: float = 200.0  # Qwen's smart_resize rejects max/min > 200
-    # Scans (SOS markers) of a JPEG's image. Each scan is a pass over every block of the image whatever its
-    # size in bytes: a 4096x4096 progressive JPEG whose 33-byte last scan was repeated 200 times took 4 s
-    # to decode, 20,000 times about 350 s. libjpeg's own progressive files have 10 scans (6 in grayscale),
-    # encoders that tune their progression (mozjpeg) a few more, a baseline JPEG 1 (3 when not interleaved):
-    # 64 leaves room for unusual encoders and bounds a 64 MP image's scans to a few seconds of one core.
-    max_jpeg_scans: int = 64
-    # Wall time one image's decode may take (checked between the decoder's chunks of input; a decoder that
-    # cannot be stopped is ended with its decode process, procs/decoders.py's PoolDecoder). The largest
-    # admitted image (64 MP) took 1.2 s to decode as a baseline JPEG and 2.8 s as a progressive one, 4 s with
-    # its resize, on one core of a 2-core development machine: 10 s leaves room for a busy machine.
-    decode_timeout_s: float = 10.0
+# The media limits' defaults are media/params.py's: one set, which the fields below take.
+_IMAGE, _VIDEO = ImageLimits(), VideoLimits()
 
 
 def _named_device(d: str) -> bool:
@@ -365,26 +279,26 @@ class Settings(BaseSettings):
     max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     max_request_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
                                      "refused with 413 before it is read when declared, or as soon as it passes")
-    max_image_bytes: Bytes = Field(32 * 1024 * 1024, gt=0, description="largest encoded image; larger is a 413, "
+    max_image_bytes: Bytes = Field(_IMAGE.max_image_bytes, gt=0, description="largest encoded image; larger is a 413, "
                                    "before it is decoded")
-    max_input_pixels: int = Field(64_000_000, gt=0, description="largest width x height an image's header may declare; "
+    max_input_pixels: int = Field(_IMAGE.max_input_pixels, gt=0, description="largest width x height an image's header may declare; "
                                   "larger is a 413, before it is decoded (decompression bombs)")
-    max_jpeg_scans: int = Field(64, gt=0, description="most scans a JPEG may have (each is a pass over the whole "
+    max_jpeg_scans: int = Field(_IMAGE.max_jpeg_scans, gt=0, description="most scans a JPEG may have (each is a pass over the whole "
                                 "image: progressive JPEGs have about 10, baseline ones 1); more is a 422 "
                                 "image_too_complex, before it is decoded (scan bombs)")
-    decode_timeout_s: float = Field(10.0, gt=0, description="wall time one image's decode may take; longer is stopped "
+    decode_timeout_s: float = Field(_IMAGE.decode_timeout_s, gt=0, description="wall time one image's decode may take; longer is stopped "
                                     "and answered 422 image_too_complex (the largest admitted image decodes in a few "
                                     "seconds on one core). In a single-process service, a decoder that cannot be "
                                     "stopped has its decode process ended after this and 5 s more of CPU time")
-    video_max_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest encoded video; larger is a 413, before it "
+    video_max_bytes: Bytes = Field(_VIDEO.max_bytes, gt=0, description="largest encoded video; larger is a 413, before it "
                                    "is decoded (a JSON body is also bounded by --max-request-bytes)")
-    video_max_duration_s: float = Field(20 * 60.0, gt=0, description="longest video by its header; longer is a 413, "
+    video_max_duration_s: float = Field(_VIDEO.max_duration_s, gt=0, description="longest video by its header; longer is a 413, "
                                         "before any frame is decoded")
-    video_max_frames: int = Field(60 * 60 * 30, gt=0, description="most frames a video's stream may have by its header "
+    video_max_frames: int = Field(_VIDEO.max_frames, gt=0, description="most frames a video's stream may have by its header "
                                   "(what a decode walks through); more is a 413, before any frame is decoded")
-    video_max_frame_pixels: int = Field(3840 * 2160, gt=0, description="largest width x height of a video's frames by "
+    video_max_frame_pixels: int = Field(_VIDEO.max_frame_pixels, gt=0, description="largest width x height of a video's frames by "
                                         "its header; larger is a 413, before any frame is decoded")
-    video_max_decode_s: float = Field(60.0, gt=0, description="wall time one video's decode may take; longer is "
+    video_max_decode_s: float = Field(_VIDEO.max_decode_s, gt=0, description="wall time one video's decode may take; longer is "
                                       "stopped and answered 413")
 
     # batching and admission

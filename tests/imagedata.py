@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from service.config import PreprocessParams
+from service.media.params import PreprocessParams
 from service.errors import (
     BadAspectRatio,
     CorruptImage,

@@ -15,7 +15,8 @@ from PIL import Image
 from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
 from service.media.preprocess import to_rgb
-from service.media.video import VideoLimits, VideoParams, clip_size, decode_frames, read_header, sample_indices, timestamps
+from service.media.params import VideoLimits, VideoParams
+from service.media.video import clip_size, decode_frames, read_header, sample_indices, timestamps
 from service.media.video_preprocess import patchify_video, resize_frames, video_grid, video_lut
 from tests.checkpoints import SPECIAL_TOKENS, PilProcessor
 from tests.live import data_url

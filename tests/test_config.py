@@ -71,8 +71,8 @@ def test_queue_bounds_reach_the_batcher():
 def test_each_part_gets_its_options_derived_from_the_settings_once():
     from pathlib import Path
 
-    from service.config import (MOONCAKE_BUFFER_BYTES, BatchLimits, FaultInjection, MooncakeOptions, RunnerOptions,
-                                StoreOptions)
+    from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, StoreOptions
+    from service.config import BatchLimits, FaultInjection, RunnerOptions
 
     s = _from_cli("--max-batch-tokens", "2048", "--max-batch-images", "12", "--max-wait-ms", "7", "--pool-slots", "4",
                   "--no-cuda-graphs", "--graph-max-patches", "4096", "--graph-exact-sides", "448,512", "--graph-exact-images", "24", "--no-compile",

@@ -4,8 +4,9 @@
     procs    lm     (processes: supervisor, engine / API processes, single process | the LM side)
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
-    media    store
-    base     service.errors, service.config, service.limits, service.presets, service.metrics, service.tracing; service.kernels
+    settings        service.config (Settings and the options derived from it), service.metrics
+    media    store  (each with its own parameter and option types, which Settings builds)
+    base     service.errors, service.presets, service.tracing; service.kernels
 
 A module may import its own package, any package of a lower layer, and nothing else: not a package of a
 higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
@@ -22,12 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[set[str]] = [
     {"base", "service.kernels"},
     {"service.media", "service.store"},
+    {"settings"},
     {"service.engine"},
     {"service.api"},
     {"service.procs", "service.lm"},
     {"cli"},
 ]
-BASE = {"service.errors", "service.config", "service.limits", "service.presets", "service.metrics", "service.tracing"}
+BASE = {"service.errors", "service.presets", "service.tracing"}
+SETTINGS = {"service.config", "service.metrics"}
 CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 
 
@@ -68,6 +71,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def _group(module: str) -> str:
     if module in BASE:
         return "base"
+    if module in SETTINGS:
+        return "settings"
     if module in CLI:
         return "cli"
     group = ".".join(module.split(".")[:2])

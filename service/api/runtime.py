@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 import msgspec
 
-from service.config import PreprocessParams, Settings
+from service.media.params import PreprocessParams
+from service.config import Settings
 from service.engine.client import EngineRouter, EnginesStatus
 from service.engine.messages import Cell, Geometry
 from service.errors import EngineMismatch, ServiceError, Unavailable
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from service.media.images import ImageHeader
-    from service.media.video import VideoHeader, VideoParams
+    from service.media.video import VideoHeader
+    from service.media.params import VideoParams
 
 log = logging.getLogger(__name__)
 

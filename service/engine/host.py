@@ -27,7 +27,8 @@ from collections.abc import Callable
 import numpy as np
 
 from service import tracing
-from service.config import EngineOptions, StoreOptions
+from service.config import EngineOptions
+from service.store.options import StoreOptions
 from service.engine.batcher import Batcher, QueuePlace, Ticket
 from service.engine.core import Engine
 from service.engine.job import EncodeJob

@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 
-from service.config import PreprocessParams, Settings
+from service.media.params import PreprocessParams, VideoParams
+from service.config import Settings
 from service.errors import ModelLoadError
-from service.media.video import VideoParams
 from service.presets import PRESETS, check_model, preset_vision_config
 from service.engine.tower import TowerSpec, VisionTower
 

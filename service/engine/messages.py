@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
-from service.config import PreprocessParams
-from service.media.video import VideoParams
+from service.media.params import PreprocessParams, VideoParams
 from service.store.format import StoredItem
 
 

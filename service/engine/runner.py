@@ -36,7 +36,7 @@ import torch
 
 from service.config import FAULT_ENV, FaultInjection, RunnerOptions
 from service.media.images import PreparedImage
-from service.media.video import VideoParams
+from service.media.params import VideoParams
 from service.media.video_preprocess import PreparedVideo, video_lut
 from service.engine.loader import LoadedModel
 from service.engine.pool import OutputLease, OutputRing, Slot, StagingPool, StepBuffers, StepSize

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from service.lm.client import post
-from service.config import default_store_dir
+from service.store.options import default_store_dir
 from service.store.format import StoredEmbeddings
 from service.store.reader import read_embeddings
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.config import MOONCAKE_SCHEME, parse_mooncake
+from service.store.options import MOONCAKE_SCHEME, parse_mooncake
 from service.store.format import FILE_NAME, is_store_key, open_entry, read_open_ec_cache
 from service.store.mooncake import MooncakeReader
 

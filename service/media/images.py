@@ -48,7 +48,7 @@ from PIL import (
 )
 
 from service.media import preprocess
-from service.config import ImageLimits, PreprocessParams
+from service.media.params import ImageLimits, PreprocessParams
 from service.errors import (
     BadAspectRatio,
     CorruptImage,

@@ -17,20 +17,16 @@ with exactly the reference's float ops reproduces the reference bit for bit.
 from __future__ import annotations
 
 import math
-
 import typing
 
 import numpy as np
 from PIL import Image
 
+from service.errors import BadAspectRatio
+from service.media.params import PreprocessParams
+
 if typing.TYPE_CHECKING:
     import torch
-
-    # NOTE: for annotations only: this module (and media/video_preprocess.py, which uses `patch_rows`) then
-    # imports without pydantic, so bench/video_fixture_ref.py runs where only torch, numpy and PIL are.
-    from service.config import PreprocessParams
-
-from service.errors import BadAspectRatio
 
 # NOTE: the model's limit, not a service setting: transformers' smart_resize raises when
 # max(h, w) / min(h, w) > 200 (strictly greater; a ratio of exactly 200 is accepted).

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.limits import VideoLimits
 from service.errors import CorruptVideo, VideoTooLarge
+from service.media.params import VideoLimits, VideoParams
 from service.media.preprocess import patch_rows
-from service.media.video import VideoHeader, VideoParams, clip_size, decode_frames, sample_indices, timestamps
+from service.media.video import VideoHeader, clip_size, decode_frames, sample_indices, timestamps
 
 if typing.TYPE_CHECKING:
     import torch

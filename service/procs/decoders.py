@@ -33,11 +33,11 @@ import weakref
 from collections.abc import Callable
 
 from service.api.runtime import Decoded
-from service.config import ImageLimits, PreprocessParams, VideoLimits
+from service.media.params import ImageLimits, PreprocessParams, VideoLimits, VideoParams
 from service.engine.messages import Cell, Geometry, VideoInfo
 from service.errors import ImageTooComplex, Overloaded, Unavailable, VideoTooLarge
 from service.media.images import ImageHeader, PreparedImage, loaded_pid, prepare_image, warmup_png
-from service.media.video import VideoHeader, VideoParams
+from service.media.video import VideoHeader
 from service.media.video_preprocess import PreparedVideo, prepare_video
 from service.metrics import Metrics
 from service.procs.arena import Arena, ArenaFull

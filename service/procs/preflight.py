@@ -24,7 +24,7 @@ import importlib.util
 import socket
 from pathlib import Path
 
-from service.config import parse_mooncake
+from service.store.options import parse_mooncake
 from service.errors import StartupError, StoreOwnershipError
 from service.presets import check_model
 from service.store.directory import EmbeddingStore

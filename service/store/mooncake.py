@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreFull, StoreUnavailable, Unavailable
 from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta, validate_key
 

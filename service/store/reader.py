@@ -10,9 +10,8 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import MOONCAKE_SCHEME
-from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache
-from service.store.format import read_embeddings as format_read_embeddings
+from service.store.options import MOONCAKE_SCHEME
+from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache, read_embeddings as format_read_embeddings
 from service.store.mooncake import MooncakeReader
 
 if TYPE_CHECKING:

@@ -704,7 +704,8 @@ def _video_part(blob: bytes, uuid: str | None = None, mime: str = "video/mp4") -
 
 
 def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_equal_each_alone(tmp_path, tiny_model):
-    from service.media.video import VideoParams, read_header, timestamps
+    from service.media.params import VideoParams
+    from service.media.video import read_header, timestamps
     from service.media.video_preprocess import plan_video
     from tests import videodata as vd
 
@@ -742,7 +743,7 @@ def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_eq
 
 def test_a_video_key_covers_the_video_settings():
     from service.api.encode import content_key, video_salt
-    from service.media.video import VideoParams
+    from service.media.params import VideoParams
 
     digest = hashlib.sha256(b"the same file").digest()
     keys = {content_key(b"model|params", digest), content_key(video_salt(b"model|params", VideoParams()), digest),

@@ -17,8 +17,7 @@ from service.engine.loader import load_model
 from service.metrics import Metrics
 from service.engine.runner import Runner
 from tests import imagedata as data
-from tests.checkpoints import PilProcessor
-from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS
+from tests.checkpoints import PilProcessor, TEST_MAX_PIXELS, TEST_MIN_PIXELS
 
 PHOTOS = [  # real photographs shipped by scikit-image
     "astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png", "moon.png", "page.png",
@@ -208,7 +207,7 @@ def _video_reference(ckpt, videos) -> list[torch.Tensor]:
 
 
 def test_a_video_equals_transformers_on_its_patchified_frames_for_three_codecs(video_checkpoint, video_model):
-    from service.media.video import VideoParams
+    from service.media.params import VideoParams
 
     settings = _settings_from_cli(video_checkpoint)
     model = video_model

@@ -17,7 +17,7 @@ from service.engine.messages import Cancel, Claim, Failed, Geometry, Grant, Hit,
 from service.errors import StoreUnavailable
 from service.media.preprocess import grid_for, num_tokens
 from service.metrics import Metrics
-from service.config import PreprocessParams
+from service.media.params import PreprocessParams
 from service.store.format import StoredItem
 
 

@@ -11,7 +11,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from service.config import Settings
 from service.errors import ModelLoadError
 from service.engine.loader import load_model
-from service.media.video import VideoParams
+from service.media.params import VideoParams
 from tests.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS, edit_json, make_vision_only_checkpoint
 
 

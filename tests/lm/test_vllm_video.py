@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from service.media.video import VideoLimits, VideoParams, read_header, sample_indices, timestamps
+from service.media.params import VideoLimits, VideoParams
+from service.media.video import read_header, sample_indices, timestamps
 
 av = pytest.importorskip("av", reason="PyAV makes the clips (the `video` extra)")
 

@@ -134,7 +134,7 @@ def main() -> None:
             MooncakeEmbeddingStoreClient,
         )
 
-        from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+        from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
         from service.store.mooncake import connect
 
         client = connect(MooncakeOptions(master=parse_mooncake(master), local_host="127.0.0.1", segment_bytes=0,

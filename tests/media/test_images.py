@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from service.media import images
+from service.media import images, preprocess
 
-from service.media import preprocess
-from service.config import ImageLimits, PreprocessParams
+from service.media.params import ImageLimits, PreprocessParams
 from service.errors import (
     BadAspectRatio,
     CorruptImage,

@@ -16,7 +16,7 @@ from transformers.image_transforms import convert_to_rgb as hf_convert_to_rgb
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from service.media import preprocess
-from service.config import ImageLimits, PreprocessParams
+from service.media.params import ImageLimits, PreprocessParams
 from service.errors import BadAspectRatio
 from service.media.images import prepare_image
 from tests.imagedata import (

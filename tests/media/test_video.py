@@ -22,11 +22,10 @@ import torch
 
 from service.errors import (CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoError, VideoTooLarge,
                             VideoTooLong, http_status)
-from service.media.video import (VideoLimits, VideoParams, clip_size, decode_frames, read_header, sample_indices,
-                                 timestamps, video_size)
+from service.media.params import VideoLimits, VideoParams
+from service.media.video import clip_size, decode_frames, read_header, sample_indices, timestamps, video_size
 from service.media.video_preprocess import patchify_video, resize_frames, video_grid, video_lut
-from tests import imagedata as data
-from tests import videodata as vd
+from tests import imagedata as data, videodata as vd
 
 av = pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.config import PreprocessParams
+from service.media.params import PreprocessParams, VideoLimits, VideoParams
 from service.media.preprocess import normalize_lut
-from service.media.video import VideoLimits, VideoParams, decode_frames, read_header
+from service.media.video import decode_frames, read_header
 from service.media.video_preprocess import patchify_video, resize_frames, video_grid, video_lut
 from tests import videodata as vd
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.config import ImageLimits, PreprocessParams, Settings
+from service.media.params import ImageLimits, PreprocessParams
+from service.config import Settings
 from service.errors import CorruptImage, ImageTooComplex, Overloaded, Unavailable, http_status
 from service.media.images import prepare_image, read_header
 from service.metrics import Metrics
@@ -89,7 +90,7 @@ def test_a_new_decode_pool_is_on_the_stall_clock_only_once_a_worker_of_it_answer
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_an_api_process_decodes_a_video_into_one_cell_and_one_bigger_than_its_arena_is_a_413():
     from service.errors import TruncatedVideo, VideoTooLarge
-    from service.media.video import VideoParams
+    from service.media.params import VideoParams
     from service.media.video import read_header as video_header
     from service.media.video_preprocess import prepare_video
     from tests import videodata as vd

@@ -6,8 +6,7 @@ import asyncio
 import pytest
 
 from service import errors
-from service.media.video import VideoParams
-from service.config import PreprocessParams
+from service.media.params import VideoParams, PreprocessParams
 from service.engine.client import EngineRouter
 from service.errors import EngineMismatch
 from service.engine.messages import (

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreUnavailable
 from service.store.directory import EmbeddingStore
 from service.store.format import read_embeddings
