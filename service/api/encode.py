@@ -34,7 +34,8 @@ from service.errors import (BackendError, EmptyImage, ImageError, KeyConflict, S
 from service.media import video as media_video
 from service.media.images import ImageHeader, check_complexity, header_tokens, read_header
 from service.media.video_preprocess import plan_video
-from service.store.format import CONTENT_KEY_PREFIX, StoredItem, validate_key
+from service.store.format import StoredItem
+from service.store.keys import content_key, validate_key, video_salt
 
 log = logging.getLogger(__name__)
 
@@ -225,22 +226,6 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
         answers[key] = Answer(p.result.result(), cached=False)
         images.labels(outcome="coalesced" if p.coalesced else "encoded").inc()
     return [answers[k.key] for k in keyed]
-
-
-def video_salt(salt: bytes, video: media_video.VideoParams) -> bytes:
-    """A video's part of the content key: the model's salt and every video setting (sampling, sizes,
-    normalization), so the same file under other video settings is another key, and never an image's."""
-    return salt + b"|video|" + repr(video).encode()
-
-
-def content_key(salt: bytes, sha256: bytes) -> str:
-    """The key of an image sent without a uuid: a hash of the model and preprocessing (`salt`) and of the
-    image bytes' SHA-256, so the same bytes under another model are another key; its prefix keeps it out
-    of uuid space. (The bytes are hashed once: the key hashes their digest.)"""
-    h = hashlib.sha256(salt)
-    h.update(b"\0")
-    h.update(sha256)
-    return CONTENT_KEY_PREFIX + h.hexdigest()
 
 
 async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:

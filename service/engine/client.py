@@ -43,7 +43,7 @@ from service.engine.messages import (
     ToEngine,
 )
 from service.metrics import label_engines
-from service.store.format import shard_of
+from service.store.keys import shard_of
 
 if TYPE_CHECKING:
     import numpy as np

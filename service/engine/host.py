@@ -44,7 +44,8 @@ from service.media.video_preprocess import PreparedVideo, video_grid
 from service.metrics import Metrics
 from service.store.directory import EmbeddingStore
 from service.store.mooncake import MooncakeStore
-from service.store.format import StoredItem, validate_key
+from service.store.format import StoredItem
+from service.store.keys import key_salt, validate_key
 from service.tracing import Stamps
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int
     if options.mooncake is not None:
         return MooncakeStore(str(options.root), options.mooncake, model_id=model.model_id,
                              out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-                             dtype=dtype, min_residency_s=options.min_residency_s, salt=key_salt(model))
+                             dtype=dtype, min_residency_s=options.min_residency_s, salt=model_salt(model))
     return EmbeddingStore(
         options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
         out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
@@ -65,11 +66,10 @@ def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int
     )
 
 
-def key_salt(model: LoadedModel) -> str:
-    """Part of every content-hash key: the same bytes under another model or preprocessing are another key."""
+def model_salt(model: LoadedModel) -> str:
+    """The model's part of every content key (store/keys.py's key_salt)."""
     t = model.tower
-    fp8 = f"|fp8 {'+'.join(t.fp8_gemms)} blocks {','.join(map(str, t.fp8_blocks))}" if t.fp8_blocks else ""
-    return f"{model.model_id}|{model.params}|{model.dtype}{fp8}"
+    return key_salt(model.model_id, model.params, str(model.dtype), t.fp8_gemms, t.fp8_blocks)
 
 
 def build_host(model: LoadedModel, options: EngineOptions, shard: tuple[int, int] = (0, 1)) -> EngineHost:
@@ -368,7 +368,7 @@ class EngineHost:
         if failed is None and self.ready.is_set() and not self.engine.alive():
             failed = "the step loop is not running; see the log"
         return EngineStatus(ready=self.ready.is_set() and failed is None, failed=failed,
-                            store_error=self.store.unwritable, key_salt=key_salt(self.model),
+                            store_error=self.store.unwritable, key_salt=model_salt(self.model),
                             params=self.model.params, video=self.model.video, pid=os.getpid(), info=self.model_info())
 
     def model_info(self) -> ModelInfo:

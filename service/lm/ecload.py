@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.store.options import MOONCAKE_SCHEME, parse_mooncake
-from service.store.format import FILE_NAME, is_store_key, open_entry, read_open_ec_cache
+from service.store.format import FILE_NAME, open_entry, read_open_ec_cache
+from service.store.keys import is_store_key
 from service.store.mooncake import MooncakeReader
 
 if TYPE_CHECKING:

@@ -36,25 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import StoreFull, StoreOwnershipError
-from service.store.format import (
-    _DTYPES,
-    _O_CLOEXEC,
-    FILE_MODE,
-    FILE_NAME,
-    FORMAT_VERSION,
-    TMP_PREFIX,
-    StoreFormatError,
-    StoredItem,
-    VideoMeta,
-    tensor_bytes,
-    _encode_header,
-    _Header,
-    _key_dir,
-    _read_header,
-    is_store_key,
-    shard_of,
-    validate_key,
-)
+from service.store.format import (_DTYPES, _O_CLOEXEC, FILE_MODE, FILE_NAME, FORMAT_VERSION, TMP_PREFIX, StoreFormatError, StoredItem, VideoMeta, tensor_bytes, _encode_header, _Header, _key_dir, _read_header)
+from service.store.keys import is_store_key, shard_of, validate_key
 
 if TYPE_CHECKING:  # torch is not imported here: preflight's root check (and so every start-up) would wait on it
     import torch

@@ -35,17 +35,16 @@ everything from that handle, and checks the size against the header.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import mmap as _mmap
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import InvalidKey
+from service.store.keys import validate_key
 
 if TYPE_CHECKING:
     import torch
@@ -56,11 +55,6 @@ TENSOR_NAME = "ec_cache"
 TMP_PREFIX = ".tmp-"  # our temp names; start-up cleanup removes every ".tmp*" (older versions'
 # files were written by safetensors' save_file, whose 0.8 writes a ".tmpXXXXXX" of its own)
 FILE_MODE = 0o644
-
-KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # client keys (`uuid`), used verbatim
-# Content keys: "sha256+<hex>". The '+' is outside KEY_RE, so no client uuid can name (and poison) one.
-CONTENT_KEY_PREFIX = "sha256+"
-CONTENT_KEY_RE = re.compile(r"^sha256\+[0-9a-f]{64}$")
 
 # safetensors dtype code -> the name used in the API ("dtype" in /encode answers; torch's name for it
 # too) and the bytes per element. No torch dtypes here, so that this module imports without torch.
@@ -119,15 +113,6 @@ class StoredItem:
         return "image" if self.video is None else "video"
 
 
-def shard_of(key: str, n: int) -> int:
-    """The shard (engine, with several --devices) that owns `key`: the only process that writes, indexes
-    and evicts `<root>/<key>`, so dedupe and coalescing stay exact. The same in every process and every
-    run (blake2b of the key; Python's hash() is salted per process)."""
-    if n == 1:
-        return 0
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy, flat byte view of a contiguous CPU tensor's data (little-endian, like every host we
     run on), valid while `t` is alive. Works for a view into a larger (e.g. pinned) buffer: data_ptr()
@@ -141,27 +126,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
-
-
-def is_store_key(key: object) -> bool:
-    """A client key or a content key: one safe path component either way."""
-    # NOTE: fullmatch, not match: with `re.match`, "$" also matches before a trailing "\n".
-    return isinstance(key, str) and key not in (".", "..") and (
-        KEY_RE.fullmatch(key) is not None or CONTENT_KEY_RE.fullmatch(key) is not None)
-
-
-def validate_key(key: str, *, content_keys: bool = True) -> str:
-    """Return `key` if it is a store key, else raise InvalidKey. `content_keys=False` (a client's
-    `uuid`): only KEY_RE, so a client cannot take a content key."""
-    ok = is_store_key(key) if content_keys else (isinstance(key, str) and key not in (".", "..")
-                                                   and KEY_RE.fullmatch(key) is not None)
-    if not ok:
-        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
-        raise InvalidKey(
-            f"invalid key {shown}: a key is 1-128 ASCII characters from [A-Za-z0-9._-] "
-            "and must not start with '.'; leave 'uuid' out to use a content hash"
-        )
-    return key
 
 
 def _key_dir(root: Path, key: str, real_root: str | None = None) -> Path:

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreFull, StoreUnavailable, Unavailable
-from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta, validate_key
+from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta
+from service.store.keys import validate_key
 
 if TYPE_CHECKING:
     import torch

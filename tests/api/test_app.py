@@ -742,7 +742,7 @@ def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_eq
 
 
 def test_a_video_key_covers_the_video_settings():
-    from service.api.encode import content_key, video_salt
+    from service.store.keys import content_key, video_salt
     from service.media.params import VideoParams
 
     digest = hashlib.sha256(b"the same file").digest()

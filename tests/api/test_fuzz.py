@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from service.api.app import EncodeResponse, ErrorResponse
 from service.config import Settings
 from service.engine.loader import load_model
-from service.store.format import KEY_RE
+from service.store.keys import KEY_RE
 from tests import imagedata as data
 from tests.live import file_server, json_body, live_server
 

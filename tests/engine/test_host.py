@@ -257,7 +257,7 @@ def test_fp8_blocks_are_part_of_every_content_key():
     """FP8 embeddings differ from bfloat16 ones: the same image must not hit the other's stored entry, and
     two FP8 towers keeping different blocks differ too."""
     from service.config import Settings
-    from service.engine.host import key_salt
+    from service.engine.host import model_salt as key_salt
     from service.engine.loader import load_model
 
     model = load_model(Settings(model="tiny", device="cpu"))

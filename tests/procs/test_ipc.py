@@ -21,7 +21,8 @@ from service.engine.messages import (
     Submit,
 )
 from service.procs.ipc import FROM_ENGINE, MAX_FRAME, TO_ENGINE
-from service.store.format import StoredItem, shard_of
+from service.store.format import StoredItem
+from service.store.keys import shard_of
 
 
 def test_errors_keep_their_class_and_retry_hint():

@@ -221,7 +221,7 @@ def test_two_devices_two_engines_share_the_store_by_key_and_match_transformers(t
     """--devices cpu,cpu: one engine per device, each the writer of its keys' shard of one store root."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from service.store.format import shard_of
+    from service.store.keys import shard_of
 
     store = tmp_path / "store"
     server = CheckpointServer(tiny_checkpoint, store, "--devices", "cpu,cpu", "--api-processes", "2",

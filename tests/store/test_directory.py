@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save
 import service.store.directory as store_mod
 import service.store.format as format_mod
 from service.errors import StoreFull
-from service.store.directory import EmbeddingStore, StoreOwnershipError, shard_of
+from service.store.directory import EmbeddingStore, StoreOwnershipError
+from service.store.keys import shard_of
 from service.store.format import FILE_NAME, read_embeddings, tensor_bytes
 from tests.store.storedata import MODEL, D, W, ec_for, files_under, make_store, parts_for
 

@@ -13,15 +13,8 @@ from safetensors.torch import load_file
 
 from service.errors import InvalidKey
 from service.store.format import StoredItem
-from service.store.format import (
-    FILE_NAME,
-    StoreFormatError,
-    open_entry,
-    read_ec_cache,
-    read_embeddings,
-    read_open_ec_cache,
-    validate_key,
-)
+from service.store.format import (FILE_NAME, StoreFormatError, open_entry, read_ec_cache, read_embeddings, read_open_ec_cache)
+from service.store.keys import validate_key
 from tests.store.storedata import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
 
 
