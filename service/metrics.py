@@ -116,9 +116,10 @@ class Metrics:
         """Read the queue's and the store's state into their gauges (before an exposition)."""
         self.queue_depth.set(batcher.queue_depth())
         self.in_flight.set(batcher.in_flight())
-        self.store_bytes.set(store.bytes_used)
-        self.store_items.set(len(store))
-        self.store_evictions.set(store.evictions)
+        stats = store.stats()
+        self.store_bytes.set(stats.bytes_used)
+        self.store_items.set(stats.entries)
+        self.store_evictions.set(stats.evictions)
         self.dropped.set(batcher.stats.dropped)
 
 

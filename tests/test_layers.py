@@ -144,6 +144,24 @@ def test_no_module_imports_itself_back_through_others():
     assert cycles(graph()) == []
 
 
+# The store's backends and their parts: only service/store/ itself names them (open_store picks one).
+STORE_BACKEND = {"service.store.directory", "service.store.mooncake", "service.store.files", "service.store.index",
+                 "service.store.lookups"}
+
+
+def backend_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Each import of a store backend module from outside service/store/."""
+    return [f"{src} imports {dst}" for src, targets in sorted(edges.items()) if not src.startswith("service.store")
+            for dst in sorted(targets & STORE_BACKEND)]
+
+
+def test_nothing_outside_the_store_names_a_backend():
+    assert backend_imports(graph()) == []
+    edges = graph()
+    edges["service.engine.host"] = edges["service.engine.host"] | {"service.store.directory"}
+    assert backend_imports(edges) == ["service.engine.host imports service.store.directory"]
+
+
 def test_the_checks_fail_on_an_upward_import_and_on_a_cycle():
     edges = graph()
     before = set(violations(edges))

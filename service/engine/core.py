@@ -20,17 +20,17 @@ from service.engine.steploop import StepLoop
 from service.engine.writer import Writer
 from service.media.images import PreparedImage
 from service.metrics import Metrics
-from service.store.directory import EmbeddingStore
+from service.store import Store
 
 
 class Engine:
     """Builds the Runner now (model on the device, compile, graphs); `start()` spawns the loop and the writer."""
 
-    def __init__(self, model: LoadedModel, store: EmbeddingStore, batcher: Batcher[EncodeJob], options: RunnerOptions,
+    def __init__(self, model: LoadedModel, store: Store, batcher: Batcher[EncodeJob], options: RunnerOptions,
                  metrics: Metrics, *, store_writers: int = 1):
         """`options`: Settings.runner_options() (an entry point calls runner.use_compile_cache first);
-        `store_writers`: StoreOptions.writers, the threads that write a step's entries (unused by an
-        engine without a store, which serves encode_sync only)."""
+        `store_writers`: StoreOptions.writers, with which the writer reserves a step's entries ahead
+        (unused by an engine without a store, which serves encode_sync only)."""
         self.store, self.batcher, self.metrics = store, batcher, metrics  # may be set until start()
         self.runner = Runner(model, options)
         self._store_writers = store_writers

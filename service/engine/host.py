@@ -6,13 +6,13 @@ API processes over a Unix socket (procs/ipc.py's EngineServer, in an engine proc
     Claim  -> stored and the same bytes: Hit | queued or running: Joined (no decode) | else Grant
               (a queue place, counted with the image's header tokens: admission before decode)
     Submit -> stored meanwhile: Hit | else queued (Queued), its Result once written
-              (a remote store is not asked again: what this engine wrote since, it knows itself)
+              (the store is asked only what it knows without a round trip: what this engine wrote since)
     Cancel -> a grant's place or a wait given back
 
 A host runs on one thread (its connections' `post` hops there): the event loop of a single-process
 service, the ipc thread of an engine process. It never blocks; the writer thread's answers are posted,
-and so are a remote store's lookups (engine/lookups.py: batched on a thread of their own), meanwhile
-the claim or submit waiting for one is `pending` (a cancel drops it).
+and so are the store's lookups that are a round trip (Mooncake's, batched on a thread of their own),
+meanwhile the claim waiting for one is `pending` (a cancel drops it).
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import numpy as np
 
 from service import tracing
 from service.config import EngineOptions
-from service.store.options import StoreOptions
 from service.engine.batcher import Batcher, QueuePlace, Ticket
 from service.engine.core import Engine
 from service.engine.job import EncodeJob
-from service.engine.lookups import StoreLookups
 from service.engine.loader import LoadedModel
 from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
@@ -42,8 +40,7 @@ from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
 from service.media.video_preprocess import PreparedVideo, video_grid
 from service.metrics import Metrics
-from service.store.directory import EmbeddingStore
-from service.store.mooncake import MooncakeStore
+from service.store import Identity, Store, open_store
 from service.store.format import StoredItem
 from service.store.keys import key_salt, validate_key
 from service.tracing import Stamps
@@ -51,19 +48,11 @@ from service.tracing import Stamps
 log = logging.getLogger(__name__)
 
 
-def build_store(options: StoreOptions, model: LoadedModel, shard: tuple[int, int] = (0, 1)):
-    """The store of one engine: a directory (shard (i, n) of n engines gets 1/n of --store-capacity-bytes),
-    or Mooncake Store (one pool whatever the shard; the pool's master evicts)."""
-    dtype = str(model.dtype).replace("torch.", "")
-    if options.mooncake is not None:
-        return MooncakeStore(str(options.root), options.mooncake, model_id=model.model_id,
-                             out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-                             dtype=dtype, min_residency_s=options.min_residency_s, salt=model_salt(model))
-    return EmbeddingStore(
-        options.root, options.capacity_bytes // shard[1], model_id=model.model_id,
-        out_hidden_size=model.spec.out_hidden_size, deepstack_levels=model.spec.deepstack_levels,
-        dtype=dtype, min_residency_s=options.min_residency_s, exclusive=True, group=options.group, shard=shard,
-    )
+def model_identity(model: LoadedModel) -> Identity:
+    """Whose entries the engine's store holds: this model's, at its width and dtype."""
+    return Identity(model_id=model.model_id, out_hidden_size=model.spec.out_hidden_size,
+                    deepstack_levels=model.spec.deepstack_levels, dtype=str(model.dtype).replace("torch.", ""),
+                    salt=model_salt(model))
 
 
 def model_salt(model: LoadedModel) -> str:
@@ -77,8 +66,8 @@ def build_host(model: LoadedModel, options: EngineOptions, shard: tuple[int, int
     Call `warm_up()` (blocking) to start serving."""
     metrics = Metrics()
     use_compile_cache(model, options.runner)  # before the first compile
-    engine = Engine(model, build_store(options.store, model, shard), Batcher(options.limits), options.runner, metrics,
-                    store_writers=options.store.writers)
+    engine = Engine(model, open_store(options.store, model_identity(model), shard), Batcher(options.limits),
+                    options.runner, metrics, store_writers=options.store.writers)
     return EngineHost(engine, model, metrics, warmup=options.warmup)
 
 
@@ -90,7 +79,7 @@ class Connection:
         self.post = post  # run a function on the host's thread (from any thread)
         self.waits: dict[int, Ticket] = {}  # request id -> its wait for an entry
         self.grants: dict[int, QueuePlace] = {}  # claim id -> the queue place it was granted
-        self.pending: set[int] = set()  # claims and submits waiting for a remote store's lookup
+        self.pending: set[int] = set()  # claims waiting for a store's lookup that is not answered at once
         self.open = True
 
 
@@ -99,10 +88,9 @@ class EngineHost:
 
     def __init__(self, engine: Engine, model: LoadedModel, metrics: Metrics, *, warmup: bool = True):
         self.engine, self.model, self.metrics = engine, model, metrics
-        self.store: EmbeddingStore = engine.store
+        self.store: Store = engine.store
         self.batcher: Batcher[EncodeJob] = engine.batcher
         self._warmup = warmup
-        self.lookups = StoreLookups(self.store) if self.store.remote else None
         self.ready = threading.Event()
         self.warmup_error: str | None = None
         self.startup: dict[str, float] = {"load_s": model.load_s, **engine.runner.startup}
@@ -134,8 +122,6 @@ class EngineHost:
         """Drain: no new work, the queued steps finish and are written, then the store is released."""
         self.batcher.close()
         self.engine.join(timeout)
-        if self.lookups is not None:
-            self.lookups.close()
         self.store.close()
 
     # ---- connections ----------------------------------------------------------------------------
@@ -186,30 +172,33 @@ class EngineHost:
         """then(entry) on the host's thread, `entry` the store's for msg.key if it holds these bytes'
         embeddings, else None (an entry without a recorded hash is encoded again); a KeyConflict (the key
         names other bytes there) or a store error fails the message after drop() gave back what it holds.
-        A remote store answers later (engine/lookups.py): meanwhile the message is pending, and if it is
-        cancelled or its connection goes, drop() is all that happens.
+        A claim asks the store (`find`); where that is a round trip (Mooncake) its answer comes later, on
+        the store's thread: meanwhile the message is pending, and if it is cancelled or its connection
+        goes, drop() is all that happens.
 
-        NOTE: a remote store is asked at the claim only. The submit's check is for an entry stored since
-        its claim missed, and within a host that entry is one this engine wrote (the store's `written_lately`,
-        recorded before the item leaves the batcher, so no submit falls between); another
-        host's put meanwhile makes this one a duplicate encode, which is harmless. A second round trip
-        per image cost Mooncake a fifth of the directory's img/s at 1 image per request on an H200."""
-        if self.lookups is not None and isinstance(msg, Claim):
-            conn.pending.add(msg.id)
-            self.lookups.lookup(msg.key, lambda found: conn.post(lambda: self._resume(conn, msg, found, then, drop)))
-            return
-        if self.lookups is not None:
-            found = self.store.written_lately(msg.key)
+        NOTE: a submit asks only what the store knows without a round trip (`known`). Its check is for an
+        entry stored since its claim missed, and within a host that entry is one this engine wrote (the
+        store records it before the item leaves the batcher, so no submit falls between); another host's
+        put meanwhile makes this one a duplicate encode, which is harmless. A second round trip per image
+        cost Mooncake a fifth of the directory's img/s at 1 image per request on an H200."""
+        if isinstance(msg, Claim):
+            future = self.store.find(msg.key)
+            if not future.done():
+                conn.pending.add(msg.id)
+                future.add_done_callback(
+                    lambda f: conn.post(lambda: self._resume(conn, msg, _outcome(f), then, drop)))
+                return
+            found = _outcome(future)
         else:
             try:
-                found = self.store.lookup(msg.key)
+                found = self.store.known(msg.key)
             except Exception as e:
                 found = e
         self._answer(conn, msg, found, then, drop)
 
     def _resume(self, conn: Connection, msg: Claim | Submit, found: StoredItem | None | Exception,
                 then: Callable[[StoredItem | None], None], drop: Callable[[], None]) -> None:
-        """A remote lookup's answer, on the host's thread: unless the message was cancelled meanwhile."""
+        """A lookup's later answer, on the host's thread: unless the message was cancelled meanwhile."""
         if msg.id not in conn.pending or not conn.open:
             drop()
             return
@@ -368,7 +357,7 @@ class EngineHost:
         if failed is None and self.ready.is_set() and not self.engine.alive():
             failed = "the step loop is not running; see the log"
         return EngineStatus(ready=self.ready.is_set() and failed is None, failed=failed,
-                            store_error=self.store.unwritable, key_salt=model_salt(self.model),
+                            store_error=self.store.health(), key_salt=model_salt(self.model),
                             params=self.model.params, video=self.model.video, pid=os.getpid(), info=self.model_info())
 
     def model_info(self) -> ModelInfo:
@@ -377,13 +366,18 @@ class EngineHost:
                          random_weights=m.random_weights, out_hidden_size=m.spec.out_hidden_size,
                          deepstack_levels=m.spec.deepstack_levels, compiled=m.tower.compiled,
                          cuda_graphs=len(runner.graphs) if runner.graphs else 0, startup_s=dict(self.startup),
-                         min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=str(self.store.root),
+                         min_pixels=m.params.min_pixels, max_pixels=m.params.max_pixels, store=self.store.location,
                          fp8_blocks=list(m.tower.fp8_blocks), fp8_gemms=list(m.tower.fp8_gemms),
                          attention=m.tower.attention_plan.describe())
 
     def metrics_text(self) -> str:
         self.metrics.update_gauges(self.batcher, self.store)
         return self.metrics.exposition(api_side=False).decode()
+
+
+def _outcome(future) -> StoredItem | None | Exception:
+    """A store lookup's answer: its item (None: a miss), or the error it raised."""
+    return future.exception() or future.result()
 
 
 def _failed(rid: int, e: BaseException) -> Failed:

@@ -6,8 +6,8 @@
     per part of a video split across steps (steploop.Part): wait its copy -> copy its rows into the
               video's whole output, in order -> release the buffer; after the last part, one entry
 
-The store's only writer. A step's writes are shared with a few helper threads (`_in_parallel`); a
-failed write answers only its own image.
+The store's only writer. A step's entries are written by the store itself (Store.commit_step: a
+directory's writer threads, one Mooncake call); a failed write answers only its own image.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from service.engine.runner import Launched
 from service.errors import BackendError, ServiceError, clip
 from service.metrics import Metrics
 from service.media.video_preprocess import PreparedVideo
-from service.store.directory import EmbeddingStore, PendingEntry
-from service.store.format import VideoMeta
+from service.store import Store
+from service.store.format import StoredItem, VideoMeta
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +35,19 @@ log = logging.getLogger(__name__)
 class Writer:
     """Writes launched steps to the store. `run()` is the thread; `publish` hands it a step."""
 
-    def __init__(self, store: EmbeddingStore, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
-        """`threads`: --store-writers, this thread included."""
+    def __init__(self, store: Store, batcher: Batcher[EncodeJob], metrics: Metrics, *, threads: int):
+        """`threads`: --store-writers (half of them reserve a step's entries ahead)."""
         self.store, self.batcher, self.metrics = store, batcher, metrics
         self._queue: queue.Queue[tuple[list[WorkItem[EncodeJob]], Launched | None, Part | None,
                                        list[concurrent.futures.Future] | None] | None] = queue.Queue()
         # A split video's output so far (key -> [its tokens, out_width] CPU tensor, None once it failed).
         # NOTE: allocated per video, not from the ring: a video's parts outnumber the ring's buffers.
         self._parts: dict[str, torch.Tensor | None] = {}
-        self._writers = threads
-        # The writer thread takes a share of every step's writes itself, so the pool has one thread less.
-        self._put_pool = concurrent.futures.ThreadPoolExecutor(max(1, self._writers - 1), thread_name_prefix="store-put")
         # Reservations start when a step is published, on threads of their own: under load the writer is
         # still committing the step before, and a step's reservations waiting for it made the writer the
         # limit (2026-12-03, 448px at 1 image per request: reserve 11.6 + commit 15.1 ms per step of 24
         # images, one after the other, against 33 ms between steps; bench/RESULTS.md).
-        self._reserve_threads = max(1, self._writers // 2)
+        self._reserve_threads = max(1, threads // 2)
         self._reserve_pool = concurrent.futures.ThreadPoolExecutor(self._reserve_threads,
                                                                    thread_name_prefix="store-reserve")
         # The end event of the last step written (Launched.device_span[1]; None after a CPU step or a part of a
@@ -75,7 +72,6 @@ class Writer:
                 self.write(items, launched, reserving)
             else:
                 self.write_part(items[0], launched, part)
-        self._put_pool.shutdown()
         self._reserve_pool.shutdown()
 
     def _reserve_ahead(self, items: list[WorkItem[EncodeJob]], job: Launched) -> list[concurrent.futures.Future]:
@@ -83,7 +79,7 @@ class Writer:
         `held` (write joins them, in order)."""
         shapes, dtypes = _entry_shapes(job)
 
-        def share(idx: range) -> list[PendingEntry | None]:
+        def share(idx: range) -> list:
             return [self._reserve(items[j], shapes[j], dtypes[j], job.grids[j]) for j in idx]
 
         return [self._reserve_pool.submit(share, idx) for idx in _shares(len(items), self._reserve_threads)]
@@ -101,9 +97,9 @@ class Writer:
             reserving = self._reserve_ahead(items, job)
         if reserving is not None:
             held = [r for f in reserving for r in f.result()]  # (_reserve answers its own failures: no raise)
-        else:  # a lone image, reserved here (a hand-off costs it latency) and mapped: its write is its latency
+        else:  # a lone image, reserved here (a hand-off costs it latency): its write is its latency
             shapes, dtypes = _entry_shapes(job)
-            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0], mapped=True)]
+            held = [self._reserve(items[0], shapes[0], dtypes[0], job.grids[0], lone=True)]
         t_reserved = time.perf_counter()
         try:
             if job.done is not None:
@@ -120,19 +116,14 @@ class Writer:
                     self.batcher.finish(item, error=BackendError(f"encoding failed on the device ({type(e).__name__}); the server's log has the error"))
         else:
             rows = [job.host_out[offs[i] : offs[i + 1]] for i in range(n)]
-            # NOTE: a few threads: each commit is mostly a memcpy into /dev/shm with the GIL released,
-            # and one thread alone falls behind the GPU at large batches (8 measured slower than 4:
-            # they contend for the GIL). A lone image is written here: a hand-off costs it latency.
-            if n == 1:
+            if n == 1:  # a lone image is written here: a hand-off costs it latency
                 self._commit(items[0], held[0], rows[0])
                 if reserving is None and held[0] is not None:
-                    # The next lone image's file, made on a reserve thread while the server waits for it
-                    # (EmbeddingStore.prepare_spare): its reservation is then no longer its critical path.
-                    self._reserve_pool.submit(self._prepare_spare, held[0])
-            elif self.store.batch_commits:  # (Mooncake: a step in one call, see MooncakeStore.commit_many)
-                self._commit_step(items, held, rows)
+                    # What the next lone image's write takes, made on a reserve thread while the server waits
+                    # for it (Store.prepare_next): its reservation is then no longer its critical path.
+                    self._reserve_pool.submit(self._prepare_next, held[0])
             else:
-                self._in_parallel(self._commit, items, held, rows)
+                self._commit_step(items, held, rows)
             _record(traced, n)
             phase = self.metrics.step_phase_seconds
             phase.labels(phase="reserve").observe(t_reserved - t0)
@@ -187,37 +178,23 @@ class Writer:
             self._commit(item, self._reserve(item, tuple(out.shape), out.dtype, video.grid_thw), out)
             _record([item.payload] if item.payload.stamps is not None else [], 1, parts=part.count)
 
-    def _in_parallel(self, fn, *columns: list) -> list:
-        """[fn(*row) for row in zip(*columns)], in order, split into at most --store-writers contiguous
-        shares, one of them run by this thread. Why not Executor.map: one submit per image contends on
-        the executor's locks with the threads finishing; py-spy put 10% of the engine process's GIL
-        samples there under HTTP load on an H200 host."""
-        shares = _shares(len(columns[0]), self._writers)
-        run = lambda idx: [fn(*(c[j] for c in columns)) for j in idx]  # noqa: E731
-        futures = [self._put_pool.submit(run, share) for share in shares[1:]]
-        out = run(shares[0])
-        for f in futures:
-            out += f.result()
-        return out
-
     def _reserve(self, item: WorkItem[EncodeJob], shape: tuple[int, int], dtype: torch.dtype,
-                 grid: tuple[int, int, int], mapped: bool = False) -> PendingEntry | None:
-        """Reserve one entry's file (`mapped`: see EmbeddingStore.reserve), or answer its waiters with the
-        error (then None)."""
+                 grid: tuple[int, int, int], lone: bool = False):
+        """Reserve one entry (`lone`: see Store.reserve), or answer its waiters with the error (then None)."""
         try:
             return self.store.reserve(item.key, shape, dtype, grid, content_sha256=item.payload.content_sha256,
-                                      video=video_meta(item.payload.image), mapped=mapped)
+                                      video=video_meta(item.payload.image), lone=lone)
         except Exception as e:
             self._store_failed(item, e)
             return None
 
-    def _prepare_spare(self, like: PendingEntry) -> None:
+    def _prepare_next(self, like) -> None:
         try:
-            self.store.prepare_spare(like)
+            self.store.prepare_next(like)
         except Exception as e:  # (a bug: it answers its own failures with False) only costs the next image latency
             log.error("making a spare store file failed: %r", e)
 
-    def _commit(self, item: WorkItem[EncodeJob], pending: PendingEntry | None, rows: torch.Tensor) -> None:
+    def _commit(self, item: WorkItem[EncodeJob], pending, rows: torch.Tensor) -> None:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
         if pending is None:
             return  # answered by _reserve
@@ -227,17 +204,23 @@ class Writer:
             self._store_failed(item, e)
 
     def _commit_step(self, items: list[WorkItem[EncodeJob]], held: list, rows: list[torch.Tensor]) -> None:
-        """A step's entries in one store call; each image answered with its own result or error."""
+        """A step's entries in one store call; each image answered with its own result or error, once."""
         live = [i for i, pending in enumerate(held) if pending is not None]  # (the others answered by _reserve)
-        try:
-            results = self.store.commit_many([held[i] for i in live], [rows[i] for i in live])
-        except Exception as e:  # the whole call failed: every image of it has that answer
-            results = [e] * len(live)
-        for i, result in zip(live, results, strict=True):
+        answered: set[int] = set()
+
+        def answer(j: int, result: StoredItem | Exception) -> None:
+            answered.add(j)
             if isinstance(result, Exception):
-                self._store_failed(items[i], result)
+                self._store_failed(items[live[j]], result)
             else:
-                self.batcher.finish(items[i], result=result)
+                self.batcher.finish(items[live[j]], result=result)
+
+        try:
+            self.store.commit_step([held[i] for i in live], [rows[i] for i in live], answer)
+        except Exception as e:  # a bug of the store's: the entries it did not answer are answered with it
+            log.error("store: writing a step failed: %r", e)
+            for j in set(range(len(live))) - answered:
+                answer(j, e)
 
     def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
         if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from service.store.options import MOONCAKE_SCHEME, parse_mooncake
 from service.store.format import FILE_NAME, open_entry, read_open_ec_cache
 from service.store.keys import is_store_key
-from service.store.mooncake import MooncakeReader
+from service.store.reader import Reader, open_reader
 
 if TYPE_CHECKING:
     import torch
@@ -149,13 +149,13 @@ class DirectoryEntries:
 class MooncakeEntries:
     """Entries in Mooncake Store, held by the master's lease from check to load."""
 
-    def __init__(self, reader: MooncakeReader):
+    def __init__(self, reader: Reader):
         self.reader = reader
 
     @classmethod
     def open(cls, opts: EntryOptions) -> MooncakeEntries:
-        return cls(MooncakeReader.open(opts.store, namespace=opts.mooncake_namespace,
-                                       local_host=opts.mooncake_local_host, protocol=opts.mooncake_protocol))
+        return cls(open_reader(opts.store, namespace=opts.mooncake_namespace, local_host=opts.mooncake_local_host,
+                               protocol=opts.mooncake_protocol))
 
     def hold(self, key: str) -> Held | None:
         # NOTE: `exists` ends with the value's existence check, which takes the master's lease on it.

@@ -27,7 +27,7 @@ from pathlib import Path
 from service.store.options import parse_mooncake
 from service.errors import StartupError, StoreOwnershipError
 from service.presets import check_model
-from service.store.directory import EmbeddingStore
+from service.store import lock_root
 
 
 def cuda_device_count() -> int:
@@ -81,10 +81,10 @@ def bind(host: str, port: int) -> socket.socket:
 def check_store(root: Path, group: str | None) -> None:
     """Run the store's own root checks now (creating the root if needed), then release its lock: the
     service's store takes it again once the model is loaded."""
-    # NOTE: EmbeddingStore's constructor would also rebuild the index from every file in the root;
+    # NOTE: opening the store would also rebuild the index from every file in the root;
     # only its root checks are wanted here (lock_root).
     try:
-        EmbeddingStore.lock_root(root, group).close()
+        lock_root(root, group).close()
     except StoreOwnershipError as e:
         raise StartupError(str(e)) from None
 

@@ -8,7 +8,7 @@ the shared socket, and watches them.
                                                  a key goes to the engine of its shard, store.shard_of)
 
 With several engines the supervisor holds the store root's lock itself (a second service on the root
-is refused as with one engine) and each engine locks only its shard (see store.EmbeddingStore).
+is refused as with one engine) and each engine locks only its shard (see store/directory.py).
 
 What happens when a process dies:
   * an API process: its requests fail (their clients see the connection close), its arena segment is
@@ -42,7 +42,7 @@ from service.config import Settings
 from service.errors import StoreOwnershipError
 from service.procs.api_process import api_main
 from service.procs.arena import leaked_segments, segment_name, unlink_segment
-from service.store.directory import EmbeddingStore
+from service.store import lock_root
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Supervisor:
         self.generation = [0] * self.n_api
         self.apis: list[multiprocessing.Process | None] = [None] * self.n_api
         self.engines: list[multiprocessing.Process] = []
-        self.root_lock = None  # with several engines: the store root's lock (an EmbeddingStore.lock_root)
+        self.root_lock = None  # with several engines: the store root's lock (store.lock_root)
         self.stopping = False
         self.stop_signal: int | None = None
 
@@ -97,7 +97,7 @@ class Supervisor:
             # One lock for the whole service, as a one-engine service holds (preflight checked it is free);
             # the engines lock their shards.
             try:
-                self.root_lock = EmbeddingStore.lock_root(self.settings.store, self.settings.store_group)
+                self.root_lock = lock_root(self.settings.store, self.settings.store_group)
             except StoreOwnershipError as e:  # another service took the root since preflight
                 log.error("cannot start: %s", e)
                 self._stop()

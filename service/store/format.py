@@ -21,7 +21,7 @@ One safetensors file per image, in vLLM's ECExampleConnector layout:
             timestamps       "[0.25, 1.25]"     seconds of each temporal group (grid_thw's t of them)
 
 `read_embeddings` is the consumer (reader) side (`read_ec_cache` for the tensor unsplit, as vLLM's
-encoder cache holds it). It shares nothing with the writer (`store.EmbeddingStore`) but this format, so
+encoder cache holds it). It shares nothing with the writer (`store.directory.DirectoryStore`) but this format, so
 another process (the LM server) can call it while the writer evicts and replaces files. This module
 imports torch only inside the readers.
 

@@ -40,8 +40,10 @@ from typing import TYPE_CHECKING
 
 from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreFull, StoreUnavailable, Unavailable
+from service.store.base import Answer, Found, StoreStats
 from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta
 from service.store.keys import validate_key
+from service.store.lookups import Lookups
 
 if TYPE_CHECKING:
     import torch
@@ -218,16 +220,14 @@ class MooncakePending:
 
 
 class MooncakeStore:
-    """The engine's store in Mooncake: directory.EmbeddingStore's interface (lookup, reserve, commit,
-    abort), with the values in vLLM's layout. Thread-safe (the writer's threads put in parallel; the
-    client is Mooncake's, which is)."""
-
-    remote = True  # a lookup is an RPC to the master: the engine host asks off its thread (engine/lookups.py)
-    batch_commits = True  # the writer hands over a step's entries at once (commit_many)
+    """The engine's store in Mooncake (the Store protocol, service/store/base.py), with the values in vLLM's
+    layout. A lookup is an RPC to the master: `find` answers from a thread of lookups batched together
+    (service/store/lookups.py); a step's entries go in one call (commit_step). Thread-safe (the client is
+    Mooncake's, which is)."""
 
     def __init__(self, url: str, options: MooncakeOptions, *, model_id: str, out_hidden_size: int,
                  deepstack_levels: int, dtype: str, min_residency_s: float, salt: str):
-        self.root = url  # what /ready names as the store
+        self.location = url  # what /ready names as the store
         self.options = options
         self.model_id, self.out_hidden_size, self.deepstack_levels, self.dtype = (
             model_id, out_hidden_size, deepstack_levels, dtype)
@@ -248,6 +248,7 @@ class MooncakeStore:
         self._probe_lock = threading.Lock()
         if self.client.register_buffer(ctypes.addressof(self._probe), len(self._probe)) != 0:
             raise StoreUnavailable("Mooncake's client could not register a buffer for value headers")
+        self._lookups = Lookups(self.lookup_many)
 
     # ---- what the engine's metrics and health read -------------------------------------------------
     @property
@@ -257,6 +258,12 @@ class MooncakeStore:
 
     def __len__(self) -> int:
         return self._written
+
+    def stats(self) -> StoreStats:
+        return StoreStats(entries=self._written, bytes_used=self._bytes, evictions=self.evictions)
+
+    def health(self) -> str | None:
+        return self.unwritable
 
     @property
     def unwritable(self) -> str | None:
@@ -270,12 +277,30 @@ class MooncakeStore:
         return None
 
     def close(self) -> None:
+        self._lookups.close()
         self.client.unregister_buffer(ctypes.addressof(self._probe))
         self.client.close()
 
-    # ---- lookups --------------------------------------------------------------------------------------
+    # ---- lookups and reads -----------------------------------------------------------------------------
+    def find(self, key: str) -> Found:
+        return self._lookups.lookup(key)
+
+    def known(self, key: str) -> StoredItem | None:
+        """What this engine wrote lately (written_lately): no round trip to the master."""
+        return self.written_lately(key)
+
     def lookup(self, key: str) -> StoredItem | None:
         return self.lookup_many([key])[0]
+
+    def read(self, key: str) -> StoredEmbeddings:
+        return MooncakeReader(self.client, self.namespace).read(key)
+
+    def evict(self, key: str) -> bool:
+        validate_key(key)
+        with self._lock:
+            self._recent.pop(key, None)
+        rcs = self.client.batch_remove([value_key(self.namespace, key), meta_key(self.namespace, key)], True)
+        return any(rc == 0 for rc in rcs)
 
     def lookup_many(self, keys: list[str]) -> list[StoredItem | None]:
         """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
@@ -363,9 +388,9 @@ class MooncakeStore:
     # ---- writes ---------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
                 content_sha256: str | None = None, video: VideoMeta | None = None, *,
-                mapped: bool = False) -> MooncakePending:
-        """The first half of a put (directory.EmbeddingStore's shape): checks only; Mooncake allocates in
-        the put itself (so `mapped`, a directory store's, means nothing here)."""
+                lone: bool = False) -> MooncakePending:
+        """The first half of a put: checks only; Mooncake allocates in the put itself (so `lone` changes
+        nothing here)."""
         validate_key(key)
         name = str(dtype).removeprefix("torch.")
         n, width = shape
@@ -376,21 +401,30 @@ class MooncakeStore:
     def abort(self, pending: MooncakePending) -> None:
         pass  # nothing was written
 
-    def prepare_spare(self, like: MooncakePending) -> bool:
-        """directory.EmbeddingStore's file made ahead for a lone image: nothing to make here (the put allocates)."""
+    def prepare_next(self, like: MooncakePending) -> bool:
+        """Nothing to make ahead for a lone image here: the put allocates."""
         return False
 
     def commit(self, pending: MooncakePending, ec_cache: torch.Tensor,
                answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
         """Put one entry (commit_many's one). Raises StoreFull (the pool has no room) or Unavailable (the
         master or a peer is unreachable): 503 + Retry-After; nothing half-written is left as a hit.
-        `answer(item)` once it is stored, as directory.EmbeddingStore.commit's (nothing to tidy here)."""
+        `answer(item)` once it is stored (nothing to tidy here)."""
         (out,) = self.commit_many([pending], [ec_cache])
         if isinstance(out, Exception):
             raise out
         if answer is not None:
             answer(out)
         return out
+
+    def commit_step(self, pendings: list[MooncakePending], rows: list[torch.Tensor], answer: Answer) -> None:
+        """A step's entries in one put (commit_many); each answered with its item or its error."""
+        try:
+            results = self.commit_many(pendings, rows)
+        except Exception as e:  # the whole call failed: every entry of it has that answer
+            results = [e] * len(pendings)
+        for i, result in enumerate(results):
+            answer(i, result)
 
     def commit_many(self, pendings: list[MooncakePending], tensors: list[torch.Tensor]) -> list[StoredItem | Exception]:
         """Put a step's entries, each value (header + the rows, read in place: no copy on this side) and

@@ -394,20 +394,20 @@ def test_a_failed_store_write_fails_only_that_image(tmp_path, tiny_model):
 
 
 def test_a_store_that_cannot_be_written_turns_health_503_until_a_write_succeeds(tmp_path, tiny_model, monkeypatch):
-    import service.store.directory as store_mod
+    import service.store.files as files_mod
 
     with live_server(_settings(tmp_path), tiny_model) as (url, app):
-        real = store_mod._allocate
+        real = files_mod.allocate
 
         def read_only(fd, size):
             raise OSError(30, "Read-only file system")
 
-        monkeypatch.setattr(store_mod, "_allocate", read_only)
+        monkeypatch.setattr(files_mod, "allocate", read_only)
         r = httpx.post(url + "/encode", json=json_body(_png(960)), timeout=30)
         assert r.status_code == 500 and "Read-only file system" in r.json()["error"]["message"]
         h = httpx.get(url + "/health")
         assert h.status_code == 503 and "store cannot be written" in h.json()["status"]
-        monkeypatch.setattr(store_mod, "_allocate", real)
+        monkeypatch.setattr(files_mod, "allocate", real)
         assert httpx.post(url + "/encode", json=json_body(_png(961)), timeout=30).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
 

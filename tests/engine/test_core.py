@@ -237,7 +237,7 @@ def test_a_video_equals_transformers_on_its_patchified_frames_for_three_codecs(v
 def test_a_video_split_across_steps_is_one_entry_equal_to_one_step(video_checkpoint, video_model, tmp_path):
     from service.engine.batcher import Batcher
     from service.engine.job import EncodeJob
-    from service.store.directory import EmbeddingStore
+    from service.store.directory import DirectoryStore
     from service.store.format import read_embeddings
 
     blob, case = _clip_cases()[0]
@@ -250,7 +250,7 @@ def test_a_video_split_across_steps_is_one_entry_equal_to_one_step(video_checkpo
     assert video.num_tokens == 60 and video.grid_thw == (5, 6, 8)  # 12 tokens a group: 2 groups a step, 3 steps
     whole = Engine(model, store=None, batcher=None, options=settings.runner_options(), metrics=Metrics()).encode_sync(
         [video])[0]
-    store = EmbeddingStore(tmp_path / "s", 1 << 30, model.model_id, out_hidden_size=model.spec.out_hidden_size,
+    store = DirectoryStore(tmp_path / "s", 1 << 30, model.model_id, out_hidden_size=model.spec.out_hidden_size,
                            deepstack_levels=model.spec.deepstack_levels)
     batcher = Batcher(settings.batch_limits())
     engine = Engine(model, store, batcher, settings.runner_options(), Metrics())

@@ -1,9 +1,9 @@
 """The engine host's answers (service/engine/host.py), driven with typed messages and plain stand-ins for
 the store: admission before decode by images and by the tokens each image's header declares, places
 given back on cancel and on disconnect, a submit whose key was stored meanwhile, conflicts; with a
-remote store (Mooncake's shape), lookups off the host's thread, batched, one per image (a submit asks
-what this engine wrote itself), and what a cancel, a lost connection or an unreachable master does to a
-claim waiting for one."""
+store whose lookups are round trips (Mooncake's shape: store/lookups.py's Lookups), lookups off the host's
+thread, batched, one per image (a submit asks what this engine wrote itself), and what a cancel, a lost
+connection or an unreachable master does to a claim waiting for one."""
 
 import queue
 import threading
@@ -18,23 +18,32 @@ from service.errors import StoreUnavailable
 from service.media.preprocess import grid_for, num_tokens
 from service.metrics import Metrics
 from service.media.params import PreprocessParams
+from service.store.base import answered
 from service.store.format import StoredItem
+from service.store.lookups import Lookups
 
 
 class _DictStore:
-    remote = False
+    """A store answered at once (a directory's shape)."""
+
+    location = "memory"
 
     def __init__(self):
         self.items: dict[str, StoredItem] = {}
 
-    def lookup(self, key):
+    def find(self, key):
+        return answered(self.items.get(key))
+
+    def known(self, key):
         return self.items.get(key)
+
+    def health(self):
+        return None
 
 
 class _RemoteStore(_DictStore):
-    """A store whose lookups are round trips: each `lookup_many` call is recorded, and waits for `go`."""
-
-    remote = True
+    """A store whose lookups are round trips, batched as MooncakeStore's are (Lookups): each `lookup_many`
+    call is recorded, and waits for `go`."""
 
     def __init__(self):
         super().__init__()
@@ -43,8 +52,12 @@ class _RemoteStore(_DictStore):
         self.entered = threading.Semaphore(0)
         self.down = False
         self.written: dict[str, StoredItem] = {}  # what this engine's client put lately
+        self.lookups = Lookups(self.lookup_many)
 
-    def written_lately(self, key):
+    def find(self, key):
+        return self.lookups.lookup(key)
+
+    def known(self, key):
         return self.written.get(key)
 
     def lookup_many(self, keys):
@@ -169,7 +182,7 @@ def remote():
     yield store, host, sent, conn, settle
     store.go.set()  # (a lookup a test left waiting returns, so the lookups' thread can stop)
     host.batcher.close()
-    host.lookups.close()
+    store.lookups.close()
 
 
 def test_a_remote_stores_lookups_run_off_the_hosts_thread_in_batches(remote):
@@ -279,7 +292,7 @@ def test_model_info_says_which_blocks_and_gemms_run_in_fp8(tmp_path):
 
     model = load_model(Settings(model="tiny", device="cpu"))
     store = _DictStore()
-    store.root = tmp_path
+    store.location = str(tmp_path)
     engine = _Engine(store, Batcher(BatchLimits(max_batch_tokens=100, max_batch_images=8, max_wait_s=0,
                                                 max_queue_images=8)))
     engine.runner.graphs = None

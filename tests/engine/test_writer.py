@@ -16,7 +16,7 @@ from service.engine.pool import OutputRing
 from service.errors import BackendError, StoreFull
 from service.metrics import Metrics
 from service.engine.runner import Launched
-from service.store.directory import EmbeddingStore
+from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from service.engine.writer import Writer
 from tests.live import metric
@@ -39,7 +39,8 @@ class FakeEvent:
 
 
 def _setup(tmp_path, threads: int = 3):
-    store = EmbeddingStore(tmp_path / "store", 1 << 30, model_id="m", out_hidden_size=D, deepstack_levels=L)
+    store = DirectoryStore(tmp_path / "store", 1 << 30, model_id="m", out_hidden_size=D, deepstack_levels=L,
+                           writers=threads)
     batcher = Batcher(BatchLimits(max_batch_tokens=10_000, max_batch_images=64, max_wait_s=0, max_queue_images=100))
     ring = OutputRing(4, rows=64, width=W, dtype=torch.float32, device=torch.device("cpu"))  # the steps' outputs
     writer = Writer(store, batcher, Metrics(), threads=threads)
@@ -96,7 +97,7 @@ def test_a_lone_image_is_reserved_mapped_and_answered_before_the_store_tidies(tm
     store, batcher, writer, ring = _setup(tmp_path)
     mapped: list[bool] = []
     real_reserve, real_trash = store.reserve, store._empty_trash
-    store.reserve = lambda *a, **k: mapped.append(k.get("mapped", False)) or real_reserve(*a, **k)
+    store.reserve = lambda *a, **k: mapped.append(k.get("lone", False)) or real_reserve(*a, **k)
     answered_first: list[bool] = []
     items, job, tickets = _launched(batcher, ring, ["lone"], done=FakeEvent([]))
     store._empty_trash = lambda: answered_first.append(tickets[0].future.done()) or real_trash()
@@ -261,31 +262,11 @@ def test_run_writes_every_published_step_then_returns_after_close(tmp_path):
     assert ring.held() == 0 and len(store) == 9
 
 
-@pytest.mark.parametrize("writers", [1, 3, 4])
-def test_store_writes_of_a_step_are_shared_among_the_writer_threads_in_order(tmp_path, writers):
-    _, _, writer, _ = _setup(tmp_path, threads=writers)
-    seen: dict[int, str] = {}
-
-    def work(a, b):
-        seen[a] = threading.current_thread().name
-        time.sleep(0.001)  # long enough that the shares run at the same time, on different threads
-        return a * 10 + b
-
-    for n in (1, 2, 7, 64):
-        assert writer._in_parallel(work, list(range(n)), [1] * n) == [a * 10 + 1 for a in range(n)]
-    # 64 images: `writers` contiguous shares, one run by the calling thread, the rest by the pool.
-    threads = [seen[a] for a in range(64)]
-    assert len(set(threads)) == writers and threads[0] == threading.current_thread().name
-    assert threads == sorted(threads, key=threads.index)  # each thread's share is one contiguous run
-
-
 class _BatchedStore:
-    """A store that takes a step's entries in one call (Mooncake's shape: MooncakeStore.commit_many), over
+    """A store that takes a step's entries in one call (Mooncake's shape: MooncakeStore.commit_step), over
     a real directory store; `refuse` names keys whose entry the pool has no room for."""
 
-    batch_commits = True
-
-    def __init__(self, inner: EmbeddingStore, refuse: set[str] = frozenset(), fail: Exception | None = None):
+    def __init__(self, inner: DirectoryStore, refuse: set[str] = frozenset(), fail: Exception | None = None):
         self.inner, self.refuse, self.fail = inner, refuse, fail
         self.calls: list[list[str]] = []
 
@@ -296,20 +277,20 @@ class _BatchedStore:
         self.inner.abort(pending)
 
     def commit(self, pending, rows, answer=None):
-        raise AssertionError("a step of several images goes through commit_many")
+        raise AssertionError("a step of several images goes through commit_step")
 
-    def commit_many(self, pendings, rows):
+    def commit_step(self, pendings, rows, answer):
         self.calls.append([p.key for p in pendings])
-        if self.fail is not None:
-            raise self.fail
-        out = []
-        for p, r in zip(pendings, rows):
+        if self.fail is not None:  # the whole call failed: every entry of it has that answer
+            for i in range(len(pendings)):
+                answer(i, self.fail)
+            return
+        for i, (p, r) in enumerate(zip(pendings, rows)):
             if p.key in self.refuse:
                 self.inner.abort(p)
-                out.append(StoreFull("the Mooncake pool has no room for this entry now", retry_after_s=1))
+                answer(i, StoreFull("the Mooncake pool has no room for this entry now", retry_after_s=1))
             else:
-                out.append(self.inner.commit(p, r))
-        return out
+                answer(i, self.inner.commit(p, r))
 
 
 def test_a_store_that_batches_gets_a_step_in_one_call_and_a_refused_entry_answers_only_its_image(tmp_path):

@@ -21,7 +21,7 @@ from PIL import Image
 from service.lm.chat import ChatConfig, LanguageModel, create_chat_app
 from service.media.preprocess import to_rgb
 from service.errors import BadRequest
-from service.store.directory import EmbeddingStore
+from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from tests import imagedata as data
 from tests import videodata as vd
@@ -185,7 +185,7 @@ def _fake_encoder(app, answers: list[str], calls: list[dict]):
 
 
 def test_a_key_missing_from_the_store_is_re_requested_once_then_424(tmp_path, lm):
-    store = EmbeddingStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
+    store = DirectoryStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
     store.put("present", torch.randn(16, 144), (1, 8, 8))
     body = {"messages": _messages([b"png"], "describe the image"), "max_tokens": 2}
     cfg = ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path / "store")
@@ -204,7 +204,7 @@ def test_a_key_missing_from_the_store_is_re_requested_once_then_424(tmp_path, lm
 
 
 def test_an_entry_of_another_model_is_refused_not_truncated(tmp_path, lm):
-    store = EmbeddingStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=64, deepstack_levels=2)
+    store = DirectoryStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=64, deepstack_levels=2)
     store.put("wide", torch.randn(16, 192), (1, 8, 8))  # out_hidden 64: not this LM's width (48)
     cfg = ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path / "store")
     app, calls = create_chat_app(cfg, lm), []
@@ -281,7 +281,7 @@ def test_chat_with_a_video_from_the_store_equals_monolithic_generation(tmp_path,
     prompt_ids, expected, prompt_text = monolithic_media(tiny_checkpoint, images, [video], text)
 
     root = tmp_path / "store"
-    store = EmbeddingStore(root, 1 << 30, "tiny", out_hidden_size=48, deepstack_levels=2)
+    store = DirectoryStore(root, 1 << 30, "tiny", out_hidden_size=48, deepstack_levels=2)
     items = {data_url(blob, "video/mp4"): _write_video_entry(
         root, "vid", visual_ec_cache(tiny_checkpoint, video.pixel_values_videos, video.grid_thw), video)}
     for b in images:
@@ -429,7 +429,7 @@ def test_a_body_over_the_limit_is_413_declared_or_streamed(lm):
 def test_a_prompt_over_the_token_limit_is_a_400_at_once_while_the_lm_is_busy(lm, monkeypatch, tmp_path):
     """Counted after tokenising: the text alone before the encoder is asked (no /encode call), then with
     the images' rows; refused without waiting for the LM, which another chat holds meanwhile."""
-    store = EmbeddingStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
+    store = DirectoryStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
     store.put("img", torch.randn(16, 144), (1, 8, 8))  # 16 rows
     app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path / "store",
                                      max_prompt_tokens=64), lm)
@@ -550,7 +550,7 @@ def test_a_client_that_disconnects_stops_its_generation(lm, monkeypatch):
 def test_keys_guard_the_chat_and_model_routes_and_go_to_the_encoder(lm, tmp_path):
     """--api-key: 401 without one of the keys (health and ready stay open, ready without its details);
     --encoder-api-key: sent on every /encode call."""
-    store = EmbeddingStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
+    store = DirectoryStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=48, deepstack_levels=2)
     store.put("img", torch.randn(16, 144), (1, 8, 8))
     cfg = ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path / "store",
                      api_key=("lm-key-1", "lm-key-2"), encoder_api_key="enc-key")

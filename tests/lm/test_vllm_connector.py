@@ -124,7 +124,7 @@ def test_directory_entries_load_bit_for_bit_even_evicted_right_after_vllms_check
             assert loaded[k].dtype == stored[k].dtype and loaded[k].equal(stored[k]), k  # bit for bit
         # Held from the check until the worker reported the load, then released.
         root = os.path.realpath(store)
-        # (The encoder renames an evicted entry aside before it unlinks it: EmbeddingStore._evict_locked.)
+        # (The encoder renames an evicted entry aside before it unlinks it: DirectoryStore._evict_locked.)
         held = _held_store_files(sched.pid, store)
         assert len(held) == len(keys) and all(re.fullmatch(rf"{re.escape(root)}/{re.escape(TMP_PREFIX)}evicted-[0-9a-f]{{16}} "
                                                            r"\(deleted\)", h) for h in held), held

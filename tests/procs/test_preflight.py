@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from service.errors import ModelLoadError, StartupError
+from service.errors import ModelLoadError, StartupError, StoreOwnershipError
 from service.presets import check_model
 from service.procs.preflight import bind, check_device, check_store, cuda_device_count, preflight
-from service.store.directory import EmbeddingStore, StoreOwnershipError
+from service.store.directory import DirectoryStore
 
 
 def test_model_is_a_preset_or_an_existing_directory(tmp_path):
@@ -68,7 +68,7 @@ def test_store_root_is_created_as_the_services_own_and_left_unlocked(tmp_path):
     check_store(root, None)
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     # The lock was released: the service's own store takes the root afterwards.
-    store = EmbeddingStore(root, 1 << 20, model_id="m", out_hidden_size=4, deepstack_levels=0, exclusive=True)
+    store = DirectoryStore(root, 1 << 20, model_id="m", out_hidden_size=4, deepstack_levels=0, exclusive=True)
     try:
         with pytest.raises(StartupError, match=f"another service \\(pid {os.getpid()}\\) is writing to the store root"):
             check_store(root, None)
@@ -103,7 +103,7 @@ def test_store_checks_are_the_stores_own(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(StoreOwnershipError) as by_store:
-        EmbeddingStore(shared, 1 << 20, model_id="m", out_hidden_size=4, deepstack_levels=0, exclusive=True)
+        DirectoryStore(shared, 1 << 20, model_id="m", out_hidden_size=4, deepstack_levels=0, exclusive=True)
     with pytest.raises(StartupError) as by_preflight:
         check_store(shared, None)
     assert str(by_preflight.value) == str(by_store.value)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from service.store.directory import EmbeddingStore
+from service.store.directory import DirectoryStore
 
 MODEL = "test-model"
 D = 8  # out_hidden_size
@@ -15,8 +15,8 @@ L = 3  # deepstack levels
 W = D * (1 + L)
 
 
-def make_store(root: Path, capacity: int = 1 << 30, model: str = MODEL, **kw) -> EmbeddingStore:
-    return EmbeddingStore(root, capacity, model_id=model, out_hidden_size=D, deepstack_levels=L, **kw)
+def make_store(root: Path, capacity: int = 1 << 30, model: str = MODEL, **kw) -> DirectoryStore:
+    return DirectoryStore(root, capacity, model_id=model, out_hidden_size=D, deepstack_levels=L, **kw)
 
 
 def parts_for(seed: int, n: int, dtype=torch.float32) -> list[torch.Tensor]:

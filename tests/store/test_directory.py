@@ -16,15 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-import service.store.directory as store_mod
+import service.store.files as files_mod
 import service.store.format as format_mod
-from service.errors import StoreFull
-from service.store.directory import EmbeddingStore, StoreOwnershipError
+from service.errors import StoreFull, StoreOwnershipError
+from service.store import lock_root
+from service.store.directory import DirectoryStore
 from service.store.keys import shard_of
 from service.store.format import FILE_NAME, read_embeddings, tensor_bytes
 from tests.store.storedata import MODEL, D, W, ec_for, files_under, make_store, parts_for
 
-def item_nbytes(store: EmbeddingStore, n: int) -> int:
+def item_nbytes(store: DirectoryStore, n: int) -> int:
     """File size of one n-token float32 item with a one-digit grid, measured by writing one."""
     probe = make_store(store.root.parent / "probe")
     return probe.put("probe", ec_for(0, n), (1, 2, 2 * n)).nbytes
@@ -90,7 +91,7 @@ def test_a_mapped_reservation_writes_the_same_bytes_as_writev_and_unmaps(tmp_pat
     ec = ec_for(7, 5)
     plain, mapped = make_store(tmp_path / "plain"), make_store(tmp_path / "mapped")
     plain.put("a", ec, (1, 2, 10), content_sha256="cd" * 32)
-    r = mapped.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, mapped=True)
+    r = mapped.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, lone=True)
     assert r.mapping is not None and len(r.mapping) == (tmp_files(tmp_path / "mapped")[0]).stat().st_size
     item = mapped.commit(r, ec)
     assert r.mapping is None and tmp_files(tmp_path / "mapped") == []  # unmapped, renamed onto the final name
@@ -99,11 +100,11 @@ def test_a_mapped_reservation_writes_the_same_bytes_as_writev_and_unmaps(tmp_pat
     assert item.nbytes == len(r.header) + ec.numel() * 4 and mapped.lookup("a") == item
     # A bf16 row slice of a larger buffer (the engine's pinned output), as the writer hands it over.
     buf = ec_for(8, 9, torch.bfloat16)
-    r = mapped.reserve("b", (4, W), torch.bfloat16, (1, 2, 8), mapped=True)
+    r = mapped.reserve("b", (4, W), torch.bfloat16, (1, 2, 8), lone=True)
     mapped.commit(r, buf[2:6])
     assert torch.equal(torch.cat([(got := read_embeddings(tmp_path / "mapped", "b")).main, *got.deepstack], 1), buf[2:6])
     # Aborted: unmapped and removed.
-    r = mapped.reserve("c", tuple(ec.shape), ec.dtype, (1, 2, 10), mapped=True)
+    r = mapped.reserve("c", tuple(ec.shape), ec.dtype, (1, 2, 10), lone=True)
     mapped.abort(r)
     assert r.mapping is None and tmp_files(tmp_path / "mapped") == [] and not (tmp_path / "mapped" / "c").exists()
 
@@ -113,13 +114,13 @@ def test_a_mapped_reservation_writes_the_same_bytes_as_writev_and_unmaps(tmp_pat
 def test_a_reservation_is_not_mapped_with_fsync_or_where_the_file_could_not_be_allocated(tmp_path, monkeypatch):
     ec = ec_for(9, 3)
     durable = make_store(tmp_path / "durable", fsync=True)
-    r = durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), mapped=True)
+    r = durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), lone=True)
     assert r.mapping is None  # (a mapping would need an msync: writev then fsync, as always)
     durable.commit(r, ec)
-    monkeypatch.setattr(store_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
-        OSError(store_mod.errno.EOPNOTSUPP, "not supported")))
+    monkeypatch.setattr(files_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(files_mod.errno.EOPNOTSUPP, "not supported")))
     store = make_store(tmp_path / "s")
-    r = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), mapped=True)
+    r = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 6), lone=True)
     assert r.mapping is None  # the file is still empty: a write through a mapping would fault past its end
     store.commit(r, ec)
     for root in (tmp_path / "durable", tmp_path / "s"):
@@ -139,7 +140,7 @@ def test_commit_answers_once_the_entry_is_published_and_before_its_evictions_are
         seen["lookup"] = store.lookup("new")
         seen["files"] = sorted(str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*") if p.is_file())
 
-    r = store.reserve("new", tuple(ec.shape), ec.dtype, (1, 2, 8), mapped=True)
+    r = store.reserve("new", tuple(ec.shape), ec.dtype, (1, 2, 8), lone=True)
     item = store.commit(r, ec, answer=answer)
     assert seen["item"] == item == seen["lookup"]  # published when answered
     assert r.mapping is None
@@ -149,7 +150,7 @@ def test_commit_answers_once_the_entry_is_published_and_before_its_evictions_are
 
 
 def spares(root: Path) -> list[Path]:
-    return sorted(root.glob(f"{store_mod.SPARE_PREFIX}*"))
+    return sorted(root.glob(f"{files_mod.SPARE_PREFIX}*"))
 
 
 def test_a_spare_file_is_taken_by_the_next_mapped_reservation_of_its_size(tmp_path):
@@ -158,14 +159,14 @@ def test_a_spare_file_is_taken_by_the_next_mapped_reservation_of_its_size(tmp_pa
     ec, other = ec_for(7, 5), ec_for(8, 5)
     plain, store = make_store(tmp_path / "plain"), make_store(tmp_path / "s")
     plain.put("b", other, (1, 2, 10), content_sha256="ef" * 32)
-    first = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, mapped=True)
+    first = store.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 10), content_sha256="cd" * 32, lone=True)
     assert spares(tmp_path / "s") == []
     store.commit(first, ec)
-    assert store.prepare_spare(first) is True and store.prepare_spare(first) is True  # (one spare, kept)
+    assert store.prepare_next(first) is True and store.prepare_next(first) is True  # (one spare, kept)
     (spare,) = spares(tmp_path / "s")
-    assert spare.name.startswith(".spare-0-") and spare.stat().st_size == store_mod.SPARE_ROUND  # rounded up
+    assert spare.name.startswith(".spare-0-") and spare.stat().st_size == files_mod.SPARE_ROUND  # rounded up
     os.utime(spare, (1, 1))  # made long ago
-    r = store.reserve("b", tuple(other.shape), other.dtype, (1, 2, 10), content_sha256="ef" * 32, mapped=True)
+    r = store.reserve("b", tuple(other.shape), other.dtype, (1, 2, 10), content_sha256="ef" * 32, lone=True)
     assert r.tmp == spare and r.mapping is not None and spares(tmp_path / "s") == [spare]  # taken, not yet renamed
     assert not (tmp_path / "s" / "b").exists()  # the key's directory is made at commit
     item = store.commit(r, other)
@@ -177,18 +178,18 @@ def test_a_spare_file_is_taken_by_the_next_mapped_reservation_of_its_size(tmp_pa
     assert stat.S_IMODE(final.stat().st_mode) == store.file_mode
     assert store.bytes_used == 2 * item.nbytes  # the spare was never counted; its entry is, once
     # Another size neither takes it nor loses it; a spare of the new size replaces it.
-    assert store.prepare_spare(r) is True
+    assert store.prepare_next(r) is True
     (spare,) = spares(tmp_path / "s")
-    big = store.reserve("c", (2000, W), torch.float32, (1, 2, 4000), mapped=True)  # 2000 * W * 4 bytes of rows
+    big = store.reserve("c", (2000, W), torch.float32, (1, 2, 4000), lone=True)  # 2000 * W * 4 bytes of rows
     assert big.tmp.parent == tmp_path / "s" / "c" and spares(tmp_path / "s") == [spare]
     store.commit(big, ec_for(9, 2000))
-    assert store.prepare_spare(big) is True
+    assert store.prepare_next(big) is True
     (bigger,) = spares(tmp_path / "s")
-    rounds = -(-big.nbytes // store_mod.SPARE_ROUND)
-    assert rounds > 1 and bigger != spare and bigger.stat().st_size == rounds * store_mod.SPARE_ROUND
+    rounds = -(-big.nbytes // files_mod.SPARE_ROUND)
+    assert rounds > 1 and bigger != spare and bigger.stat().st_size == rounds * files_mod.SPARE_ROUND
     # A reservation that is not mapped (a step's entries) does not take it; an aborted spare is removed.
     assert store.reserve("d", (2000, W), torch.float32, (1, 2, 4000)).tmp.parent == tmp_path / "s" / "d"
-    r = store.reserve("e", (2000, W), torch.float32, (1, 2, 4000), mapped=True)
+    r = store.reserve("e", (2000, W), torch.float32, (1, 2, 4000), lone=True)
     assert r.tmp == bigger
     store.abort(r)
     assert spares(tmp_path / "s") == [] and not (tmp_path / "s" / "e").exists() and store.lookup("e") is None
@@ -197,17 +198,17 @@ def test_a_spare_file_is_taken_by_the_next_mapped_reservation_of_its_size(tmp_pa
 def test_no_spare_with_fsync_or_beyond_its_bound_and_close_removes_it(tmp_path, monkeypatch):
     ec = ec_for(1, 4)
     durable = make_store(tmp_path / "durable", fsync=True)
-    assert durable.prepare_spare(durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 8))) is False
+    assert durable.prepare_next(durable.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 8))) is False
     assert spares(tmp_path / "durable") == []
-    small = make_store(tmp_path / "small", capacity=7 * store_mod.SPARE_ROUND)  # an eighth: less than one round
+    small = make_store(tmp_path / "small", capacity=7 * files_mod.SPARE_ROUND)  # an eighth: less than one round
     r = small.reserve("a", tuple(ec.shape), ec.dtype, (1, 2, 8))
-    assert small.prepare_spare(r) is False and spares(tmp_path / "small") == []
+    assert small.prepare_next(r) is False and spares(tmp_path / "small") == []
     store = make_store(tmp_path / "s")
-    monkeypatch.setattr(store_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
-        OSError(store_mod.errno.ENOSPC, "no space left")))
-    assert store.prepare_spare(r) is False and spares(tmp_path / "s") == []  # a full filesystem: none, no error
+    monkeypatch.setattr(files_mod.os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(files_mod.errno.ENOSPC, "no space left")))
+    assert store.prepare_next(r) is False and spares(tmp_path / "s") == []  # a full filesystem: none, no error
     monkeypatch.undo()
-    assert store.prepare_spare(r) is True and len(spares(tmp_path / "s")) == 1
+    assert store.prepare_next(r) is True and len(spares(tmp_path / "s")) == 1
     store.close()
     assert spares(tmp_path / "s") == []
 
@@ -217,9 +218,9 @@ def test_start_up_removes_its_own_shards_spare_and_leaves_the_others(tmp_path):
     ec = ec_for(1, 4)
     store = make_store(root, shard=(0, 2))
     key = next(k for k in (f"k{i}" for i in range(100)) if shard_of(k, 2) == 0)
-    assert store.prepare_spare(store.reserve(key, tuple(ec.shape), ec.dtype, (1, 2, 8))) is True
+    assert store.prepare_next(store.reserve(key, tuple(ec.shape), ec.dtype, (1, 2, 8))) is True
     (mine,) = spares(root)
-    theirs = root / f"{store_mod.SPARE_PREFIX}1-0123456789abcdef"
+    theirs = root / f"{files_mod.SPARE_PREFIX}1-0123456789abcdef"
     theirs.write_bytes(b"x" * 10)
     make_store(root, shard=(0, 2))  # the first one crashed: its spare is stale
     assert spares(root) == [theirs]
@@ -249,7 +250,7 @@ def our_bytes(t: torch.Tensor, metadata: dict[str, str], path: Path) -> bytes:
     header = format_mod._encode_header(code, tuple(t.shape), t.numel() * t.element_size(), metadata)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        nbytes = store_mod._write_ec_file(fd, header, t, fsync=False)
+        nbytes = files_mod.write_ec_file(fd, header, t, fsync=False)
     finally:
         os.close(fd)
     assert path.stat().st_mode & 0o777 == 0o644
@@ -352,10 +353,10 @@ def test_real_size_bf16_puts_read_back_bit_exact_while_evicting(tmp_path):
     (bench/bench_store_put.py times these puts against safetensors.save_file.)"""
     n, d, levels = 196, 2560, 3
     buf = torch.randn(8 * n, d * (1 + levels)).to(torch.bfloat16)
-    one = EmbeddingStore(tmp_path / "probe", 1 << 30, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels,
+    one = DirectoryStore(tmp_path / "probe", 1 << 30, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels,
                          dtype="bfloat16").put("probe", buf[:n], (1, 14, 14)).nbytes
     root = tmp_path / "s"
-    store = EmbeddingStore(root, 8 * one, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels, dtype="bfloat16")
+    store = DirectoryStore(root, 8 * one, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels, dtype="bfloat16")
     rows = {}
     for i in range(20):
         rows[f"k{i}"] = buf[(i % 8) * n:(i % 8 + 1) * n]
@@ -371,17 +372,17 @@ def test_real_size_bf16_puts_read_back_bit_exact_while_evicting(tmp_path):
 
 
 # ---- atomicity -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["_allocate", "_write_ec_file", "_write_all"])
+@pytest.mark.parametrize("where", ["allocate", "write_ec_file", "write_all"])
 def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
     root = tmp_path / "s"
     store = make_store(root)
     old = store.put("kept", ec_for(1, 4), (1, 4, 4))
 
-    if where == "_allocate":  # the device fails when the file is reserved (ENOSPC evicts: see below)
+    if where == "allocate":  # the device fails when the file is reserved (ENOSPC evicts: see below)
         def half_write(fd, size):
             os.write(fd, b"\x00" * 100)
             raise OSError(5, "Input/output error")
-    elif where == "_write_ec_file":  # the whole file write fails
+    elif where == "write_ec_file":  # the whole file write fails
         def half_write(fd, header, ec_cache, *, fsync, mode, mapping):
             os.write(fd, b"\x00" * 100)  # partial bytes, then the "disk" fails
             raise OSError(28, "No space left on device")
@@ -390,8 +391,8 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch, where):
             os.write(fd, b"\x00" * 100)
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, where, half_write)
-    msg = "Input/output error" if where == "_allocate" else "No space"
+    monkeypatch.setattr(files_mod, where, half_write)
+    msg = "Input/output error" if where == "allocate" else "No space"
     with pytest.raises(OSError, match=msg):
         store.put("new", ec_for(2, 4), (1, 4, 4))
     with pytest.raises(OSError, match=msg):
@@ -472,15 +473,15 @@ def test_an_evicted_file_is_freed_outside_the_lock_and_a_left_one_at_start(tmp_p
     size = item_nbytes(make_store(tmp_path / "x"), 4)
     store = make_store(root, capacity=2 * size)
     unlinked = []
-    real = store_mod._unlink_quietly
-    monkeypatch.setattr(store_mod, "_unlink_quietly",
+    real = files_mod.unlink_quietly
+    monkeypatch.setattr(files_mod, "unlink_quietly",
                         lambda path: unlinked.append((Path(path).name, store._lock.locked())) or real(path))
     for k in "abc":
         store.put(k, ec_for(ord(k), 4), (1, 2, 8))
     assert store.evictions == 1 and store.lru_keys() == ["b", "c"]
     assert [(name.startswith(format_mod.TMP_PREFIX + "evicted-"), locked) for name, locked in unlinked] == [(True, False)]
     assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
-    monkeypatch.setattr(store_mod, "_unlink_quietly", real)
+    monkeypatch.setattr(files_mod, "unlink_quietly", real)
 
     (root / f"{format_mod.TMP_PREFIX}evicted-0123456789abcdef").write_bytes(b"x" * 100)  # left by a crash
     again = make_store(root, capacity=2 * size)
@@ -698,7 +699,7 @@ def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
     store.put("other", ec_for(2, 4), (1, 2, 8))
 
     writing, release = threading.Event(), threading.Event()
-    real_write = store_mod._write_ec_file
+    real_write = files_mod.write_ec_file
     new_k = ec_for(3, 4)
 
     def slow_write(fd, header, ec_cache, **kw):
@@ -707,7 +708,7 @@ def test_put_of_a_key_being_evicted_lands(tmp_path, monkeypatch):
             assert release.wait(5)
         return real_write(fd, header, ec_cache, **kw)
 
-    monkeypatch.setattr(store_mod, "_write_ec_file", slow_write)
+    monkeypatch.setattr(files_mod, "write_ec_file", slow_write)
     result: list = []
     t = threading.Thread(target=lambda: result.append(store.put("k", new_k, (1, 2, 8))))
     t.start()
@@ -775,7 +776,7 @@ def test_other_model_is_indexed_but_not_a_hit(tmp_path):
     assert len(other) == 2 and other.bytes_used == 2 * a.nbytes  # counted against capacity
     assert other.lookup("shared") is None and other.lookup("only-a") is None
     # different deepstack layout or dtype of the same model name: not a hit either
-    layout = EmbeddingStore(root, 1 << 30, model_id="model-A", out_hidden_size=2 * D, deepstack_levels=1)
+    layout = DirectoryStore(root, 1 << 30, model_id="model-A", out_hidden_size=2 * D, deepstack_levels=1)
     assert layout.lookup("shared") is None
     assert make_store(root, model="model-A", dtype="bfloat16").lookup("shared") is None
     assert make_store(root, model="model-A", dtype="float32").lookup("shared") == a
@@ -802,7 +803,7 @@ def test_capacity_is_capped_to_what_the_filesystem_holds(tmp_path, monkeypatch, 
     class Small:  # the root's filesystem with 10 MB free (as Docker's 64 MB /dev/shm, nearly full)
         f_bavail, f_frsize = 2560, 4096
 
-    monkeypatch.setattr(store_mod.os, "statvfs", lambda p: Small if str(p).startswith(str(tmp_path)) else real(p))
+    monkeypatch.setattr(files_mod.os, "statvfs", lambda p: Small if str(p).startswith(str(tmp_path)) else real(p))
     store = make_store(tmp_path / "s", capacity=1 << 30)
     assert store.capacity_bytes == int(10 * 1024 * 1024 * 0.95)
     assert "more than" in caplog.text and "--store-capacity-bytes" in caplog.text
@@ -814,7 +815,7 @@ def test_enospc_evicts_and_retries_or_answers_store_full(tmp_path, monkeypatch):
     store = make_store(tmp_path / "s", min_residency_s=10, clock=lambda: now[0])
     for k in ("a", "b"):
         store.put(k, ec_for(1, 4), (1, 4, 4))
-    real, failures = store_mod._allocate, [0]
+    real, failures = files_mod.allocate, [0]
 
     def full_once(fd, size):  # the filesystem is full the first time, until something is freed
         if failures[0] == 0:
@@ -822,7 +823,7 @@ def test_enospc_evicts_and_retries_or_answers_store_full(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(fd, size)
 
-    monkeypatch.setattr(store_mod, "_allocate", full_once)
+    monkeypatch.setattr(files_mod, "allocate", full_once)
     # Both entries are young (answered under 10 s ago): nothing may be evicted, so 503 StoreFull.
     with pytest.raises(StoreFull, match="filesystem") as exc:
         store.put("c", ec_for(2, 4), (1, 4, 4))
@@ -836,47 +837,18 @@ def test_enospc_evicts_and_retries_or_answers_store_full(tmp_path, monkeypatch):
 
 def test_a_store_that_cannot_be_written_says_why_until_a_write_succeeds(tmp_path, monkeypatch):
     store = make_store(tmp_path / "s")
-    real = store_mod._allocate
+    real = files_mod.allocate
 
     def read_only(fd, size):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(store_mod, "_allocate", read_only)
+    monkeypatch.setattr(files_mod, "allocate", read_only)
     with pytest.raises(OSError, match="Read-only"):
         store.put("a", ec_for(1, 4), (1, 4, 4))
     assert "Read-only file system" in store.unwritable
-    monkeypatch.setattr(store_mod, "_allocate", real)
+    monkeypatch.setattr(files_mod, "allocate", real)
     store.put("a", ec_for(1, 4), (1, 4, 4))
     assert store.unwritable is None
-
-
-def test_room_check_on_a_full_store_does_not_scan_every_entry(tmp_path):
-    # Under constant eviction every put checks for room; scanning the whole index there held the GIL
-    # ~0.4 ms per put with a few thousand entries (py-spy, H200 host, HTTP load). Time the check with
-    # 100 and with 100,000 entries of the same store: it must not grow with the index.
-    def per_check(entries: int) -> float:
-        store = make_store(tmp_path / f"s{entries}", capacity=entries * 1000, min_residency_s=30)
-        now = store._clock()
-        with store._lock:
-            for i in range(entries):  # the oldest half answered long ago, the rest still in their residency
-                store._index[f"k{i}"] = store_mod._Entry(nbytes=1000, item=None,
-                                                         keep_until=0.0 if i < entries // 2 else now + 30)
-            store._bytes_used = entries * 1000
-            t0 = time.perf_counter()
-            for _ in range(200):
-                store._check_room_locked("new", 1000)  # must evict one old entry: fits
-            dt = (time.perf_counter() - t0) / 200
-            # And a store full of young entries still refuses, saying when to retry.
-            for e in store._index.values():
-                e.keep_until = now + 30
-            with pytest.raises(StoreFull) as full:
-                store._check_room_locked("new", 1000)
-        assert full.value.retry_after_s in (29, 30) and f"({entries * 1000} of {entries * 1000} bytes)" in full.value.message
-        store.close()
-        return dt
-
-    small, large = min(per_check(100) for _ in range(3)), per_check(100_000)
-    assert large < 10 * small + 20e-6, (small, large)  # a full scan of 100,000 entries takes milliseconds
 
 
 # ---- shards (one engine per device) ----------------------------------------------------------------
@@ -905,7 +877,7 @@ def test_shards_index_write_and_lock_only_their_own_keys(tmp_path):
     stale.write_bytes(b"x")
 
     # As a sharded service runs: the supervisor holds the root's lock, each engine its shard's.
-    root_lock = EmbeddingStore.lock_root(root, None)
+    root_lock = lock_root(root, None)
     try:
         with pytest.raises(StoreOwnershipError, match="is writing to the store root"):
             make_store(root, exclusive=True)  # a second, one-engine service on the root: refused
@@ -973,17 +945,75 @@ MOUNTINFO = """\
     ("/mnt/huge/plain dir", "always within_size advise never deny [force]", "force"),  # forced on every tmpfs
 ])
 def test_tmpfs_huge_reads_the_mount_holding_the_path(path, shmem, expected):
-    assert store_mod.tmpfs_huge(path, MOUNTINFO, shmem) == expected
+    assert files_mod.tmpfs_huge(path, MOUNTINFO, shmem) == expected
 
 
 def test_a_service_store_on_a_tmpfs_without_huge_pages_says_how_to_mount_it(tmp_path, monkeypatch, caplog):
     seen = []
-    monkeypatch.setattr(store_mod, "tmpfs_huge", lambda path: seen.append(path) or "never")
+    monkeypatch.setattr(files_mod, "tmpfs_huge", lambda path: seen.append(path) or "never")
     with caplog.at_level("INFO", logger="service.store.directory"):
-        EmbeddingStore(tmp_path / "a", 1 << 20, MODEL, D, 1, exclusive=True).close()
+        DirectoryStore(tmp_path / "a", 1 << 20, MODEL, D, 1, exclusive=True).close()
     assert "huge=within_size" in caplog.text and seen == [os.path.realpath(tmp_path / "a")]
     caplog.clear()
-    monkeypatch.setattr(store_mod, "tmpfs_huge", lambda path: "within_size")
+    monkeypatch.setattr(files_mod, "tmpfs_huge", lambda path: "within_size")
     with caplog.at_level("INFO", logger="service.store.directory"):
-        EmbeddingStore(tmp_path / "b", 1 << 20, MODEL, D, 1, exclusive=True).close()
+        DirectoryStore(tmp_path / "b", 1 << 20, MODEL, D, 1, exclusive=True).close()
     assert "huge" not in caplog.text
+
+
+@pytest.mark.parametrize("writers", [1, 3, 4])
+def test_a_steps_entries_are_shared_among_the_writer_threads_in_order(tmp_path, writers):
+    """commit_step: a step's entries in `writers` contiguous shares, one written by the calling thread, the
+    rest by the store's pool, each answered with its own index."""
+    store = make_store(tmp_path / "s", writers=writers)
+    seen: dict[int, str] = {}
+
+    def commit(pending, rows, answer=None):
+        seen[pending] = threading.current_thread().name
+        time.sleep(0.001)  # long enough that the shares run at the same time, on different threads
+        answer(pending * 10 + rows)
+
+    store.commit = commit
+    for n in (1, 2, 7, 64):
+        answers: dict[int, int] = {}
+        store.commit_step(list(range(n)), [1] * n, lambda i, item: answers.__setitem__(i, item))
+        assert answers == {a: a * 10 + 1 for a in range(n)}
+    # 64 entries: `writers` contiguous shares, one run by the calling thread, the rest by the pool.
+    threads = [seen[a] for a in range(64)]
+    assert len(set(threads)) == writers and threads[0] == threading.current_thread().name
+    assert threads == sorted(threads, key=threads.index)  # each thread's share is one contiguous run
+    store.close()
+
+
+def test_a_failed_entry_of_a_step_answers_only_its_own_index(tmp_path):
+    store = make_store(tmp_path / "s", writers=2)
+    ecs = [ec_for(i, 4) for i in range(3)]
+    pendings = [store.reserve(k, tuple(ec.shape), ec.dtype, (1, 2, 8)) for k, ec in zip("abc", ecs)]
+    rows = [ecs[0], ecs[1][:, :-1].contiguous(), ecs[2]]  # b's rows do not match its reservation
+    answers: dict[int, object] = {}
+    store.commit_step(pendings, rows, lambda i, item: answers.__setitem__(i, item))
+    assert answers[0].key == "a" and answers[2].key == "c" and isinstance(answers[1], ValueError)
+    assert sorted(store.lru_keys()) == ["a", "c"] and tmp_files(tmp_path / "s") == []
+    store.close()
+
+
+def test_the_store_protocol_finds_at_once_reads_and_evicts(tmp_path):
+    """What the engine uses of a store (service/store/base.py), on a directory: `find` is answered before it
+    returns (the index is here), `known` is the same lookup, `evict` takes the entry and its file."""
+    store = make_store(tmp_path / "s")
+    ec = ec_for(5, 4)
+    item = store.put("k", ec, (1, 2, 8), content_sha256="ab" * 32)
+    found = store.find("k")
+    assert found.done() and found.result() == item and store.known("k") == item
+    assert store.find("nothing").result() is None
+    bad = store.find("../escape")
+    assert bad.done() and type(bad.exception()).__name__ == "InvalidKey"
+    got = store.read("k")
+    assert torch.equal(torch.cat([got.main, *got.deepstack], 1), ec)
+    assert store.stats().entries == 1 and store.stats().bytes_used == item.nbytes and store.health() is None
+    assert store.evict("k") is True and store.evict("k") is False
+    assert store.find("k").result() is None and not (tmp_path / "s" / "k").exists() and store.stats().bytes_used == 0
+    with pytest.raises(KeyError):
+        store.read("k")
+    assert store.location == str(tmp_path / "s")
+    store.close()

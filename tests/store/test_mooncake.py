@@ -15,7 +15,7 @@ import torch
 
 from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
 from service.errors import StoreUnavailable
-from service.store.directory import EmbeddingStore
+from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from service.store.mooncake import MooncakeStore, added_ranges, connect, meta_key, value_key
 from service.store.reader import open_reader
@@ -62,7 +62,7 @@ def test_the_value_is_vllms_layout_and_equals_the_directory_entry_bit_for_bit(ma
     torch.manual_seed(0)
     ec = torch.randn(37, WIDTH).to(getattr(torch, dtype))  # a 1x74x2 grid's tokens... any shape will do
     pooled = _store(master, model=f"layout-{dtype}", dtype=dtype)
-    directory = EmbeddingStore(tmp_path / "dir", 1 << 30, f"layout-{dtype}", out_hidden_size=OUT_HIDDEN,
+    directory = DirectoryStore(tmp_path / "dir", 1 << 30, f"layout-{dtype}", out_hidden_size=OUT_HIDDEN,
                                deepstack_levels=LEVELS, dtype=dtype)
     item = pooled.put("img-1", ec, (1, 2, 74), content_sha256="ab" * 32)
     directory.put("img-1", ec, (1, 2, 74), content_sha256="ab" * 32)
@@ -104,7 +104,7 @@ def test_a_lookup_finds_only_a_whole_entry_of_this_model(master):
     # A re-put replaces it whole (an upsert: a put onto an existing key would keep the old value); the writer's
     # lone-image commit (a reservation asked to be mapped, which means nothing here) answers once it is stored.
     answered = []
-    pending = writer.reserve("k", (4, WIDTH), torch.bfloat16, (1, 4, 4), content_sha256="ef" * 32, mapped=True)
+    pending = writer.reserve("k", (4, WIDTH), torch.bfloat16, (1, 4, 4), content_sha256="ef" * 32, lone=True)
     item = writer.commit(pending, ec * 2, answer=lambda stored: answered.append((stored, writer.lookup("k"))))
     again = writer.lookup("k")
     assert again is not None and again.content_sha256 == "ef" * 32 and answered == [(item, again)]
@@ -269,3 +269,34 @@ def test_the_segment_is_faulted_in_at_start_so_the_first_puts_pay_no_page_faults
         assert faulted < 1000, f"{faulted} page faults for 32 MiB of puts into a segment faulted in at start"
     finally:
         store.close()
+
+
+def test_the_store_protocol_finds_off_the_callers_thread_reads_evicts_and_commits_a_step(master):
+    """What the engine uses of a store (service/store/base.py), on Mooncake: `find` is a round trip, answered
+    on the lookups' thread; `known` is this engine's own recent writes; a step's entries answered by index."""
+    import threading
+
+    writer = _store(master, model="m-protocol")
+    ec = torch.randn(3, WIDTH).to(torch.bfloat16)
+    item = writer.put("p", ec, (1, 2, 6), content_sha256="12" * 32)
+    threads = []
+    found = writer.find("p")
+    found.add_done_callback(lambda f: threads.append(threading.current_thread().name))
+    assert found.result(timeout=10) == writer.lookup("p") and found.result().content_sha256 == "12" * 32
+    assert writer.find("never").result(timeout=10) is None
+    assert threads and threads[0] in ("store-lookups", threading.current_thread().name)
+    assert writer.known("p") == item and writer.known("never") is None
+    got = writer.read("p")
+    assert torch.equal(torch.cat([got.main, *got.deepstack], 1), ec) and got.grid_thw == (1, 2, 6)
+    assert writer.evict("p") is True and writer.find("p").result(timeout=10) is None and writer.known("p") is None
+    with pytest.raises(KeyError):
+        writer.read("p")
+    rows = [torch.randn(2, WIDTH).to(torch.bfloat16), torch.randn(4, WIDTH).to(torch.bfloat16)]
+    pendings = [writer.reserve(k, tuple(t.shape), t.dtype, (1, 2, 2 * t.shape[0])) for k, t in zip("xy", rows)]
+    answers: dict[int, object] = {}
+    writer.commit_step(pendings, rows, lambda i, result: answers.__setitem__(i, result))
+    assert [answers[i].key for i in (0, 1)] == ["x", "y"]
+    stats = writer.stats()
+    assert stats.entries == 3 and stats.bytes_used > 0 and stats.evictions == 0 and writer.health() is None
+    assert writer.location == master.url
+    writer.close()

@@ -1,17 +1,18 @@
-"""Store lookups off the engine host's thread, batched, for a store whose lookup is a network round trip
-(Mooncake: an RPC to the master).
+"""Lookups off the caller's thread, batched, for a store whose lookup is a network round trip (Mooncake:
+an RPC to the master): what MooncakeStore.find answers with.
 
-The host answers every API process from one thread (engine/host.py). A lookup per claim and per submit
-on that thread serialized the round trips: on an H200 machine (gVisor's loopback, ~1.2 ms a lookup)
+The engine host answers every API process from one thread (engine/host.py). A lookup per claim and per
+submit on that thread serialized the round trips: on an H200 machine (gVisor's loopback, ~1.2 ms a lookup)
 /encode at 1 image per request topped out at 406 img/s with Mooncake against 658 with the directory
-(bench/results/2026-12-01-h200-b64e350/). Here one thread takes every lookup queued meanwhile into one
-`store.lookup_many` (one batch_is_exist), so under load the round trips are shared and the host keeps
-answering; an idle lookup costs one round trip, as before. A directory store is looked up in place
-(a stat and a header read: a thread hop would cost more than it).
+(bench/RESULTS.md). Here one thread takes every lookup queued meanwhile into one `lookup_many` (one
+batch_is_exist), so under load the round trips are shared and the host keeps answering; an idle lookup
+costs one round trip. A directory store answers in place (a stat and a header read: a thread hop would
+cost more than it).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -22,23 +23,25 @@ from service.store.format import StoredItem
 
 log = logging.getLogger(__name__)
 
-Answer = Callable[["StoredItem | None | Exception"], None]
+LookupMany = Callable[[list[str]], "list[StoredItem | None]"]
 
 
-class StoreLookups:
-    """`lookup(key, answer)`: answer(item or None, or the exception the store raised) is called on this
-    object's thread (post it to wherever it belongs). Keys queued while a batch is out go in the next."""
+class Lookups:
+    """`lookup(key)`: a future of the item (None: a miss) or of the exception `lookup_many` raised, done on
+    this object's thread (its callbacks run there). Keys queued while a batch is out go in the next."""
 
-    def __init__(self, store, max_batch: int = 256):
-        self.store, self.max_batch = store, max_batch
+    def __init__(self, lookup_many: LookupMany, max_batch: int = 256):
+        self.lookup_many, self.max_batch = lookup_many, max_batch
         # What close() logs: how the round trips were shared (calls, keys, seconds inside lookup_many).
         self.calls, self.keys, self.busy_s = 0, 0, 0.0
-        self._queue: queue.SimpleQueue[tuple[str, Answer] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, concurrent.futures.Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="store-lookups", daemon=True)
         self._thread.start()
 
-    def lookup(self, key: str, answer: Answer) -> None:
-        self._queue.put((key, answer))
+    def lookup(self, key: str) -> concurrent.futures.Future:
+        found: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((key, found))
+        return found
 
     def close(self, timeout: float = 10) -> None:
         """Answer what is queued, then stop."""
@@ -66,12 +69,13 @@ class StoreLookups:
                 batch.append(nxt)
             t0 = time.perf_counter()
             try:
-                found: list = self.store.lookup_many([key for key, _ in batch])
+                found: list = self.lookup_many([key for key, _ in batch])
             except Exception as e:  # (the master unreachable: every lookup of the batch fails alike)
                 found = [e] * len(batch)
             self.calls, self.keys, self.busy_s = self.calls + 1, self.keys + len(batch), self.busy_s + time.perf_counter() - t0
-            for (_, answer), item in zip(batch, found, strict=True):
-                try:
-                    answer(item)
-                except Exception:  # an answer that fails is a bug there; the other answers still go
-                    log.exception("store lookup: its answer failed")
+            for (_, future), item in zip(batch, found, strict=True):
+                # (a callback that raises is logged by the future and does not stop the others)
+                if isinstance(item, Exception):
+                    future.set_exception(item)
+                else:
+                    future.set_result(item)
