@@ -313,7 +313,8 @@ def _main(argv: list[str] | None) -> int:
             from service.lm.router import RouterConfig, serve as serve_router
 
             return serve_router(RouterConfig(**args, **keys), host, port, log_level)
-        from service.lm.chat import ChatConfig, serve
+        from service.lm.chat.app import serve
+        from service.lm.chat.config import ChatConfig
 
         return serve(ChatConfig(**args, **keys), host, port, log_level)
     return _serve(args)

@@ -7,7 +7,7 @@ message. Spans:
     router       route                              (lm/router.py)
     encoder      encode request -> parse, keys, admit, decode, encode   (api/app.py, from its Server-Timing phases)
     engine       queue, step, store write           (per image, under its submitting request; engine/writer.py)
-    consumer     chat -> generation                 (lm/chat.py)
+    consumer     chat -> generation                 (lm/chat/app.py)
 
 The engine's spans are recorded after the fact, with the times the step loop and the writer noted
 (`Stamps`): nothing is started or ended on the step loop's thread, and with tracing off nothing is

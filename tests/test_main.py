@@ -140,12 +140,12 @@ def test_consume_and_route_take_limits_from_flags_and_keys_from_flags_or_variabl
     """The LM side's configs as the CLI builds them (their servers replaced): sizes as `serve` reads them,
     the keys from a flag, else from QVE_API_KEY / QVE_ENCODER_API_KEY / QVE_VLLM_API_KEY, never shown in a
     config's repr; a limit of 0 is refused by argparse."""
-    import service.lm.chat as chat
+    import service.lm.chat.app as chat_app
     import service.lm.router as router
 
     (tmp_path / "config.json").write_text("{}")  # (the CLI checks only that it is there before it imports)
     built = []
-    monkeypatch.setattr(chat, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
+    monkeypatch.setattr(chat_app, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
     monkeypatch.setattr(router, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
     monkeypatch.setenv("QVE_API_KEY", "env-a, env-b")
     monkeypatch.setenv("QVE_ENCODER_API_KEY", "env-enc")

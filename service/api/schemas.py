@@ -1,5 +1,5 @@
 """The HTTP API's request and response shapes (OpenAI content-part shape), shared with the LM side
-(lm/chat.py, lm/router.py take the same image parts)."""
+(lm/chat/schemas.py takes these image and video parts; lm/router.py takes the same shapes)."""
 
 from __future__ import annotations
 

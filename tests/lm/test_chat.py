@@ -1,4 +1,4 @@
-"""The LM consumer (service/lm/chat.py): real encoder + consumer processes answer chat requests with the
+"""The LM consumer (service/lm/chat/): real encoder + consumer processes answer chat requests with the
 same tokens as transformers' monolithic Qwen3-VL (pixels in, one model); and, in process against a
 fake encoder, the miss path (re-request once, then 424) and request errors."""
 
@@ -18,7 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from service.lm.chat import ChatConfig, LanguageModel, create_chat_app
+from service.lm.chat.app import create_chat_app
+from service.lm.chat.config import ChatConfig
+from service.lm.chat.model import LanguageModel
 from service.media.preprocess import to_rgb
 from service.errors import BadRequest
 from service.store.directory import DirectoryStore
@@ -308,8 +310,8 @@ def test_chat_with_a_video_from_the_store_equals_monolithic_generation(tmp_path,
     emb = read_embeddings(root, "vid")
     media = [read_embeddings(root, "img") for _ in images] + [emb]
     content = [*({"type": "image"} for _ in images), {"type": "video"}, {"type": "text", "text": text}]
-    assert lm.prompt_text([{"role": "system", "content": "you are helpful"}, {"role": "user", "content": content}],
-                          media) == prompt_text
+    assert lm.prompt.prompt_text([{"role": "system", "content": "you are helpful"},
+                                  {"role": "user", "content": content}], media) == prompt_text
 
 
 def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
@@ -327,17 +329,18 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
                                                                            [0.3125, 1.4375, 2.5625])
     msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what is in this"}]}]
     group = "<|vision_start|>" + "<|video_pad|>" * 24 + "<|vision_end|>"
-    outer = ("", "") if lm.drops_video_wrapper else ("<|vision_start|>", "<|vision_end|>")
+    outer = ("", "") if lm.prompt.drops_video_wrapper else ("<|vision_start|>", "<|vision_end|>")
     by_hand = ("<|im_start|>user\n" + outer[0] + "".join(f"<{t} seconds>" + group for t in ("0.3", "1.4", "2.6"))
                + outer[1] + "what is in this<|im_end|>\n<|im_start|>assistant\n")
     template = lm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert lm.prompt_text(msgs, [emb]) == by_hand == processor_text(lm.tokenizer, template, [], [video])
+    assert lm.prompt.prompt_text(msgs, [emb]) == by_hand == processor_text(lm.tokenizer, template, [], [video])
     # What a prompt-limit error counts as the media's tokens: all the expansion put in, the dropped wrapper aside.
-    ids = lm.template_ids(msgs)
-    kept = len(ids) - 1 - (2 if lm.drops_video_wrapper else 0)  # the template's tokens but the placeholder (and wrapper)
-    assert lm.media_rows([emb]) == len(lm.expand(ids, [emb])) - kept > 3 * 26
+    ids = lm.prompt.template_ids(msgs)
+    # the template's tokens but the placeholder (and wrapper)
+    kept = len(ids) - 1 - (2 if lm.prompt.drops_video_wrapper else 0)
+    assert lm.prompt.media_rows([emb]) == len(lm.prompt.expand(ids, [emb])) - kept > 3 * 26
     with pytest.raises(BadRequest, match="placeholders"):  # a video part the template did not place
-        lm.prompt_text([{"role": "user", "content": "no media"}], [emb])
+        lm.prompt.prompt_text([{"role": "user", "content": "no media"}], [emb])
 
 
 def test_a_video_entry_that_does_not_fit_is_a_502_not_a_wrong_prompt(tmp_path, tiny_checkpoint, lm):
@@ -465,11 +468,11 @@ def test_a_long_text_is_counted_only_up_to_the_limit(lm):
     """count_text stops a little past the limit it is given (a megabyte costs about a limit's worth of
     tokenising to refuse), and below it counts exactly what the whole text encodes to."""
     text = "the cat is in the photo " * 44_000 + "describe"
-    whole = len(lm._encode_plain(text))
-    assert lm.count_text(text, whole) == whole == 264_001
-    assert 32768 < lm.count_text(text, 32768) < 32768 + 16384  # one slice past the limit at most
+    whole = len(lm.prompt._encode_plain(text))
+    assert lm.prompt.count_text(text, whole) == whole == 264_001
+    assert 32768 < lm.prompt.count_text(text, 32768) < 32768 + 16384  # one slice past the limit at most
     spaces = "a" + " " * 40_000 + "b"  # no space after a non-space to cut at: cut hard, inside the run
-    assert lm.count_text(spaces, 10) == len(lm._encode_plain(spaces)) == 2
+    assert lm.prompt.count_text(spaces, 10) == len(lm.prompt._encode_plain(spaces)) == 2
 
 
 def test_a_full_queue_answers_429_with_retry_after_at_once(lm, monkeypatch):
@@ -622,7 +625,7 @@ def test_control_tokens_in_message_text_are_text_not_markup(bpe_lm):
     # a normal prompt is tokenised whole, exactly as the tokenizer does it (the monolithic reference's ids)
     plain = [{"role": "user", "content": "describe the image, then compare it"}]
     text = bpe_lm.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-    assert bpe_lm.template_ids(plain) == bpe_lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert bpe_lm.prompt.template_ids(plain) == bpe_lm.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_control_token_the_tokenizer_cannot_read_as_text_is_refused(lm):
