@@ -1,6 +1,6 @@
 """VideoLimits: the video limits of Settings (config.py derives them), in a module of the standard library
-alone, because media/video.py takes them and must import without pydantic (bench/video_fixture_ref.py runs
-it where only numpy, torch and transformers are installed)."""
+alone, because media/video.py takes them and must import without pydantic
+(tests/media/fixtures/make_video_reference.py runs it where only numpy, torch and transformers are installed)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ if typing.TYPE_CHECKING:
     import torch
 
     # NOTE: for annotations only: this module (and media/video_preprocess.py, which uses `patch_rows`) then
-    # imports without pydantic, so bench/video_fixture_ref.py runs where only torch, numpy and PIL are.
+    # imports without pydantic, so tests/media/fixtures/make_video_reference.py runs where only torch, numpy
+    # and PIL are.
     from service.config import PreprocessParams
 
 from service.errors import BadAspectRatio
