@@ -4,7 +4,7 @@
 The host answers every API process from one thread (engine/host.py). A lookup per claim and per submit
 on that thread serialized the round trips: on an H200 machine (gVisor's loopback, ~1.2 ms a lookup)
 /encode at 1 image per request topped out at 406 img/s with Mooncake against 658 with the directory
-(bench/results/2026-12-01-h200-b64e350/). Here one thread takes every lookup queued meanwhile into one
+(2026-12-01; the run's logs are in git history). Here one thread takes every lookup queued meanwhile into one
 `store.lookup_many` (one batch_is_exist), so under load the round trips are shared and the host keeps
 answering; an idle lookup costs one round trip, as before. A directory store is looked up in place
 (a stat and a header read: a thread hop would cost more than it).
