@@ -1,7 +1,10 @@
-"""The front end of two trees in one run, alternated (issue 19: the one-encode-path restructure must not
-be slower than the commit before it):
+"""The front end of two checkouts in one run, alternated: is a change slower than the commit before it?
 
-    python bench/ab_frontend.py --out DIR --a BASELINE_TREE --b . [--rounds 3] [--modes 4]
+    python bench/ab_frontend.py --out DIR --a BASELINE_TREE --b . [--rounds 3] [--modes 4] [--images 4096]
+    python bench/ab_frontend.py --out DIR --summarize DIR/ab_frontend.json   # the table of a run cut short
+
+BASELINE_TREE is a checkout of the earlier commit (`mkdir .baseline && git archive COMMIT | tar -x -C .baseline`);
+bench/gpu_frontend.sh runs this with AB_TREE=.baseline.
 
 Runs `bench/bench_frontend.py --no-baseline --tree T` (this checkout's client, T's server) for A, B, A, B,
 ... so drift of the machine falls on both alike, with one torch.compile cache per tree (the first server

@@ -1,7 +1,11 @@
-"""The HTTP front end against the step loop (issue 7), in one run on one machine:
+"""The HTTP front end against the step loop, in one run on one machine (a CUDA GPU):
 
     python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8,8x2] [--images 4096]
-                                   [--stores directory,mooncake]
+        [--stores directory,mooncake] [--variants "NAME:SERVE FLAGS;..."] [--tree CHECKOUT] [--no-baseline]
+        [--no-x8] [--conc1 48] [--idle-requests 100] [--profile-s N]
+
+bench/RESULTS.md's HTTP lines: `--modes 4 --conc1 32 --no-x8 --no-baseline --images 8192 --idle-requests 300`,
+as bench/gpu_frontend.sh runs it after the tower alone (the rate 1 image per request is held to).
 
 1. baseline: the step loop with pre-decoded 448px images (`bench_tower.py --sections loop`, own process)
 2. for each --modes entry (0 = one process doing everything, K = a supervisor with K API processes,
@@ -13,11 +17,16 @@
      x8     the same with 8 images per request, --clients x --conc8 connections
    and stop it. With --stores, each mode runs once per store backend, in the order given: `directory` (a
    fresh directory in /dev/shm) and `mooncake` (a fresh mooncake_master on loopback, the server's segment
-   --store-bytes, Mooncake's TCP transport; issue 21: HTTP img/s against the directory in one run).
+   --store-bytes, Mooncake's TCP transport). --variants runs each mode once per set of serve flags, --tree
+   serves another checkout (an A/B of two commits: bench/ab_frontend.py alternates them).
 Every image is distinct (no cache hits): pixels are a random gradient plus noise, JPEG quality 90
 (~50 KB, like a photo). Request bodies are built before the clock starts; the client processes send
 them over raw keep-alive HTTP/1.1 connections (a few microseconds each), so the server, not the load
-generator, is what is measured. Results: DIR/bench_frontend.json and a table on stdout.
+generator, is what is measured. Per server it also reads the engine's step phases from /metrics, the GPU's
+busy fraction (nvidia-smi) and each process's and thread's CPU seconds. Prints each phase's figures as it
+goes, then a table per mode (idle p50, img/s and % of the step loop, the steady state, the step phases, the
+engine's gc) and, with --stores, each Mooncake run's img/s against the directory run before it;
+DIR/bench_frontend.json holds everything.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import io
 import json
 import multiprocessing as mp
@@ -378,13 +388,33 @@ def profile(args, server_pid: int, phase: str) -> list:
     return spies
 
 
+def pyspy_top(raw: Path) -> str:
+    """A py-spy raw profile (`py-spy record -f raw`) summed up: samples per thread root, the top leaf frames
+    (where the time is spent) and the top inclusive frames of the project's own code."""
+    threads, leaves, inclusive = collections.Counter(), collections.Counter(), collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        parts = stack.split(";")
+        threads[parts[0]] += int(n)
+        leaves[parts[-1]] += int(n)
+        for frame in set(parts):
+            if "service/" in frame or "kernels/" in frame:
+                inclusive[frame] += int(n)
+    total = sum(threads.values()) or 1
+    out = [f"{sum(threads.values())} samples"]
+    out += [f"{v:6d} {100 * v / total:5.1f}%  thread root {k}" for k, v in threads.most_common(12)]
+    out += ["-- leaf frames"] + [f"{v:6d} {100 * v / total:5.1f}%  {k}" for k, v in leaves.most_common(40)]
+    out += ["-- inclusive, the project's frames"]
+    out += [f"{v:6d} {100 * v / total:5.1f}%  {k}" for k, v in inclusive.most_common(30)]
+    return "\n".join(out) + "\n"
+
+
 def summarize(spies: list) -> None:
+    """Wait for each py-spy of `profile` and write its summary beside its raw file (pyspy_*.top)."""
     for p, raw, name in spies:
         p.wait(60)
         if raw.exists():
-            top = subprocess.run([sys.executable, str(ROOT / "bench/pyspy_top.py"), str(raw)], capture_output=True,
-                                 text=True).stdout
-            raw.with_suffix(".top").write_text(f"{name}\n{top}")
+            raw.with_suffix(".top").write_text(f"{name}\n{pyspy_top(raw)}")
 
 
 def main() -> int:

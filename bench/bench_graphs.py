@@ -1,9 +1,12 @@
-"""CUDA-graph replay vs the eager tower, per bucket, with a consistent padded layout staged.
+"""CUDA-graph replay vs the eager tower, per bucket, with a consistent padded layout staged (a CUDA GPU).
 
     python bench/bench_graphs.py --out DIR [--preset qwen3-vl-4b] [--max-images 64] [--images 1,2,...] [--exact-images N]
 
-For each step of k 448x448 images: eager tower on exactly k*784 patches, and the replay of the graph
-of its bucket. Prints ms per step and img/s for both; writes DIR/bench_graphs.json.
+For each step of k 448x448 images (--images, default 1,2,3,4,6,7,8,16,64): the eager tower on exactly
+k*784 patches, the replay of the padded varlen graph of its bucket and of the equal-step graph
+(batched attention) where there is one, each with its relative difference to the eager output, and the
+host time of launching the eager tower. Prints a row per step as it goes, then a table (ms per step,
+img/s); writes DIR/bench_graphs_<max-images>.json.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_gpu import cuda_time  # noqa: E402
+from bench.bench_tower import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402

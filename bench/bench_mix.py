@@ -1,16 +1,17 @@
-"""The real-world photo-size mix over HTTP (issue 24): `serve` with each configuration in turn, the same
-black-box load against each, in one run on one machine.
+"""The real-world photo-size mix over HTTP: `serve` with each configuration in turn, the same black-box
+load against each, in one run on one machine (a CUDA GPU).
 
     python bench/bench_mix.py --out DIR [--preset qwen3-vl-4b] [--configs "cudnn:--attention cudnn;auto:"]
         [--requests 3000] [--processes 4] [--concurrency 64] [--idle 60] [--sizes 448x448] [--profile-s 8]
 
 Load: bench/loadtest.py as a separate program (4 client processes, asyncio httpx), one image per request,
-distinct JPEG photographs (the `photo` pattern) cycled over issue 24's ten sizes (640x480 ... 1280x960),
+distinct JPEG photographs (the `photo` pattern) cycled over ten real-world sizes (640x480 ... 1280x960),
 --concurrency in flight in all, after a warm-up of 256 requests; then --idle requests one at a time (an
 idle server's latency, p50). A configuration is `name:extra serve flags`; `cudnn` (--attention cudnn:
 batched cuDNN, FA2 varlen) is the kernels before the measured plan, the baseline of the same run.
-The tower's FLOPs per image (bench_gpu.tower_flops) turn img/s into TFLOP/s. JSON DIR/bench_mix.json.
-`--sizes 448x448` (with --requests 8000 --concurrency 128) is issue 24's 448px generator instead.
+The tower's FLOPs per image (bench_tower.tower_flops) turn img/s into TFLOP/s. Prints a row per configuration
+as it finishes, then a table (img/s, TFLOP/s and the ratio to the first configuration, latency, idle p50);
+JSON DIR/bench_mix.json. `--sizes 448x448` (with --requests 8000 --concurrency 128): 448px photographs instead.
 
 Where the time goes, per configuration: the CPU seconds of every server process and thread (and of the load
 generator: its client and image-building processes) over the measured load, the engine's steps and images per
@@ -76,7 +77,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from bench.bench_gpu import tower_flops
+    from bench.bench_tower import tower_flops
     from service.config import Settings
     from service.engine.loader import load_model
     from service.media.preprocess import grid_for, smart_resize

@@ -1,15 +1,27 @@
-"""The tower at the GPU's speed (issue 6): every figure against transformers and the bf16 matmul
-ceiling measured in the same run, on the same GPU, with the same weights.
+"""The tower at the GPU's speed: every figure against transformers and the bf16 matmul ceiling measured
+in the same run, on the same GPU, with the same weights (a preset's seeded random weights).
 
-    python bench/bench_tower.py --out DIR [--preset qwen3-vl-4b] [--sections tower,graphs,accuracy,loop,one,startup]
+    python bench/bench_tower.py --out DIR [--preset qwen3-vl-4b] [--sections ceiling,tower,accuracy,fp8,...]
+        [--shapes "448 b64,1024 b16,real-world 10"] [--no-by-kernel] [--fp8-gemms qkv] [--fp8-keep 0]
 
-Sections (all written to DIR/bench_tower.json as they finish; a table is printed last):
-  ceiling   bf16 8192^3 matmul TFLOP/s
-  tower     img/s of transformers' tower, ours eager (--no-compile) and ours compiled (cuDNN and SDPA
-            batched attention) at 448px batch 1/8/64, 1024px batch 16 and a mixed-size step of 8
+The tower figures of bench/RESULTS.md come from `--sections ceiling,tower,graphs,accuracy,fp8` with
+`--shapes "448 b64,1024 b16,real-world 10"` (bench/gpu_tower.sh runs it after the GPU tests).
+
+Needs a CUDA GPU, transformers and (accuracy) scikit-image's photographs. Sections (default: all; written
+to DIR/bench_tower.json as they finish; a table is printed last):
+  ceiling   bf16 8192^3 matmul TFLOP/s (always measured)
+  tower     img/s of transformers' tower (SDPA), ours eager (--no-compile) and ours compiled with the
+            attention plan measured at start-up, then with each attention kernel forced (--no-by-kernel:
+            not), per --shapes step: 448px batch 1/8/64, 1024px batch 16, 8 mixed sizes, 1080p batch 4,
+            the ten real-world photo sizes in one step (`real-world 10`)
+  fp8       --dtype fp8: img/s per --fp8-gemms set x --fp8-keep bf16 blocks, as a ratio to bf16 compiled
+            (with accuracy: relative L2 and per-token cosine against float32 on the photographs)
+  profile, profile1, profile1024   the compiled forward's GPU time by kernel (448px x 64, x 1, 1024px x 16)
   graphs    ms per step of a CUDA-graph replay of the compiled tower, 1..16 images of 448px
   accuracy  bf16 relative L2 error against a float32 transformers run on 8 real photographs:
             transformers bf16, ours eager, ours compiled + graphs (the service's path)
+  naive     the naive server: transformers' own image processor (PIL) and its tower, one 448px PNG at a
+            time, 64 images (the baseline of the `loop` section)
   writer    the store alone: puts of 448px images' embeddings into /dev/shm, per writer thread count
   loop      step loop + /dev/shm store with pre-decoded 448px images, steps of 64 (per --writers)
   one       one 448px image on an idle step loop: submit -> stored, median of 50, with its parts
@@ -37,7 +49,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_gpu import cuda_time, noise_png, photos, tower_flops  # noqa: E402
 from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.core import Engine
@@ -53,10 +64,62 @@ from service.engine import attention  # noqa: E402
 from service.engine.attention import AttentionPlan  # noqa: E402
 from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
 
-# issue 24's real-world photo sizes (width, height)
+# the real-world mix's ten photo sizes (width, height)
 REAL_WORLD_SIZES = ((640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (512, 512), (336, 336),
                     (1024, 1024), (480, 640), (1280, 960))
-ALL = "ceiling,tower,fp8,profile,profile1,profile1024,graphs,accuracy,writer,loop,one,startup"
+ALL = "ceiling,tower,fp8,profile,profile1,profile1024,graphs,accuracy,naive,writer,loop,one,startup"
+
+
+def cuda_time(fn, reps=20, warmup=3) -> float:
+    """Median seconds of fn() measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+def tower_flops(spec, patches_per_image: list[int], frame_only: bool) -> float:
+    """FLOPs of one forward of the tower over images of these patch counts (GEMMs and attention)."""
+    h, i, o = spec.hidden_size, spec.intermediate_size, spec.out_hidden_size
+    total = 0.0
+    for n in patches_per_image:
+        total += 2 * n * (768 if frame_only else 1536) * h
+        total += spec.depth * (2 * n * (4 * h * h + 2 * h * i) + 4 * n * n * h)
+        total += (1 + spec.deepstack_levels) * 2 * (n // 4) * (16 * h * h + 4 * h * o)
+    return total
+
+
+def noise_png(seed: int, w: int, h: int) -> bytes:
+    """A distinct w x h PNG: a gradient plus noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w * h * 3).reshape(h, w, 3)
+    arr = np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def photos() -> list[bytes]:
+    """scikit-image's real photographs (none without scikit-image)."""
+    try:
+        import skimage
+    except ImportError:
+        return []
+    d = Path(skimage.__file__).parent / "data"
+    names = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png", "motorcycle_left.png",
+             "hubble_deep_field.jpg", "retina.jpg"]
+    return [(d / n).read_bytes() for n in names if (d / n).exists()]
 
 
 def synthetic_batch(spec, grids, device="cuda", dtype=torch.bfloat16, seed=0, batched=True):
@@ -139,7 +202,7 @@ def main() -> int:
               "mixed 8": [(1, 28, 28), (1, 64, 64), (1, 16, 16), (1, 36, 48), (1, 48, 36), (1, 20, 60), (1, 40, 40),
                           (1, 32, 24)],
               "1080p b4": [(1, 68, 120)] * 4,
-              # issue 24's real-world photo sizes, one of each, as the service resizes them
+              # the real-world photo sizes, one of each, as the service resizes them
               "real-world 10": [grid_for(*smart_resize(h, w, model.params), model.params) for w, h in REAL_WORLD_SIZES]}
     shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")} if args.shapes else shapes
 
@@ -192,6 +255,24 @@ def main() -> int:
                "cosine_min_transformers_bf16": cosine_min(hf_bf16, ref), "cosine_min_ours_eager_bf16": cosine_min(eager_out, ref)}
         res["accuracy"] = acc
         print("accuracy", acc, flush=True)
+        save()
+
+    if "naive" in sections:
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        proc = Qwen2VLImageProcessorPil(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16,
+                                        temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        pngs = [noise_png(i, 448, 448) for i in range(64)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for blob in pngs:
+                inp = proc(images=[Image.open(io.BytesIO(blob))], return_tensors="pt")
+                o = hf(inp["pixel_values"].cuda().bfloat16(), grid_thw=inp["image_grid_thw"].cuda())
+                torch.cat([o.pooler_output, *o.deepstack_features], 1).cpu()
+        res["naive"] = {"images": len(pngs), "img_s": round(len(pngs) / (time.perf_counter() - t0), 1)}
+        print("naive", res["naive"], flush=True)
         save()
 
     # ---- the service's engine: compile + CUDA graphs (what `serve` builds) ------------------------
@@ -377,8 +458,8 @@ def main() -> int:
                     save()
                 if "loop" in sections:
                     res["loop"] = []
-                    # Two passes, both recorded: single passes read 518-763 img/s on machines of one kind,
-                    # and one run's two passes 763.3 then 692.3 (results/2026-11-30-h200-frontend/).
+                    # Two passes, both recorded: single passes of the loop vary by a fifth and more between
+                    # machines of one kind, and between one run's two passes.
                     t0 = time.perf_counter()
                     warm = [batcher.submit(f"warm{i}", EncodeJob(f"warm{i}", imgs[i % 64]), imgs[i % 64].num_tokens)
                             for i in range(args.loop_images)]
@@ -514,7 +595,7 @@ def print_table(res: dict) -> None:
               f"varlen graph {g.get('varlen_graph_ms')} ms")
     if "accuracy" in res:
         print("accuracy (rel L2 vs float32 transformers):", {k: v for k, v in res["accuracy"].items()})
-    for k in ("engine_startup", "one_image_parts_ms", "one_image_step", "writer", "loop"):
+    for k in ("engine_startup", "naive", "one_image_parts_ms", "one_image_step", "writer", "loop"):
         if k in res:
             print(k, res[k])
     for s in res.get("startup", []):

@@ -1,5 +1,5 @@
-"""Video throughput on one GPU (issue 22): this service against transformers' video processor + vision
-tower one request at a time, in one run on one machine.
+"""Video throughput on one GPU: this service against transformers' video processor + vision tower one
+request at a time, in one run on one machine (needs PyAV, torchvision and transformers).
 
     python bench/bench_video.py --out DIR [--preset qwen3-vl-4b] [--seconds 30] [--fps 30]
         [--sizes 1280x720,1920x1080] [--configs default,budget] [--clips 16] [--concurrency 8]

@@ -2,7 +2,7 @@
 (tiny preset) with a store small enough that nearly every write evicts, sends 2,000 distinct images
 through the load tool, replays every 10th from the store and verifies it against the float32
 reference, while reader threads read random store entries. 60-66 s under pytest on the 2-core
-development machine (bench/results/2026-11-30-cpu-soak/ has one run's report)."""
+development machine (bench/RESULTS.md has the latest CPU soak's figures)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""bench/video_fixture_frames.py and bench/video_fixture_ref.py, the video reference's two halves: the second
-runs where there is no PyAV and none of this project's dependencies (a GPU machine with transformers and
+"""tests/media/fixtures/make_video_frames.py and make_video_reference.py, the video reference's two halves:
+the second runs where there is no PyAV and none of this project's dependencies (a GPU machine with transformers and
 torchvision), so it may import only the standard library, numpy, torch, transformers and torchvision, and
 our modules only what needs numpy, torch and PIL; run here with every other package refused, its half
 without transformers (--ours-only) runs end to end, and its reference half fails clearly without torchvision.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REF = ROOT / "bench" / "video_fixture_ref.py"
+FIXTURES = ROOT / "tests" / "media" / "fixtures"
+REF = FIXTURES / "make_video_reference.py"
 
 # The top-level names of every dependency this project declares, and PyAV and the test tools, but for the
 # four the reference machine has (numpy, torch, PIL, transformers): refused in the script's process.
@@ -82,7 +83,7 @@ def test_the_reference_script_imports_only_the_stdlib_numpy_torch_transformers_t
 def frames_dir(tmp_path_factory):
     pytest.importorskip("av", reason="PyAV decodes the clips (the `video` extra)")
     out = tmp_path_factory.mktemp("video-frames")
-    subprocess.run([sys.executable, str(ROOT / "bench" / "video_fixture_frames.py"), str(out)], check=True,
+    subprocess.run([sys.executable, str(FIXTURES / "make_video_frames.py"), str(out)], check=True,
                    capture_output=True, timeout=300)
     return out
 
@@ -123,4 +124,4 @@ def test_the_reference_half_without_torchvision_says_what_it_needs(frames_dir, t
     empty = tmp_path / "empty"
     empty.mkdir()
     done = _run_ref(str(empty), str(tmp_path / "ref.json"), "--ours-only")
-    assert done.returncode == 2 and "run bench/video_fixture_frames.py" in done.stderr, done.stderr
+    assert done.returncode == 2 and "run tests/media/fixtures/make_video_frames.py" in done.stderr, done.stderr

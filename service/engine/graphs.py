@@ -19,7 +19,7 @@ most ~6% of a step: padding to 1024-patch buckets measured 20-30% slower than ex
 Equal steps: k images of one common size (the --graph-exact-sides, k = 1..--graph-exact-images) also get a graph with
 batched attention (one [k, heads, L, dim] call, no cu_seqlens). Measured inside CUDA graphs on an
 H200, 784 patches per image: varlen flash 20.9 us per block at k=1 and 111 us at k=8, batched cuDNN
-14.1 and 73.6 us (bench/results/2026-11-30-h200-graphs-staging/). A step of the same patch count whose
+14.1 and 73.6 us (2026-11-30; the probe and its logs are in git history). A step of the same patch count whose
 images differ in size takes the varlen graph of that bucket.
 """
 

@@ -100,7 +100,7 @@ def settle_heap(metrics: Metrics | None = None) -> tuple[int, float]:
     imported), 167-174 ms on the 2-core machine, 0.0 ms after the freeze. A serving engine keeps making
     long-lived objects (store entries), so full collections recur under load, each stalling the step loop,
     the store's writers and the IPC thread at once: 200,000 new entries there brought 4 of them, 890 ms in
-    all, and 224 ms after the freeze (bench/probe_gc.py, bench/RESULTS.md). Objects made at start-up that
+    all, and 224 ms after the freeze (a probe now in git history). Objects made at start-up that
     later become cyclic garbage are not collected (a few, once)."""
     t0 = time.perf_counter()
     gc.collect()

@@ -160,7 +160,7 @@ def fault_in(ranges: set[tuple[int, int]], expected: int) -> None:
     this host's own segment is a local memcpy). On the H200 that thread was the engine's busiest (7.6
     CPU-s, 5.85 of them in the kernel, in 9 s of load) and held HTTP img/s at 1 image per request to
     0.62 of the directory's until the 12 GiB segment had been written once; faulted in at start, 0.96
-    and 0.99. On the 2-core machine (bench/probe_mooncake_fault.py, 1 GiB): puts into a fresh segment
+    and 0.99. On the 2-core machine (a probe now in git history, 1 GiB): puts into a fresh segment
     271.8 MB/s with 3.39 s in the kernel, into one faulted in at start 11,572.7 MB/s. The segment is
     memory promised to the pool: it is taken now.
 
@@ -435,7 +435,7 @@ class MooncakeStore:
 
         NOTE: why batches: a Mooncake call releases the GIL and takes it back when it returns, and while
         the engine's other threads are busy in Python that wait can be a whole switch interval (5 ms).
-        bench/probe_mooncake_gil.py on the 2-core CPU machine, one Python thread busy beside, 4 MB
+        A probe (now in git history) on the 2-core CPU machine, one Python thread busy beside, 4 MB
         entries over TCP on loopback: entry by entry (two upsert_parts each) 82 entries/s, 16 per
         commit_many 866/s (alone: 894 and 2,595); one is_exist 250/s (alone 11,354).
         """

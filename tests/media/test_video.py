@@ -4,7 +4,7 @@ The header is read and checked before any frame is decoded; only the sampled fra
 they are the frames a full decode gives; every hostile file is its own clear 4xx. Sampling, the clip
 size (the per-frame cap too) and the prompt's timestamps equal transformers' own functions; the whole
 path, decode to pixel_values_videos, equals transformers' Qwen3VLVideoProcessor on the fixture that
-bench/video_fixture_ref.py makes where torchvision is (tests/media/fixtures/video_reference.json).
+tests/media/fixtures/make_video_reference.py makes where torchvision is (fixtures/video_reference.json).
 """
 
 from __future__ import annotations
@@ -244,8 +244,8 @@ def test_timestamps_equal_transformers_calculate_timestamps():
     assert timestamps(idx, 8.0, 2) == [0.3125, 1.125] and idx == [0, 5, 9]  # the caller's list left alone
 
 
-# The whole path against transformers' processor: bench/video_fixture_ref.py runs it (with torchvision) on
-# the frames bench/video_fixture_frames.py decodes from these clips, and writes what it made.
+# The whole path against transformers' processor: fixtures/make_video_reference.py runs it (with torchvision)
+# on the frames fixtures/make_video_frames.py decodes from these clips, and writes what it made.
 FIXTURE = Path(__file__).parent / "fixtures" / "video_reference.json"
 _FIXTURE = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else None
 
@@ -255,7 +255,7 @@ _FIXTURE = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else None
 def test_the_whole_path_equals_transformers_video_processor(case):
     if case is None:
         pytest.skip(f"{FIXTURE.relative_to(Path(__file__).parents[2])} is not there yet: it is made where transformers "
-                    "has torchvision (bench/video_fixture_frames.py, then bench/video_fixture_ref.py)")
+                    "has torchvision (tests/media/fixtures/make_video_frames.py, then make_video_reference.py)")
     ref = case["reference"]
     assert ref is not None, f"{FIXTURE} is a draft (made with --ours-only, no transformers): make it with the reference"
     blob = vd.clip(**case["source"])

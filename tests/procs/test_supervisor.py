@@ -67,7 +67,7 @@ def test_api_processes_and_engine_match_transformers_and_leave_nothing_behind(tm
 
         # Many small requests: afterwards no arena cell is still held. 500 by default (each of the 16 clients'
         # cells freed and reused ~30 times; a cell kept by any one request shows at the end), 10,000 in the
-        # run recorded in bench/results/2026-11-30-cpu-supervisor/ (QVE_TEST_SUPERVISOR_REQUESTS).
+        # run of 2026-11-30 (QVE_TEST_SUPERVISOR_REQUESTS; its log is in git history).
         n = int(os.environ.get("QVE_TEST_SUPERVISOR_REQUESTS", "500"))
         tiny = [data.encode(data.textured_rgb(64, 64, seed=10_000 + i), "PNG") for i in range(n)]
         with ThreadPoolExecutor(16) as pool:

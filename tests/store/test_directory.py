@@ -350,7 +350,7 @@ def test_real_size_bf16_puts_read_back_bit_exact_while_evicting(tmp_path):
     """Real-size items (196 tokens x 2560 x (1 + 3 deepstack) bf16 = 4 MB), put as row slices of one buffer
     as the engine hands them, into a store that holds 8: each put past the 8th evicts the oldest; what is
     resident reads back bit-exact (copied and mmapped) and what was evicted is gone from the disk.
-    (bench/bench_store_put.py times these puts against safetensors.save_file.)"""
+    (bench/bench_store.py times these puts.)"""
     n, d, levels = 196, 2560, 3
     buf = torch.randn(8 * n, d * (1 + levels)).to(torch.bfloat16)
     one = DirectoryStore(tmp_path / "probe", 1 << 30, model_id=MODEL, out_hidden_size=d, deepstack_levels=levels,

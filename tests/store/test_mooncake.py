@@ -244,7 +244,7 @@ def test_the_segment_is_faulted_in_at_start_so_the_first_puts_pay_no_page_faults
     """Issue 21: a put into this host's own segment is a memcpy in Mooncake's one memcpy thread, and each
     page of a segment never written cost it a page fault and the kernel's zeroing: on the H200 that thread
     held Mooncake at 1 image per request to 0.62 of the directory's img/s, and here a fresh segment took
-    puts at 272 MB/s against 9-12 GB/s once written (bench/probe_mooncake_fault.py). connect faults the
+    puts at 272 MB/s against 9-12 GB/s once written (a probe, now in git history). connect faults the
     segment in: the mappings its setup made are resident from the start, and the first puts into them
     fault no pages."""
     import gc
