@@ -5,7 +5,8 @@
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
     media    store
-    base     service.errors, service.config, service.limits, service.presets, service.metrics, service.tracing; service.kernels
+    base     service.errors, service.config, service.flags, service.limits, service.presets, service.metrics,
+             service.tracing; service.kernels
 
 A module may import its own package, any package of a lower layer, and nothing else: not a package of a
 higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
@@ -27,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"service.procs", "service.lm"},
     {"cli"},
 ]
-BASE = {"service.errors", "service.config", "service.limits", "service.presets", "service.metrics", "service.tracing"}
+BASE = {"service.errors", "service.config", "service.flags", "service.limits", "service.presets", "service.metrics",
+        "service.tracing"}
 CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 
 
