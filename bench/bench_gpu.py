@@ -256,9 +256,10 @@ def main() -> int:
                             break
                     except httpx.TransportError:
                         time.sleep(0.5)
-                lt = subprocess.run([sys.executable, str(ROOT / "bench" / "loadtest.py"), "--url", f"http://127.0.0.1:{port}",
+                lt = subprocess.run([sys.executable, "-m", "service", "loadtest", "--url", f"http://127.0.0.1:{port}",
                                      "--concurrency", "64", "--requests", str(n), "--sizes", f"{side}x{side}", "--unique",
-                                     "--out", str(args.out / "loadtest.json")], capture_output=True, text=True, timeout=400)
+                                     "--out", str((args.out / "loadtest.json").resolve())], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=400)
                 print(lt.stdout[-3000:], lt.stderr[-2000:], flush=True)
                 if (args.out / "loadtest.json").exists():
                     res["e2e_http"] = json.loads((args.out / "loadtest.json").read_text())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # HTTP front-end throughput on a GPU box: where does an image spend its time between the client and
-# the step loop? Starts the real server (default: qwen3-vl-4b preset, bf16), then runs bench/loadtest.py
+# the step loop? Starts the real server (default: qwen3-vl-4b preset, bf16), then runs `python3 -m service loadtest`
 # in several shapes, optionally under py-spy (if installed) to see which thread is busy.
 #   bash bench/bench_http.sh OUTDIR [MODEL]
 set -euo pipefail
@@ -10,7 +10,7 @@ python3 -m service serve --model "$MODEL" --device cuda --store "$STORE" --port 
   --max-wait-ms 3 --store-capacity-bytes 30000000000 > "$OUT/http_server.log" 2>&1 &
 SRV=$!; trap 'kill $SRV 2>/dev/null; wait $SRV 2>/dev/null; rm -rf "$STORE"' EXIT
 for _ in $(seq 300); do curl -sf localhost:$PORT/ready >/dev/null 2>&1 && break; sleep 1; done
-lt() { python3 bench/loadtest.py --url http://127.0.0.1:$PORT --sizes 448x448 --unique --gen-workers 4 "$@"; }
+lt() { python3 -m service loadtest --url http://127.0.0.1:$PORT --sizes 448x448 --unique --gen-workers 4 "$@"; }
 echo "== 1 image/request, 64 clients"; lt --concurrency 64 --requests 768 --out "$OUT/lt_1x64.json" | tail -n 4
 curl -s localhost:$PORT/metrics | grep -E "^qve_(step_images_(sum|count)|step_seconds_(sum|count))"
 echo "== 8 images/request, 16 clients"; lt --concurrency 16 --images-per-request 8 --requests 128 --out "$OUT/lt_8x16.json" | tail -n 4

@@ -1,6 +1,8 @@
 """CLI: `python -m service serve --model PRESET_OR_DIR --device cpu|cuda[:N] --dtype ... --store DIR ...`
 (installed as `qwen3vl-encoder serve ...`), `... try` (post a test image to a running server),
-`... consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side) and `... route`.
+`... consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side), `... route`,
+`... demo`, and `... loadtest` / `... soak` (service/loadtest/: their arguments go to their own parsers
+as they are, so `qwen3vl-encoder loadtest --help` lists the load test's flags).
 
 Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`, service/flags.py) and an
 environment variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks
@@ -9,7 +11,7 @@ fails with one line before the model loads, and clients that connect while it lo
 not a refusal.
 
 NOTE: each command imports what it runs only once it is chosen: `try` must not pay for the server's
-imports, nor `serve` for the LM side's (torch, transformers).
+imports, nor `serve` for the LM side's (torch, transformers), nor any for the load test's.
 """
 
 from __future__ import annotations
@@ -131,6 +133,15 @@ def _local_url() -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{os.environ.get('QVE_PORT', '8080')}"
 
 
+# The commands whose arguments are their own parsers' (service/loadtest/), with their help lines.
+PASS_THROUGH = {
+    "loadtest": "load-test a running server: distinct images over HTTP, live progress, a summary, a JSON report "
+                "and a plot (`loadtest --help` lists its flags)",
+    "soak": "soak a server: many distinct images through the load test while readers read the store; then its "
+            "log, health, memory and file descriptors (`soak --help` lists its flags)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
                                      "(also `python -m service`)")
@@ -202,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
     _add_lm_limits(route, max_tokens_limit=4096, vllm=True)
     _add_server_flags(route, port=8100)
+
+    # NOTE: no flags of their own here: everything after the command goes, as it is, to the load test's or
+    # the soak's own parser (service/loadtest/), which prints their --help. prefix_chars="\0": no argument
+    # looks like an option to these subparsers, so `-h` and `--` reach the command too.
+    for name, help_ in PASS_THROUGH.items():
+        command = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+        command.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -216,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
+    if command == "loadtest":
+        from service.loadtest.cli import main as loadtest
+
+        return loadtest(args["args"])
+    if command == "soak":
+        from service.loadtest.soak import main as soak
+
+        return soak(args["args"])
     if command == "try":
         from service.quickstart import try_it
 

@@ -1,6 +1,7 @@
 """The import structure: packages in layers, every import pointing down, no cycle between modules.
 
     cli      service.__main__, service.quickstart, service.configdoc, service.demo
+    loadtest        (the load test and the soak: clients of the service, with the LM side's client helpers)
     procs    lm     (processes: supervisor, engine / API processes, single process | the LM side)
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
@@ -26,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"service.engine"},
     {"service.api"},
     {"service.procs", "service.lm"},
+    {"service.loadtest"},
     {"cli"},
 ]
 BASE = {"service.errors", "service.config", "service.flags", "service.limits", "service.presets", "service.metrics",
