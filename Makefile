@@ -30,9 +30,10 @@ help:
 	@echo "make demo        the whole pipeline here: a tiny RANDOM checkpoint, encoder + LM consumer, one chat answer"
 	@echo "make test        run the test suite (what CI runs)"
 	@echo "make test-fast   the suite without the tests marked slow (soak, chaos, SIGKILL, real load-test runs)"
-	@echo "make loadtest    load-test a running server at URL=$(URL) (loopback only; ARGS=\"--out r.json\" for a report + plot);"
-	@echo "                 on a laptop, against make serve-tiny: make run's 2B preset on 2 CPU cores took 85-120 s for 4 requests"
-	@echo "make soak        CI's CPU soak: a tiny server, 2,000 distinct images, replays, store readers (OUT=soak-out)"
+	@echo "make loadtest    qwen3vl-encoder loadtest against the server at URL=$(URL) (loopback only; on a laptop,"
+	@echo "                 against make serve-tiny; ARGS=\"--out r.json\" for a report + plot, ARGS=--help for every flag)"
+	@echo "make soak        qwen3vl-encoder soak as CI runs it: a tiny server, 2,000 distinct images, replays, store"
+	@echo "                 readers (report in OUT=soak-out)"
 	@echo "make lint        byte-compile everything (a cheap syntax check)"
 	@echo "make docker-build  build docker/Dockerfile (needs a Docker engine)"
 	@echo "make compose-test  build the CPU images, run docker/docker-compose.cpu.yml and docker-compose.mooncake.yml,"
@@ -100,12 +101,12 @@ demo: $(SERVE_STAMP)
 	$(PY) -m service demo $(ARGS)
 
 loadtest: $(LOADTEST_STAMP)
-	$(PY) bench/loadtest.py --url $(URL) $(ARGS)
+	$(PY) -m service loadtest --url $(URL) $(ARGS)
 
 # The soak CI runs (tests/test_soak.py), with its report in $(OUT).
 OUT ?= soak-out
 soak: $(DEV_STAMP)
-	$(PY) bench/soak.py --serve "--model tiny --device cpu --store-capacity-bytes 2000000 --store-min-residency-s 1 \
+	$(PY) -m service soak --serve "--model tiny --device cpu --store-capacity-bytes 2000000 --store-min-residency-s 1 \
 		--min-pixels 16384 --max-pixels 16384" --images 2000 --sizes 128x128 --read-pause-ms 2 --out-dir $(OUT) $(ARGS)
 
 lint: $(DEV_STAMP)

@@ -4,7 +4,7 @@ load against each, in one run on one machine (a CUDA GPU).
     python bench/bench_mix.py --out DIR [--preset qwen3-vl-4b] [--configs "cudnn:--attention cudnn;auto:"]
         [--requests 3000] [--processes 4] [--concurrency 64] [--idle 60] [--sizes 448x448] [--profile-s 8]
 
-Load: bench/loadtest.py as a separate program (4 client processes, asyncio httpx), one image per request,
+Load: `python -m service loadtest` as a separate program (4 client processes, asyncio httpx), one image per request,
 distinct JPEG photographs (the `photo` pattern) cycled over ten real-world sizes (640x480 ... 1280x960),
 --concurrency in flight in all, after a warm-up of 256 requests; then --idle requests one at a time (an
 idle server's latency, p50). A configuration is `name:extra serve flags`; `cudnn` (--attention cudnn:
@@ -44,11 +44,11 @@ SIZES = ",".join(f"{w}x{h}" for w, h in REAL_WORLD_SIZES)
 
 
 def load(args, port: int, out: Path, requests: int, concurrency: int, processes: int, seed: int) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "loadtest.py"), "--url", f"http://127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "service", "loadtest", "--url", f"http://127.0.0.1:{port}",
            "--sizes", args.sizes, "--pattern", "photo", "--format", "jpeg", "--images-per-request", "1",
            "--requests", str(requests), "--duration-s", "600", "--concurrency", str(concurrency),
-           "--processes", str(processes), "--seed", str(seed), "--out", str(out), "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+           "--processes", str(processes), "--seed", str(seed), "--out", str(out.resolve()), "--quiet"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)  # (cwd: this checkout's service)
     if done.returncode != 0:
         raise RuntimeError(f"loadtest failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())

@@ -4,7 +4,7 @@ loopback against the directory store in /dev/shm (the baseline). Any machine; no
 
     python bench/bench_store.py --out DIR [--entries 64] [--rounds 3]
 
-Puts run in this process through the service's own store classes (directory.EmbeddingStore,
+Puts run in this process through the service's own store classes (directory.DirectoryStore,
 mooncake.MooncakeStore, with the segment in this process); gets run in another process, as an LM
 server reads (store/reader.py's readers), so the Mooncake gets cross a process boundary by TCP. Each
 round writes new keys. Needs Mooncake's client (the `mooncake` extra) and mooncake_master. Prints each
@@ -57,8 +57,8 @@ def _gets(store: str, keys: list[str], namespace: str | None) -> float:
 def main() -> int:
     import torch
 
-    from service.config import MOONCAKE_BUFFER_BYTES, MooncakeOptions
-    from service.store.directory import EmbeddingStore
+    from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions
+    from service.store.directory import DirectoryStore
     from service.store.mooncake import MooncakeStore
     from tests.mooncake_pool import LOOPBACK, Master
 
@@ -80,7 +80,7 @@ def main() -> int:
                                                        buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=None),
                            model_id="bench", out_hidden_size=OUT_HIDDEN, deepstack_levels=LEVELS, dtype="bfloat16",
                            min_residency_s=0, salt="bench")
-    directory = EmbeddingStore(work / "dir", 64 << 30, "bench", out_hidden_size=OUT_HIDDEN, deepstack_levels=LEVELS,
+    directory = DirectoryStore(work / "dir", 64 << 30, "bench", out_hidden_size=OUT_HIDDEN, deepstack_levels=LEVELS,
                                dtype="bfloat16", min_residency_s=0)
     runs: dict[str, dict[str, list[float]]] = {n: {"put": [], "put_ms": [], "get": []} for n in ("directory", "mooncake")}
     try:

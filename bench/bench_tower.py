@@ -59,7 +59,7 @@ from service.media.preprocess import grid_for, smart_resize  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import use_compile_cache  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.store.directory import EmbeddingStore  # noqa: E402
+from service.store.directory import DirectoryStore  # noqa: E402
 from service.engine import attention  # noqa: E402
 from service.engine.attention import AttentionPlan  # noqa: E402
 from service.engine.tower import AttentionKind, TowerBatch, build_batch  # noqa: E402
@@ -404,7 +404,7 @@ def main() -> int:
         for nw in sorted(set(writers + [1, 4, 8])):
             with tempfile.TemporaryDirectory(dir="/dev/shm") as sd, \
                     concurrent.futures.ThreadPoolExecutor(nw) as pool:
-                store = EmbeddingStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
+                store = DirectoryStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
                 t0 = time.perf_counter()
                 for r in range(8):
                     list(pool.map(lambda i: store.put(f"w{r}_{i}", rows64[i * 196:(i + 1) * 196], (1, 28, 28)),
@@ -421,7 +421,7 @@ def main() -> int:
 
         imgs = [prepare_image(noise_png(10_000 + i, 448, 448), model.params, settings.image_limits) for i in range(64)]
         with tempfile.TemporaryDirectory(dir="/dev/shm") as sd:
-            store = EmbeddingStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
+            store = DirectoryStore(Path(sd), 64 * 1024**3, model.model_id, spec.out_hidden_size, spec.deepstack_levels)
             if "one" in sections:  # the parts of a lone image's step, measured apart first
                 parts = {"stage_run_d2h": [], "store_put": [], "store_commit_after_reserve": []}
                 for i in range(60):

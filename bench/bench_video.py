@@ -53,8 +53,8 @@ CONFIGS = {
 
 
 def make_clip(width: int, height: int, seconds: float, fps: int, seed: int) -> bytes:
-    """An H.264 MP4 (libx264 `fast`): a pan across a photograph (bench/loadtest.py's make_video)."""
-    from bench.loadtest import make_video
+    """An H.264 MP4 (libx264 `fast`): a pan across a photograph (the load test's make_video)."""
+    from service.loadtest.media import make_video
 
     return make_video(width, height, int(round(seconds * fps)), fps, seed, "photo", x264_preset="fast")
 

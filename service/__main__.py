@@ -1,14 +1,17 @@
 """CLI: `python -m service serve --model PRESET_OR_DIR --device cpu|cuda[:N] --dtype ... --store DIR ...`
 (installed as `qwen3vl-encoder serve ...`), `... try` (post a test image to a running server),
-`... consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side) and `... route`.
+`... consume --model CHECKPOINT_DIR --encoder-url URL --store DIR` (the LM side), `... route`,
+`... demo`, and `... loadtest` / `... soak` (service/loadtest/: their arguments go to their own parsers
+as they are, so `qwen3vl-encoder loadtest --help` lists the load test's flags).
 
-Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`) and an environment
-variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks what it
-can (service/procs/preflight.py: model, device, port, store) and binds the port, so a mistake fails with
-one line before the model loads, and clients that connect while it loads get /ready 503, not a refusal.
+Every Settings field is a flag (`max_batch_tokens` -> `--max-batch-tokens`, service/flags.py) and an
+environment variable (`QVE_MAX_BATCH_TOKENS`); a flag wins. Before the model is loaded, `serve` checks
+what it can (service/procs/preflight.py: model, device, port, store) and binds the port, so a mistake
+fails with one line before the model loads, and clients that connect while it loads get /ready 503,
+not a refusal.
 
 NOTE: each command imports what it runs only once it is chosen: `try` must not pay for the server's
-imports, nor `serve` for the LM side's (torch, transformers).
+imports, nor `serve` for the LM side's (torch, transformers), nor any for the load test's.
 """
 
 from __future__ import annotations
@@ -17,77 +20,16 @@ import argparse
 import logging
 import os
 import sys
-import types
 import typing
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import (
-    Settings,
-    check_otlp_endpoint,
-    describe_errors,
-    env_name,
-    format_size,
-    is_size,
-    parse_size,
-    setting_groups,
-    unknown_env,
-)
+from service.config import Settings, check_otlp_endpoint, describe_errors, parse_size, unknown_env
 from service.errors import StartupError
+from service.flags import add_setting_flags
 
 log = logging.getLogger("service")
-
-
-def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
-    """argparse's type, choices and metavar for a Settings field. The metavar is short (SIZE, N, SECONDS),
-    so that most help texts start on the flag's own line."""
-    base = field.annotation
-    if typing.get_origin(base) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(base) if a is not type(None)]  # `int | None` -> int
-        if set(args) == {Path, str}:  # a path or a URL (--store): Settings tells which
-            return str, None, "DIR|URL"
-        base = args[0]
-    if is_size(name):
-        return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (config.parse_size)
-    if typing.get_origin(base) is typing.Literal:
-        return str, list(typing.get_args(base)), None
-    if typing.get_origin(base) is list:
-        return str, None, "LIST"  # comma-separated; Settings splits it
-    if name.endswith("_s") or name.endswith("_ms"):
-        return base, None, "SECONDS" if name.endswith("_s") else "MS"
-    if base in (int, float):
-        return base, None, "N"
-    if base is Path:
-        return base, None, "DIR"
-    return str, None, name.rsplit("_", 1)[-1].upper()  # store_group -> GROUP
-
-
-def _default_text(name: str) -> str:
-    """A setting's default as one would type it."""
-    value = Settings.model_fields[name].get_default(call_default_factory=True)
-    if is_size(name):
-        return format_size(value)
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None or value == []:
-        return "none"
-    if isinstance(value, list):
-        return ",".join(map(str, value))
-    return str(value)
-
-
-def _add_setting(group, name: str) -> None:
-    """The flag of one Settings field, its help saying the default and the QVE_ variable."""
-    field = Settings.model_fields[name]
-    flag = "--" + name.replace("_", "-")
-    help_ = f"{field.description or ''} (default: {_default_text(name)}; env {env_name(name)})".strip()
-    help_ = help_.replace("%", "%%")  # argparse %-formats help strings
-    if field.annotation is bool:
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-        return
-    type_, choices, metavar = _flag_kind(name, field)
-    group.add_argument(flag, type=type_, choices=choices, help=help_, metavar=metavar)
 
 
 def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
@@ -191,6 +133,15 @@ def _local_url() -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{os.environ.get('QVE_PORT', '8080')}"
 
 
+# The commands whose arguments are their own parsers' (service/loadtest/), with their help lines.
+PASS_THROUGH = {
+    "loadtest": "load-test a running server: distinct images over HTTP, live progress, a summary, a JSON report "
+                "and a plot (`loadtest --help` lists its flags)",
+    "soak": "soak a server: many distinct images through the load test while readers read the store; then its "
+            "log, health, memory and file descriptors (`soak --help` lists its flags)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description="Qwen3-VL vision-encoder service "
                                      "(also `python -m service`)")
@@ -201,10 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve the vision tower. Every flag can also be set by the environment "
                            "variable shown beside it; a flag wins. A SIZE is bytes or a number and a unit "
                            "(4GiB, 512MiB, 1.5GB). docs/configuration.md lists the same settings.")
-    for title, names in setting_groups():
-        group = serve.add_argument_group(title)
-        for name in names:
-            _add_setting(group, name)
+    add_setting_flags(serve)
 
     from service.quickstart import EXAMPLE_IMAGE
 
@@ -265,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
     _add_lm_limits(route, max_tokens_limit=4096, vllm=True)
     _add_server_flags(route, port=8100)
+
+    # NOTE: no flags of their own here: everything after the command goes, as it is, to the load test's or
+    # the soak's own parser (service/loadtest/), which prints their --help. prefix_chars="\0": no argument
+    # looks like an option to these subparsers, so `-h` and `--` reach the command too.
+    for name, help_ in PASS_THROUGH.items():
+        command = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+        command.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -279,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
+    if command == "loadtest":
+        from service.loadtest.cli import main as loadtest
+
+        return loadtest(args["args"])
+    if command == "soak":
+        from service.loadtest.soak import main as soak
+
+        return soak(args["args"])
     if command == "try":
         from service.quickstart import try_it
 

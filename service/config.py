@@ -66,8 +66,8 @@ FAULT_ENV = "QVE_FAULT_INJECT"  # test-only fault injection (FaultInjection), re
 @dataclass(frozen=True)
 class FaultInjection:
     """Test-only faults, `QVE_FAULT_INJECT=stall=CYCLES[,no-fence]`: the soak's control run
-    (bench/soak.py) proves it catches the corruption a missing fence causes on a lagging GPU. Never set
-    it in service."""
+    (`qwen3vl-encoder soak --fault-inject`) proves it catches the corruption a missing fence causes on a
+    lagging GPU. Never set it in service."""
 
     stall_cycles: int = 0  # a device sleep queued before each step's H2D copies (a GPU that lags)
     fence: bool = True  # False: the staging pool overwrites slots without waiting for the device

@@ -410,7 +410,7 @@ def test_make_loadtest_installs_only_the_loadtest_extra_on_the_serving_install()
     serve = next(i for i, line in enumerate(lines) if line.endswith("pip install --no-compile -e ."))
     extra = next(i for i, line in enumerate(lines) if line.endswith('pip install --no-compile -e ".[loadtest]"'))
     assert serve < extra and lines[extra + 1] == "touch .venv/.installed-loadtest"
-    assert lines[-1].split()[1:] == ["bench/loadtest.py", "--url", "http://127.0.0.1:8080"]
+    assert lines[-1].split()[1:] == ["-m", "service", "loadtest", "--url", "http://127.0.0.1:8080"]
 
 
 @needs_make

@@ -1,10 +1,11 @@
 """The import structure: packages in layers, every import pointing down, no cycle between modules.
 
     cli      service.__main__, service.quickstart, service.configdoc, service.demo
+    loadtest        (the load test and the soak: clients of the service, with the LM side's client helpers)
     procs    lm     (processes: supervisor, engine / API processes, single process | the LM side)
     api             (HTTP, encode orchestration, the Runtime)
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
-    settings        service.config (Settings and the options derived from it), service.metrics
+    settings        service.config (Settings and the options derived from it), service.flags, service.metrics
     media    store  (each with its own parameter and option types, which Settings builds)
     base     service.errors, service.presets, service.tracing; service.kernels
 
@@ -27,10 +28,11 @@ LAYERS: list[set[str]] = [
     {"service.engine"},
     {"service.api"},
     {"service.procs", "service.lm"},
+    {"service.loadtest"},
     {"cli"},
 ]
 BASE = {"service.errors", "service.presets", "service.tracing"}
-SETTINGS = {"service.config", "service.metrics"}
+SETTINGS = {"service.config", "service.flags", "service.metrics"}
 CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 
 

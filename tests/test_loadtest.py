@@ -1,6 +1,7 @@
-"""bench/loadtest.py: its pure helpers, the payloads it builds, the loopback guard, the pre-flight
-check, the stale-connection retry, and real runs against the service (tiny model): closed loop, --rate,
---processes, --images DIR, replays that catch a corrupted store file, Ctrl-C, the report and the plot."""
+"""The load test (service/loadtest/, `qwen3vl-encoder loadtest`): its pure helpers, the payloads it builds,
+the loopback guard, the pre-flight check, the stale-connection retry, and real runs against the service
+(tiny model): closed loop, --rate, --processes, --images DIR, replays that catch a corrupted store file,
+Ctrl-C, the report and the plot."""
 
 from __future__ import annotations
 
@@ -28,26 +29,18 @@ from PIL import Image
 
 from service.config import Settings
 from service.engine.loader import load_model
+from service.loadtest import cli
+from service.loadtest.checks import Tally, compare_embeddings, reference_model_from_id
+from service.loadtest.client import post_encode
+from service.loadtest.driver import Progress
+from service.loadtest.media import (ImageSpec, build_payload, encode_image, image_files, image_seed, is_video_url,
+                                    make_image, make_video, parse_sizes, request_images, request_urls)
+from service.loadtest.plot import plot_figure, plot_totals, write_plot
+from service.loadtest.report import Result, Run, format_table, percentile, strict_json, summarize, timeseries
 from tests.live import RawHTTPServer, live_server, refused_port
 from tests.proctree import alive, descendants
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-ROOT = BENCH.parent
-
-
-@pytest.fixture
-def lt(monkeypatch):
-    """bench/loadtest.py imported as the module `loadtest`, as `python bench/loadtest.py` would see it.
-
-    bench/ stays on sys.path for the test, so the spawn-started image workers (which inherit the
-    parent's sys.path) can unpickle `loadtest.request_urls` and `loadtest.ImageSpec` too."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "loadtest", raising=False)
-    import loadtest
-
-    assert Path(loadtest.__file__).resolve() == BENCH / "loadtest.py"
-    yield loadtest
-    sys.modules.pop("loadtest", None)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _decode_data_url(url: str) -> tuple[str, Image.Image]:
@@ -60,15 +53,15 @@ def _decode_data_url(url: str) -> tuple[str, Image.Image]:
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------
-def test_parse_sizes(lt):
-    assert lt.parse_sizes("448x448") == [(448, 448)]
-    assert lt.parse_sizes("1024x768, 64X32 ,1x1") == [(1024, 768), (64, 32), (1, 1)]
+def test_parse_sizes():
+    assert parse_sizes("448x448") == [(448, 448)]
+    assert parse_sizes("1024x768, 64X32 ,1x1") == [(1024, 768), (64, 32), (1, 1)]
 
 
 @pytest.mark.parametrize("bad", ["", "448", "448x", "x448", "0x10", "10x0", "-1x5", "4.5x4", "axb", "448x448,", "3x4x5"])
-def test_parse_sizes_rejects_bad_input(lt, bad):
+def test_parse_sizes_rejects_bad_input(bad):
     with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
-        lt.parse_sizes(bad)
+        parse_sizes(bad)
 
 
 @pytest.mark.parametrize(
@@ -91,24 +84,24 @@ def test_parse_sizes_rejects_bad_input(lt, bad):
         ("", False),
     ],
 )
-def test_is_loopback_url(lt, url, loopback):
-    assert lt.is_loopback_url(url) is loopback
+def test_is_loopback_url(url, loopback):
+    assert cli.is_loopback_url(url) is loopback
 
 
-def test_percentile_matches_numpy(lt):
+def test_percentile_matches_numpy():
     rng = np.random.default_rng(3)
     for n in (1, 2, 5, 100, 101):
         values = rng.exponential(10.0, size=n).tolist()
         shuffled = list(values)
         for q in (0, 1, 25, 50, 90, 99, 99.9, 100):
-            assert lt.percentile(shuffled, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-12)
+            assert percentile(shuffled, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-12)
         assert shuffled == values  # does not sort the caller's list in place
-    assert lt.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert math.isnan(lt.percentile([], 50))
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert math.isnan(percentile([], 50))
 
 
-def test_summarize_and_format_table(lt):
-    R = lt.Result
+def test_summarize_and_format_table():
+    R = Result
     results = [
         R(200, 0.010, 2, cached=1),
         R(200, 0.030, 2, retried=True),
@@ -118,7 +111,7 @@ def test_summarize_and_format_table(lt):
         R(500, 0.5, 2, error="backend_error"),
         R("error:ConnectError", 0.003, 0, retried=True, error="All connection attempts failed"),
     ]
-    s = lt.summarize(results, wall_s=2.0)
+    s = summarize(results, wall_s=2.0)
     assert (s.requests, s.ok_requests, s.ok_images, s.cached_images, s.rejected_429) == (7, 3, 6, 3, 2)
     assert s.images_per_s == pytest.approx(3.0) and s.requests_per_s == pytest.approx(1.5)
     lat = s.latency_ms  # of the 200 answers only: 10, 20, 30 ms
@@ -130,12 +123,12 @@ def test_summarize_and_format_table(lt):
     assert s.errors == {"429 overloaded": 2, "500 backend_error": 1,
                         "error:ConnectError All connection attempts failed": 1}
 
-    replay, verify = lt.Tally(), lt.Tally()
+    replay, verify = Tally(), Tally()
     for outcome in ("ok", "ok", "missing", "wrong"):
         replay.add(outcome, "k: bad" if outcome == "wrong" else "")
     verify.add("ok")
     verify.worst_rel_err = 3.5e-7
-    table = lt.format_table(s, replay, verify)
+    table = format_table(s, replay, verify)
     lines = table.splitlines()
     assert len(lines) == 10
     assert lines[0].split() == ["wall", "time", "2.00", "s"]
@@ -151,28 +144,28 @@ def test_summarize_and_format_table(lt):
     # Values line up in one column.
     assert len({len(line) - len(line[len("throughput"):].lstrip()) for line in lines}) == 1
     # Without retries, errors or checks: the six basic rows only.
-    assert len(lt.format_table(lt.summarize(results[:1], 1.0)).splitlines()) == 6
+    assert len(format_table(summarize(results[:1], 1.0)).splitlines()) == 6
 
 
-def test_summarize_with_no_successes(lt):
-    s = lt.summarize([lt.Result(503, 0.1, 1)], wall_s=1.0)
+def test_summarize_with_no_successes():
+    s = summarize([Result(503, 0.1, 1)], wall_s=1.0)
     assert s.ok_requests == 0 and s.ok_images == 0 and s.images_per_s == 0.0
     assert all(math.isnan(v) for v in s.latency_ms.values())
-    assert "nan" in lt.format_table(s)  # printable, no exception
-    assert math.isnan(lt.summarize([], wall_s=0.0).images_per_s)
+    assert "nan" in format_table(s)  # printable, no exception
+    assert math.isnan(summarize([], wall_s=0.0).images_per_s)
 
 
 # ---- payloads ----------------------------------------------------------------------------------------
-def _spec(lt, argv):
-    args = lt.build_parser().parse_args(argv)
-    return lt.ImageSpec(tuple(lt.parse_sizes(args.sizes)), args.images_per_request, args.unique, args.pattern,
-                        args.format, 1234 if args.seed is None else args.seed)
+def _spec(argv):
+    args = cli.build_parser().parse_args(argv)
+    return ImageSpec(tuple(parse_sizes(args.sizes)), args.images_per_request, args.unique, args.pattern,
+                     args.format, 1234 if args.seed is None else args.seed)
 
 
 @pytest.mark.parametrize("pattern", ["gradient", "noise"])
-def test_build_payload_data_urls_decode_to_the_generated_images(lt, pattern):
-    spec = _spec(lt, ["--sizes", "48x32,20x70", "--images-per-request", "3", "--pattern", pattern, "--seed", "7"])
-    payload = lt.build_payload(lt.request_urls(spec, 1))
+def test_build_payload_data_urls_decode_to_the_generated_images(pattern):
+    spec = _spec(["--sizes", "48x32,20x70", "--images-per-request", "3", "--pattern", pattern, "--seed", "7"])
+    payload = build_payload(request_urls(spec, 1))
     payload = json.loads(json.dumps(payload))  # it is what goes over the wire as JSON
     parts = payload["images"]
     assert len(parts) == 3 and set(payload) == {"images"}
@@ -183,110 +176,110 @@ def test_build_payload_data_urls_decode_to_the_generated_images(lt, pattern):
         assert mime == "image/png" and img.format == "PNG" and img.mode == "RGB"
         w, h = sizes[(1 * 3 + j) % 2]  # sizes cycle over the flat image index
         assert img.size == (w, h)
-        expected = lt.make_image(w, h, seed=1 * 3 + j, pattern=pattern, run_seed=7)
+        expected = make_image(w, h, seed=1 * 3 + j, pattern=pattern, run_seed=7)
         assert expected.shape == (h, w, 3) and expected.dtype == np.uint8
         np.testing.assert_array_equal(np.asarray(img), expected)  # PNG is lossless
 
 
-def test_jpeg_format(lt):
-    spec = _spec(lt, ["--sizes", "40x24", "--format", "jpeg", "--seed", "1"])
-    (url,) = lt.request_urls(spec, 0)
+def test_jpeg_format():
+    spec = _spec(["--sizes", "40x24", "--format", "jpeg", "--seed", "1"])
+    (url,) = request_urls(spec, 0)
     mime, img = _decode_data_url(url)
     assert mime == "image/jpeg" and img.format == "JPEG" and img.size == (40, 24)
-    expected = lt.make_image(40, 24, 0, "gradient", 1).astype(np.int16)
+    expected = make_image(40, 24, 0, "gradient", 1).astype(np.int16)
     assert np.abs(np.asarray(img).astype(np.int16) - expected).mean() < 4  # lossy, but the same picture
 
 
-def test_unique_images_are_distinct_and_repeat_images_identical(lt):
-    unique = _spec(lt, ["--sizes", "32x32", "--images-per-request", "2", "--unique", "--seed", "5"])
+def test_unique_images_are_distinct_and_repeat_images_identical():
+    unique = _spec(["--sizes", "32x32", "--images-per-request", "2", "--unique", "--seed", "5"])
     assert unique.unique is True
-    urls = [u for i in range(4) for u in lt.request_urls(unique, i)]
+    urls = [u for i in range(4) for u in request_urls(unique, i)]
     assert len(urls) == 8 and len(set(urls)) == 8
     pixels = [np.asarray(_decode_data_url(u)[1]) for u in urls]
     assert all(not np.array_equal(pixels[0], p) for p in pixels[1:])
 
-    repeat = _spec(lt, ["--sizes", "32x32", "--images-per-request", "2", "--repeat", "--seed", "5"])
+    repeat = _spec(["--sizes", "32x32", "--images-per-request", "2", "--repeat", "--seed", "5"])
     assert repeat.unique is False
-    urls = [u for i in range(4) for u in lt.request_urls(repeat, i)]
+    urls = [u for i in range(4) for u in request_urls(repeat, i)]
     assert len(set(urls)) == 1
 
     # --repeat with two sizes: one image per size, identical wherever that size comes round again.
-    two = _spec(lt, ["--sizes", "32x32,24x16", "--repeat", "--seed", "5"])
-    per_request = [lt.request_urls(two, i)[0] for i in range(4)]
+    two = _spec(["--sizes", "32x32,24x16", "--repeat", "--seed", "5"])
+    per_request = [request_urls(two, i)[0] for i in range(4)]
     assert per_request[0] == per_request[2] and per_request[1] == per_request[3] and per_request[0] != per_request[1]
     assert _decode_data_url(per_request[1])[1].size == (24, 16)
 
     # The run seed changes every --unique image (no cache hits carried over from an earlier run).
-    other_run = _spec(lt, ["--sizes", "32x32", "--seed", "6"])
-    assert lt.request_urls(other_run, 0) != lt.request_urls(_spec(lt, ["--sizes", "32x32", "--seed", "5"]), 0)
+    other_run = _spec(["--sizes", "32x32", "--seed", "6"])
+    assert request_urls(other_run, 0) != request_urls(_spec(["--sizes", "32x32", "--seed", "5"]), 0)
 
 
-def test_image_seed(lt):
-    seeds = [lt.image_seed(i, j, 3, 2, unique=True) for i in range(4) for j in range(3)]
+def test_image_seed():
+    seeds = [image_seed(i, j, 3, 2, unique=True) for i in range(4) for j in range(3)]
     assert seeds == list(range(12))
-    assert [lt.image_seed(i, j, 3, 2, unique=False) for i in range(2) for j in range(3)] == [0, 1, 0, 1, 0, 1]
+    assert [image_seed(i, j, 3, 2, unique=False) for i in range(2) for j in range(3)] == [0, 1, 0, 1, 0, 1]
 
 
-def test_bad_pattern_and_format(lt):
+def test_bad_pattern_and_format():
     with pytest.raises(ValueError, match="unknown pattern"):
-        lt.make_image(8, 8, 0, "plaid")
+        make_image(8, 8, 0, "plaid")
     with pytest.raises(ValueError, match="unknown format"):
-        lt.encode_image(np.zeros((4, 4, 3), np.uint8), "gif")
+        encode_image(np.zeros((4, 4, 3), np.uint8), "gif")
 
 
-def test_timeseries_bins(lt):
-    R = lt.Result
+def test_timeseries_bins():
+    R = Result
     results = [R(200, 0.1, 2, t_end=0.5), R(200, 0.3, 2, t_end=0.9), R(429, 0.01, 2, t_end=1.2), R(200, 0.2, 1, t_end=2.4)]
-    ts = lt.timeseries(results, wall_s=2.5, bin_s=1.0)
+    ts = timeseries(results, wall_s=2.5, bin_s=1.0)
     assert [p["t"] for p in ts] == [1.0, 2.0, 2.5]  # the last bin ends with the run
     assert [p["images_per_s"] for p in ts] == [4.0, 0.0, pytest.approx(2.0)]  # 1 image in a 0.5 s bin
     assert ts[0]["p50_ms"] == pytest.approx(200.0) and ts[0]["p99_ms"] == pytest.approx(298.0)
     assert ts[1]["p50_ms"] is None and ts[1]["status"] == {"429": 1}
     assert ts[2]["status"] == {"200": 1} and ts[2]["p99_ms"] == pytest.approx(200.0)
-    assert lt.timeseries([], 0.0) == []
-    assert len(lt.timeseries(results, wall_s=500.0)) == 100  # default: about 100 bins
+    assert timeseries([], 0.0) == []
+    assert len(timeseries(results, wall_s=500.0)) == 100  # default: about 100 bins
 
 
-def test_compare_embeddings(lt):
+def test_compare_embeddings():
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((8, 12)).astype(np.float32)
-    assert lt.compare_embeddings(ref.copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3) == (True, 0.0, "")
+    assert compare_embeddings(ref.copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3) == (True, 0.0, "")
     noisy = ref + 1e-4 * rng.standard_normal(ref.shape).astype(np.float32)
-    ok, rel, problem = lt.compare_embeddings(noisy, [1, 4, 8], ref, (1, 4, 8), 1e-3)
+    ok, rel, problem = compare_embeddings(noisy, [1, 4, 8], ref, (1, 4, 8), 1e-3)
     assert ok and 1e-5 < rel < 1e-3 and problem == ""
-    ok, rel, problem = lt.compare_embeddings(ref[::-1].copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3)  # rows of another image
+    ok, rel, problem = compare_embeddings(ref[::-1].copy(), (1, 4, 8), ref, (1, 4, 8), 1e-3)  # rows of another image
     assert not ok and rel > 0.5 and problem.startswith("relative L2 error")
     nan = ref.copy()
     nan[0, 0] = np.nan
-    assert lt.compare_embeddings(nan, (1, 4, 8), ref, (1, 4, 8), 1.0)[0] is False
-    ok, rel, problem = lt.compare_embeddings(ref, (1, 8, 4), ref, (1, 4, 8), 1e-3)
+    assert compare_embeddings(nan, (1, 4, 8), ref, (1, 4, 8), 1.0)[0] is False
+    ok, rel, problem = compare_embeddings(ref, (1, 8, 4), ref, (1, 4, 8), 1e-3)
     assert (ok, rel) == (False, None) and "--max-pixels" in problem
-    ok, rel, problem = lt.compare_embeddings(ref[:4], (1, 4, 8), ref, (1, 4, 8), 1e-3)
+    ok, rel, problem = compare_embeddings(ref[:4], (1, 4, 8), ref, (1, 4, 8), 1e-3)
     assert (ok, rel) == (False, None) and problem == "shape [4, 12] != reference [8, 12]"
 
 
-def test_reference_model_from_id_and_strict_json(lt):
-    assert lt.reference_model_from_id("preset:tiny:seed0") == ("tiny", 0)
-    assert lt.reference_model_from_id("preset:qwen3-vl-4b:seed12") == ("qwen3-vl-4b", 12)
-    assert lt.reference_model_from_id("Qwen3-VL-4B@0123abcd") is None
-    assert lt.reference_model_from_id("preset:tiny:x") is None
-    assert lt.strict_json({"a": [math.nan, 1.5, (math.inf, 2)], "b": "NaN"}) == {"a": [None, 1.5, [None, 2]], "b": "NaN"}
+def test_reference_model_from_id_and_strict_json():
+    assert reference_model_from_id("preset:tiny:seed0") == ("tiny", 0)
+    assert reference_model_from_id("preset:qwen3-vl-4b:seed12") == ("qwen3-vl-4b", 12)
+    assert reference_model_from_id("Qwen3-VL-4B@0123abcd") is None
+    assert reference_model_from_id("preset:tiny:x") is None
+    assert strict_json({"a": [math.nan, 1.5, (math.inf, 2)], "b": "NaN"}) == {"a": [None, 1.5, [None, 2]], "b": "NaN"}
 
 
-def test_image_files_and_folder_payloads(lt, tmp_path):
+def test_image_files_and_folder_payloads(tmp_path):
     for name in ("b.png", "a.JPG", "notes.txt", "c.webp"):
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "sub.png").mkdir()
-    files = lt.image_files(tmp_path)
+    files = image_files(tmp_path)
     assert [Path(f).name for f in files] == ["a.JPG", "b.png", "c.webp"]
-    spec = lt.ImageSpec(((8, 8),), 2, True, "gradient", "png", 0, tuple(files))
-    images = lt.request_images(spec, 1, keep_every=3)  # flat indices 2 and 3: files c, a
+    spec = ImageSpec(((8, 8),), 2, True, "gradient", "png", 0, tuple(files))
+    images = request_images(spec, 1, keep_every=3)  # flat indices 2 and 3: files c, a
     assert [url.split(",")[0] for url, _ in images] == ["data:image/webp;base64", "data:image/jpeg;base64"]
     assert [blob for _, blob in images] == [None, b"x"]  # bytes kept for flat index 3 only
 
 
 # ---- the command line ----------------------------------------------------------------------------------
-def _no_traffic(monkeypatch, lt):
+def _no_traffic(monkeypatch):
     """Make any attempt to reach a server or run the load fail the test (and record it)."""
     calls = []
 
@@ -294,29 +287,29 @@ def _no_traffic(monkeypatch, lt):
         calls.append(args)
         raise AssertionError("the server was contacted or the load started")
 
-    monkeypatch.setattr(lt, "preflight", forbidden)
-    monkeypatch.setattr(lt, "run_load", forbidden)
+    monkeypatch.setattr(cli, "preflight", forbidden)
+    monkeypatch.setattr(cli, "run_load", forbidden)
     return calls
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.1:8080", "http://example.com", "http://192.168.0.5:80"])
-def test_remote_url_refused_without_allow_remote(lt, monkeypatch, capsys, tmp_path, url):
-    calls = _no_traffic(monkeypatch, lt)
+def test_remote_url_refused_without_allow_remote(monkeypatch, capsys, tmp_path, url):
+    calls = _no_traffic(monkeypatch)
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exc:
-        lt.main(["--url", url, "--requests", "1", "--out", str(out)])
+        cli.main(["--url", url, "--requests", "1", "--out", str(out)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"{url} is not a loopback address" in err and "--allow-remote" in err
     assert calls == [] and not out.exists()
 
 
-def test_allow_remote_lets_the_run_start(lt, monkeypatch, capsys):
+def test_allow_remote_lets_the_run_start(monkeypatch, capsys):
     """The guard is what refused above: with --allow-remote the same URL reaches the load (stubbed here)."""
     seen = []
-    monkeypatch.setattr(lt, "preflight", lambda url, headers, wait: seen.append(url) or {"model": "m"})
-    monkeypatch.setattr(lt, "run_load", lambda args, verifier, quiet: lt.Run(wall_s=1.0))
-    assert lt.main(["--url", "http://10.0.0.1:8080", "--allow-remote", "--requests", "1"]) == 1  # 0 ok requests
+    monkeypatch.setattr(cli, "preflight", lambda url, headers, wait: seen.append(url) or {"model": "m"})
+    monkeypatch.setattr(cli, "run_load", lambda args, verifier, quiet: Run(wall_s=1.0))
+    assert cli.main(["--url", "http://10.0.0.1:8080", "--allow-remote", "--requests", "1"]) == 1  # 0 ok requests
     assert seen == ["http://10.0.0.1:8080"]
     assert "0 ok" in capsys.readouterr().out
 
@@ -336,20 +329,20 @@ def test_allow_remote_lets_the_run_start(lt, monkeypatch, capsys):
         (["--images", "/nonexistent/dir"], "not a directory with image files"),
     ],
 )
-def test_bad_arguments_refused(lt, monkeypatch, capsys, argv, message):
-    calls = _no_traffic(monkeypatch, lt)
+def test_bad_arguments_refused(monkeypatch, capsys, argv, message):
+    calls = _no_traffic(monkeypatch)
     with pytest.raises(SystemExit) as exc:
-        lt.main(["--url", "http://127.0.0.1:9"] + argv)
+        cli.main(["--url", "http://127.0.0.1:9"] + argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err and calls == []
 
 
 # ---- pre-flight -----------------------------------------------------------------------------------------
-def test_unreachable_server_is_one_clear_line_and_exit_2(lt, capsys, tmp_path):
+def test_unreachable_server_is_one_clear_line_and_exit_2(capsys, tmp_path):
     out = tmp_path / "r.json"
     with refused_port() as port:  # nothing listens there
         url = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
-        assert lt.main(["--url", url, "--out", str(out)]) == 2
+        assert cli.main(["--url", url, "--out", str(out)]) == 2
         assert time.monotonic() - t0 < 10  # fails fast, no load started
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of NaNs
@@ -378,7 +371,7 @@ class _FixedAnswer(http.server.BaseHTTPRequestHandler):
     (503, "is not ready (/ready answered 503): it may still be loading its model; wait, or pass --wait-ready SECONDS"),
     (404, "/ready answered HTTP 404: is this the encoder service?"),
 ])
-def test_a_server_that_is_not_ready_or_not_ours(lt, capsys, status, message):
+def test_a_server_that_is_not_ready_or_not_ours(capsys, status, message):
     handler = type("Handler", (_FixedAnswer,), {"status": status})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -386,7 +379,7 @@ def test_a_server_that_is_not_ready_or_not_ours(lt, capsys, status, message):
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         t0 = time.monotonic()
-        assert lt.main(["--url", url, "--wait-ready", "1"]) == 2
+        assert cli.main(["--url", url, "--wait-ready", "1"]) == 2
         assert time.monotonic() - t0 >= (1 if status == 503 else 0)  # 503 is retried for --wait-ready, 404 is not
     finally:
         httpd.shutdown()
@@ -396,15 +389,15 @@ def test_a_server_that_is_not_ready_or_not_ours(lt, capsys, status, message):
 
 
 # ---- the stale keep-alive retry -------------------------------------------------------------------------
-def _post_twice(lt, script):
+def _post_twice(script):
     async def scenario():
         server = RawHTTPServer(script)
         tcp = await asyncio.start_server(server.handle, "127.0.0.1", 0)
         port = tcp.sockets[0].getsockname()[1]
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                first = await lt.post_encode(client, lt.build_payload(["data:image/png;base64,AA=="]))
-                second = await lt.post_encode(client, lt.build_payload(["data:image/png;base64,AA=="]))
+                first = await post_encode(client, build_payload(["data:image/png;base64,AA=="]))
+                second = await post_encode(client, build_payload(["data:image/png;base64,AA=="]))
         finally:
             tcp.close()
             await tcp.wait_closed()
@@ -413,19 +406,19 @@ def _post_twice(lt, script):
     return asyncio.run(scenario())
 
 
-def test_post_encode_retries_once_on_a_stale_keep_alive_connection(lt):
+def test_post_encode_retries_once_on_a_stale_keep_alive_connection():
     # Connection 1 answers its first request, then closes on the second: the client sent it on a
     # reused connection, so it is sent again, on connection 2, and answered.
-    (r1, retried1), (r2, retried2), server = _post_twice(lt, lambda conn, req: not (conn == 1 and req == 2))
+    (r1, retried1), (r2, retried2), server = _post_twice(lambda conn, req: not (conn == 1 and req == 2))
     assert isinstance(r1, httpx.Response) and r1.status_code == 200 and retried1 is False
     assert isinstance(r2, httpx.Response) and r2.status_code == 200 and retried2 is True
     assert (server.connections, server.requests) == (2, 3)
 
 
-def test_post_encode_does_not_retry_on_a_fresh_connection(lt):
+def test_post_encode_does_not_retry_on_a_fresh_connection():
     # Every connection closes on its first request: that says something about the server, not about a
     # stale connection, so it is reported as is (one request each, no retry).
-    (r1, retried1), (r2, retried2), server = _post_twice(lt, lambda conn, req: False)
+    (r1, retried1), (r2, retried2), server = _post_twice(lambda conn, req: False)
     assert isinstance(r1, httpx.RemoteProtocolError) and retried1 is False
     assert isinstance(r2, httpx.RemoteProtocolError) and retried2 is False
     assert (server.connections, server.requests) == (2, 2)
@@ -446,12 +439,12 @@ def _entries(store: Path) -> list[str]:
     return sorted(p.parent.name for p in store.glob("*/encoder_cache.safetensors"))
 
 
-def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
+def test_real_run_report_and_plot(tmp_path, capsys, tiny_model):
     out = tmp_path / "results.json"
     with _serve(tmp_path, tiny_model) as (url, app):
-        rc = lt.main(["--url", url, "--requests", "12", "--concurrency", "4", "--sizes", "64x64", "--gen-workers", "1",
-                      "--timeout-s", "60", "--replay-every", "3", "--verify", "--store-root", str(tmp_path / "store"),
-                      "--out", str(out)])
+        rc = cli.main(["--url", url, "--requests", "12", "--concurrency", "4", "--sizes", "64x64", "--gen-workers", "1",
+                       "--timeout-s", "60", "--replay-every", "3", "--verify", "--store-root", str(tmp_path / "store"),
+                       "--out", str(out)])
         stored = _entries(tmp_path / "store")
     assert rc == 0
     printed = capsys.readouterr().out
@@ -505,7 +498,7 @@ def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
     # images / wall time.
     import matplotlib.pyplot as plt
 
-    fig = lt.plot_figure(report, "real run")
+    fig = plot_figure(report, "real run")
     try:
         got = _plot_properties(fig)
         assert got["xlim_rate"] == got["xlim_lat"] == (0.0, s["wall_s"])
@@ -518,11 +511,11 @@ def test_real_run_report_and_plot(lt, tmp_path, capsys, tiny_model):
         plt.close(fig)
 
 
-def _plot_report(lt, results, wall_s: float) -> dict:
+def _plot_report(results, wall_s: float) -> dict:
     """The parts of a report the plot reads, built as build_report builds them (strict JSON)."""
     from dataclasses import asdict
 
-    return lt.strict_json({"summary": asdict(lt.summarize(results, wall_s)), "timeseries": lt.timeseries(results, wall_s)})
+    return strict_json({"summary": asdict(summarize(results, wall_s)), "timeseries": timeseries(results, wall_s)})
 
 
 def _plot_properties(fig) -> dict:
@@ -538,7 +531,7 @@ def _plot_properties(fig) -> dict:
             "legend": [t.get_text() for t in ax_rate.get_legend().get_texts()]}
 
 
-def test_plot_of_a_sparse_slow_run_one_time_axis_totals_and_rates_that_agree(lt):
+def test_plot_of_a_sparse_slow_run_one_time_axis_totals_and_rates_that_agree():
     """The issue's run, rebuilt: 4 slow requests (the 2B preset on two cores) answered at ~85 s and at
     120 s, and one 429. Before, the latency panel autoscaled to the two bins with answers while the
     throughput panel spanned the run, p99 covered p50 (one answer per bin: equal), and a bin's burst
@@ -548,11 +541,11 @@ def test_plot_of_a_sparse_slow_run_one_time_axis_totals_and_rates_that_agree(lt)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    R = lt.Result
+    R = Result
     results = [R(200, 84.9, 1, t_end=84.9), R(200, 85.2, 1, t_end=85.2), R(200, 85.6, 1, t_end=85.6),
                R(429, 0.01, 1, t_end=3.0, error="overloaded"), R(200, 119.9, 1, t_end=119.9)]
-    report = _plot_report(lt, results, 120.0)
-    fig = lt.plot_figure(report, "preset:qwen3-vl-2b on cpu")
+    report = _plot_report(results, 120.0)
+    fig = plot_figure(report, "preset:qwen3-vl-2b on cpu")
     try:
         got = _plot_properties(fig)
         # One time axis, the whole run, on both panels.
@@ -582,28 +575,28 @@ def test_plot_of_a_sparse_slow_run_one_time_axis_totals_and_rates_that_agree(lt)
         plt.close(fig)
 
 
-def test_plot_of_an_empty_run_still_draws(lt, tmp_path):
+def test_plot_of_an_empty_run_still_draws(tmp_path):
     # No answers at all (every request refused): no rate, no latency, a title that says so.
-    report = _plot_report(lt, [lt.Result(503, 0.1, 1, t_end=0.4, error="not_ready")], 0.5)
-    assert lt.write_plot(tmp_path / "p.png", report, "t") == str(tmp_path / "p.png")
-    assert lt.plot_totals(report["summary"]) == ("0 images in 1 request, 0.50 s: 0 img/s overall; p50 -, p99 -; "
-                                                 "errors 1 (503 not_ready: 1)")
+    report = _plot_report([Result(503, 0.1, 1, t_end=0.4, error="not_ready")], 0.5)
+    assert write_plot(tmp_path / "p.png", report, "t") == str(tmp_path / "p.png")
+    assert plot_totals(report["summary"]) == ("0 images in 1 request, 0.50 s: 0 img/s overall; p50 -, p99 -; "
+                                              "errors 1 (503 not_ready: 1)")
     # Interrupted before the clients started: no time series at all.
-    assert lt.write_plot(tmp_path / "q.png", _plot_report(lt, [], 0.0), "t") == str(tmp_path / "q.png")
+    assert write_plot(tmp_path / "q.png", _plot_report([], 0.0), "t") == str(tmp_path / "q.png")
 
 
-def test_without_matplotlib_no_plot_is_written(lt, tmp_path, monkeypatch):
+def test_without_matplotlib_no_plot_is_written(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     report = {"timeseries": [], "summary": {"status_counts": {}, "retries": 0}}
-    assert lt.write_plot(tmp_path / "p.png", report, "t") is None
+    assert write_plot(tmp_path / "p.png", report, "t") is None
     assert not (tmp_path / "p.png").exists()
 
 
-def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
+def test_rate_mode_follows_the_poisson_schedule(tmp_path, tiny_model):
     out = tmp_path / "rate.json"
     with _serve(tmp_path, tiny_model) as (url, app):
-        rc = lt.main(["--url", url, "--rate", "5", "--requests", "20", "--seed", "3", "--sizes", "64x64",
-                      "--gen-workers", "1", "--out", str(out), "--quiet"])
+        rc = cli.main(["--url", url, "--rate", "5", "--requests", "20", "--seed", "3", "--sizes", "64x64",
+                       "--gen-workers", "1", "--out", str(out), "--quiet"])
     assert rc == 0
     report = json.loads(out.read_text())
     s = report["summary"]
@@ -619,12 +612,12 @@ def test_rate_mode_follows_the_poisson_schedule(lt, tmp_path, tiny_model):
 
 
 @pytest.mark.slow  # two client processes (spawned, each importing the tool) and a reference tower
-def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
+def test_processes_split_the_requests_without_overlap(tmp_path, tiny_model):
     out = tmp_path / "p.json"
     with _serve(tmp_path, tiny_model) as (url, app):
-        rc = lt.main(["--url", url, "--processes", "2", "--concurrency", "2", "--requests", "8", "--sizes", "64x64",
-                      "--replay-every", "2", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
-                      "--quiet"])
+        rc = cli.main(["--url", url, "--processes", "2", "--concurrency", "2", "--requests", "8", "--sizes", "64x64",
+                       "--replay-every", "2", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
+                       "--quiet"])
         stored = _entries(tmp_path / "store")
     assert rc == 0
     report = json.loads(out.read_text())
@@ -633,31 +626,31 @@ def test_processes_split_the_requests_without_overlap(lt, tmp_path, tiny_model):
     assert (report["replay"]["ok"], report["verify"]["ok"], report["verify"]["wrong"]) == (4, 4, 0)
 
 
-def test_verify_resizes_like_a_server_with_its_own_pixel_bounds(lt, tmp_path):
+def test_verify_resizes_like_a_server_with_its_own_pixel_bounds(tmp_path):
     # A server whose --max-pixels shrinks every 96x96 image: the reference must take the bounds from
     # /ready, or its grids (and embeddings) differ from the server's and every verification fails.
     settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", decode_workers=1, max_wait_ms=20,
                         min_pixels=1024, max_pixels=2048)
     out = tmp_path / "v.json"
     with live_server(settings, load_model(settings)) as (url, app):
-        rc = lt.main(["--url", url, "--concurrency", "2", "--requests", "4", "--sizes", "96x96", "--gen-workers", "1",
-                      "--replay-every", "1", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
-                      "--quiet"])
+        rc = cli.main(["--url", url, "--concurrency", "2", "--requests", "4", "--sizes", "96x96", "--gen-workers", "1",
+                       "--replay-every", "1", "--verify", "--store-root", str(tmp_path / "store"), "--out", str(out),
+                       "--quiet"])
     report = json.loads(out.read_text())
     assert report["server"]["max_pixels"] == 2048 and report["server"]["min_pixels"] == 1024
     assert rc == 0 and (report["verify"]["ok"], report["verify"]["wrong"]) == (4, 0), report["verify"]
 
 
-def test_images_dir_is_sent_and_cycled(lt, tmp_path, tiny_model):
+def test_images_dir_is_sent_and_cycled(tmp_path, tiny_model):
     folder = tmp_path / "mine"
     folder.mkdir()
     for k in range(3):
-        Image.fromarray(lt.make_image(48, 40, k, "noise")).save(folder / f"img{k}.png")
+        Image.fromarray(make_image(48, 40, k, "noise")).save(folder / f"img{k}.png")
     (folder / "readme.txt").write_text("not an image")
     out = tmp_path / "d.json"
     with _serve(tmp_path, tiny_model) as (url, app):
-        rc = lt.main(["--url", url, "--images", str(folder), "--requests", "6", "--concurrency", "1", "--out", str(out),
-                      "--quiet"])
+        rc = cli.main(["--url", url, "--images", str(folder), "--requests", "6", "--concurrency", "1", "--out", str(out),
+                       "--quiet"])
         stored = _entries(tmp_path / "store")
     assert rc == 0
     s = json.loads(out.read_text())["summary"]
@@ -669,12 +662,12 @@ def _data_offset(path: Path) -> int:
     return 8 + int.from_bytes(path.read_bytes()[:8], "little")  # safetensors: u64 header length, header, data
 
 
-def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tiny_model):
+def test_replay_and_verify_catch_corrupted_store_files(tmp_path, capsys, tiny_model):
     store = tmp_path / "store"
     argv = ["--requests", "6", "--concurrency", "2", "--sizes", "64x64", "--seed", "11", "--replay-every", "1",
             "--verify", "--store-root", str(store), "--quiet"]
     with _serve(tmp_path, tiny_model) as (url, app):
-        assert lt.main(["--url", url, *argv, "--out", str(tmp_path / "clean.json")]) == 0
+        assert cli.main(["--url", url, *argv, "--out", str(tmp_path / "clean.json")]) == 0
         clean = json.loads((tmp_path / "clean.json").read_text())
         assert (clean["replay"]["ok"], clean["verify"]["ok"], clean["verify"]["wrong"]) == (6, 6, 0)
         keys = _entries(store)
@@ -695,7 +688,7 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
         files[2].write_bytes(bytes(raw))
         capsys.readouterr()
         # The same six images again (same --seed): cache hits, each replayed from the store.
-        rc = lt.main(["--url", url, *argv, "--out", str(tmp_path / "bad.json")])
+        rc = cli.main(["--url", url, *argv, "--out", str(tmp_path / "bad.json")])
     assert rc == 1
     bad = json.loads((tmp_path / "bad.json").read_text())
     assert bad["summary"]["cached_images"] == 6 and bad["summary"]["ok_images"] == 6
@@ -713,14 +706,14 @@ def test_replay_and_verify_catch_corrupted_store_files(lt, tmp_path, capsys, tin
 @pytest.mark.slow  # the tool as its own process groups, under load until interrupted
 @pytest.mark.parametrize("processes, to_group", [(1, False), (1, True), (2, True)],
                          ids=["sigint-to-the-tool", "ctrl-c-one-client", "ctrl-c-two-client-processes"])
-def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, to_group):
+def test_ctrl_c_prints_the_partial_summary(tmp_path, tiny_model, processes, to_group):
     """SIGINT to the tool (or, as a terminal's Ctrl-C does, to its whole process group, client and image
     processes included): the partial summary and report, exit status 130, no traceback, no process left."""
     out = tmp_path / "int.json"
     store = tmp_path / "store"
     with _serve(tmp_path, tiny_model) as (url, app):
         proc = subprocess.Popen(
-            [sys.executable, str(BENCH / "loadtest.py"), "--url", url, "--requests", "100000", "--duration-s", "300",
+            [sys.executable, "-m", "service", "loadtest", "--url", url, "--requests", "100000", "--duration-s", "300",
              "--concurrency", "2", "--processes", str(processes), "--sizes", "64x64", "--gen-workers", "1",
              "--out", str(out)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=to_group)
@@ -760,9 +753,9 @@ def test_ctrl_c_prints_the_partial_summary(lt, tmp_path, tiny_model, processes, 
         time.sleep(0.1)
 
 
-def test_help_shows_every_default(lt):
+def test_help_shows_every_default():
     # Issue 11: a newcomer reads the defaults in --help. Every option that has a default says it.
-    parser = lt.build_parser()
+    parser = cli.build_parser()
     text = " ".join(parser.format_help().split())
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and action.dest != "help":
@@ -790,7 +783,8 @@ class _VideoEncoder(http.server.BaseHTTPRequestHandler):
         self._answer(200, {"ready": True, "model": "stub", "device": "cpu", "dtype": "float32"})
 
     def do_POST(self):  # noqa: N802
-        from service.media.video import VideoLimits, VideoParams, clip_size, read_header, sample_indices, timestamps
+        from service.media.params import VideoLimits, VideoParams
+        from service.media.video import clip_size, read_header, sample_indices, timestamps
 
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
@@ -829,28 +823,29 @@ def video_stub():
         httpd.server_close()
 
 
-def test_generated_videos_are_real_clips_distinct_per_request(lt):
-    from service.media.video import VideoLimits, read_header
+def test_generated_videos_are_real_clips_distinct_per_request():
+    from service.media.params import VideoLimits
+    from service.media.video import read_header
 
-    spec = lt.ImageSpec(((64, 64),), 0, True, "gradient", "png", 7, videos_per_request=2, video_size=(160, 120),
-                        video_frames=12, video_fps=6)
-    urls = lt.request_urls(spec, 0) + lt.request_urls(spec, 1)
-    assert len(urls) == 4 and len(set(urls)) == 4 and all(lt.is_video_url(u) for u in urls)
+    spec = ImageSpec(((64, 64),), 0, True, "gradient", "png", 7, videos_per_request=2, video_size=(160, 120),
+                     video_frames=12, video_fps=6)
+    urls = request_urls(spec, 0) + request_urls(spec, 1)
+    assert len(urls) == 4 and len(set(urls)) == 4 and all(is_video_url(u) for u in urls)
     header = read_header(base64.b64decode(urls[0].partition(",")[2]), VideoLimits())
     assert (header.codec, header.width, header.height, header.fps, header.frames) == ("h264", 160, 120, 6.0, 12)
-    repeat = lt.ImageSpec(((64, 64),), 1, False, "gradient", "png", 7, videos_per_request=1)
-    assert lt.request_urls(repeat, 0)[1] == lt.request_urls(repeat, 5)[1]  # --repeat: one clip, cache hits
-    payload = lt.build_payload(lt.request_urls(repeat, 0))
+    repeat = ImageSpec(((64, 64),), 1, False, "gradient", "png", 7, videos_per_request=1)
+    assert request_urls(repeat, 0)[1] == request_urls(repeat, 5)[1]  # --repeat: one clip, cache hits
+    payload = build_payload(request_urls(repeat, 0))
     assert [p["type"] for p in payload["images"]] == ["image_url", "video_url"]
     assert payload["images"][1]["video_url"]["url"].startswith("data:video/mp4;base64,")
 
 
-def test_a_video_run_reports_videos_frames_and_tokens_per_second(lt, tmp_path, capsys, video_stub):
+def test_a_video_run_reports_videos_frames_and_tokens_per_second(tmp_path, capsys, video_stub):
     url, bodies = video_stub
     out = tmp_path / "v.json"
-    rc = lt.main(["--url", url, "--generated-videos", "2", "--images-per-request", "0", "--video-size", "160x120", "--video-frames", "24",
-                  "--video-fps", "8", "--requests", "5", "--concurrency", "2", "--gen-workers", "1", "--quiet",
-                  "--out", str(out)])
+    rc = cli.main(["--url", url, "--generated-videos", "2", "--images-per-request", "0", "--video-size", "160x120", "--video-frames", "24",
+                   "--video-fps", "8", "--requests", "5", "--concurrency", "2", "--gen-workers", "1", "--quiet",
+                   "--out", str(out)])
     assert rc == 0
     assert len(bodies) == 5 and all([p["type"] for p in b["images"]] == ["video_url"] * 2 for b in bodies)  # no images
     s = json.loads(out.read_text())["summary"]
@@ -862,16 +857,16 @@ def test_a_video_run_reports_videos_frames_and_tokens_per_second(lt, tmp_path, c
     assert "videos ok   10 (60 frames sampled)" in printed and "frames/s" in printed and "tokens/s" in printed
 
 
-def test_videos_dir_with_images_mixed_and_bad_video_arguments(lt, tmp_path, capsys, video_stub, monkeypatch):
+def test_videos_dir_with_images_mixed_and_bad_video_arguments(tmp_path, capsys, video_stub, monkeypatch):
     url, bodies = video_stub
     folder = tmp_path / "clips"
     folder.mkdir()
     for k in range(2):
-        (folder / f"c{k}.mp4").write_bytes(lt.make_video(96, 64, 10, 5, k))
+        (folder / f"c{k}.mp4").write_bytes(make_video(96, 64, 10, 5, k))
     (folder / "notes.txt").write_text("not a video")
     out = tmp_path / "d.json"
-    rc = lt.main(["--url", url, "--videos", str(folder), "--sizes", "64x64",
-                  "--requests", "4", "--concurrency", "1", "--gen-workers", "1", "--quiet", "--out", str(out)])
+    rc = cli.main(["--url", url, "--videos", str(folder), "--sizes", "64x64",
+                   "--requests", "4", "--concurrency", "1", "--gen-workers", "1", "--quiet", "--out", str(out)])
     assert rc == 0
     sent = [[p.get("video_url", p.get("image_url"))["url"] for p in b["images"]] for b in bodies]
     assert all(b[0].startswith("data:image/png") and b[1].startswith("data:video/mp4") for b in sent)
@@ -879,25 +874,25 @@ def test_videos_dir_with_images_mixed_and_bad_video_arguments(lt, tmp_path, caps
     s = json.loads(out.read_text())["summary"]
     assert (s["ok_images"], s["ok_videos"]) == (4, 4) and s["ok_frames"] == 4 * 4  # 10 frames at 5 fps: min_frames 4
     capsys.readouterr()
-    calls = _no_traffic(monkeypatch, lt)
+    calls = _no_traffic(monkeypatch)
     for argv, message in [(["--videos", str(tmp_path)], "not a directory with video files"),
                           (["--generated-videos", "1", "--video-size", "161x120"], "even"),
                           (["--generated-videos", "1", "--videos", str(folder)], "not allowed with"),
                           (["--images-per-request", "0"], "(0 with videos)")]:
         with pytest.raises(SystemExit) as exc:
-            lt.main(["--url", "http://127.0.0.1:9"] + argv)
+            cli.main(["--url", "http://127.0.0.1:9"] + argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
     assert calls == []
 
 
-def test_the_live_line_shows_frames_and_tokens_per_second_in_a_video_run(lt):
+def test_the_live_line_shows_frames_and_tokens_per_second_in_a_video_run():
     import types
 
-    run = lt.Run(start=0.0)
-    run.add([lt.Result(200, 0.1, 0, t_end=t, videos=2, frames=12, tokens=144) for t in (5.5, 7.0, 9.0)])
-    line = lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)), run, None, 10.0)
+    run = Run(start=0.0)
+    run.add([Result(200, 0.1, 0, t_end=t, videos=2, frames=12, tokens=144) for t in (5.5, 7.0, 9.0)])
+    line = Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)), run, None, 10.0)
     assert "0.0 img/s (last 5 s)  7.2 frames/s  86 tokens/s  p50 100 ms" in line, line  # 36 frames, 432 tokens in 5 s
-    images_only = lt.Run(start=0.0)
-    images_only.add([lt.Result(200, 0.1, 2, t_end=9.0, tokens=32)])
-    assert "frames/s" not in lt.Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)),
-                                                    images_only, None, 10.0)
+    images_only = Run(start=0.0)
+    images_only.add([Result(200, 0.1, 2, t_end=9.0, tokens=32)])
+    assert "frames/s" not in Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)),
+                                                 images_only, None, 10.0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.__main__ import build_parser, main
+from service.__main__ import PASS_THROUGH, build_parser, main
 from service.config import Settings, env_name, setting_groups
 from service.store.options import default_store_dir
 from service.procs.preflight import cuda_device_count
@@ -98,6 +98,8 @@ def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
     assert sorted(commands.choices) == sorted(a.dest for a in commands._choices_actions)  # each command has a help line
     assert all(a.help for a in commands._choices_actions)
     for name, command in commands.choices.items():
+        if name in PASS_THROUGH:  # its flags are its own parser's (below, and tests/test_loadtest.py)
+            continue
         formatter = command._get_formatter()
         flags = [a for a in command._actions if a.option_strings and a.dest != "help"]
         assert flags, name
@@ -113,6 +115,38 @@ def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
     assert re.search(r"--dtype \{auto,float32,bfloat16\}\s+the LM's dtype; auto: bfloat16 on cuda, float32 on", consume)
     assert re.search(r"--port N\s+TCP port to listen on \(default: 8090\)", consume)
     assert re.search(r"--host HOST\s+bind address .*\s+\(default: 127.0.0.1\)", consume)
+
+
+def test_loadtest_and_soak_hand_their_arguments_to_their_own_parsers(capsys):
+    from service.loadtest import cli, soak
+
+    assert sorted(PASS_THROUGH) == ["loadtest", "soak"]
+    for name, own in (("loadtest", cli.build_parser()), ("soak", soak.build_parser())):
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        assert capsys.readouterr().out == own.format_help(), name  # the command's own --help, flags and all
+        assert own.prog == f"qwen3vl-encoder {name}"
+    # Bad arguments are its parser's: exit 2 and its one-line message, before any server is contacted.
+    with pytest.raises(SystemExit) as exc:
+        main(["loadtest", "--url", "http://10.0.0.1:8080"])
+    assert exc.value.code == 2 and "is not a loopback address" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["soak"])
+    assert exc.value.code == 2 and "one of the arguments --serve --url is required" in capsys.readouterr().err
+
+
+def test_the_cli_and_the_load_test_need_no_loadtest_extra_and_load_it_only_when_chosen():
+    # rich and matplotlib (the `loadtest` extra) are imported where they are used; the CLI imports the load
+    # test only once `loadtest` or `soak` is chosen.
+    code = ("import sys; sys.modules.update(rich=None, matplotlib=None)\n"
+            "from service.__main__ import build_parser\n"
+            "build_parser().format_help()\n"
+            "assert not [m for m in sys.modules if m.startswith('service.loadtest')], 'imported eagerly'\n"
+            "import service.loadtest.cli, service.loadtest.soak\n"
+            "service.loadtest.cli.build_parser().format_help()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_bad_values_are_named_as_they_were_given(monkeypatch, capsys):

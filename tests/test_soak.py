@@ -1,19 +1,17 @@
-"""The CI soak (issues 8 and 9), scaled down for a CPU: bench/soak.py starts a real server on 127.0.0.1
-(tiny preset) with a store small enough that nearly every write evicts, sends 2,000 distinct images
-through the load tool, replays every 10th from the store and verifies it against the float32
-reference, while reader threads read random store entries. 60-66 s under pytest on the 2-core
-development machine (bench/RESULTS.md has the latest CPU soak's figures)."""
+"""The CI soak, scaled down for a CPU: `qwen3vl-encoder soak` (service/loadtest/soak.py)
+starts a real server on 127.0.0.1 (tiny preset) with a store small enough that nearly every write evicts,
+sends 2,000 distinct images through the load tool, replays every 10th from the store and verifies it
+against the float32 reference, while reader threads read random store entries. 60-66 s under pytest on
+the 2-core development machine (bench/RESULTS.md has the latest CPU soak's figures)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from service.loadtest import soak
 
 IMAGES = 2000
 CAPACITY = 2_000_000  # bytes: ~200 entries of a 128x128 image (16 tokens x 144 floats + header), so ~1,800 evictions
@@ -22,7 +20,7 @@ SERVE = (f"--model tiny --device cpu --store-capacity-bytes {CAPACITY} --store-m
          # 256x256 minimum, so 2,000 images fit the CI time budget on two cores.
          "--min-pixels 16384 --max-pixels 16384")
 
-# RSS: late-window median minus early-window median (soak.windows: 20-40% vs the last 20% of the
+# RSS: late-window median minus early-window median (resources.windows: 20-40% vs the last 20% of the
 # samples, ~1,200 images apart). Measured here: +6 to +9 MiB in four runs with these images. The server's RSS does move
 # without a leak: per-image batcher objects (WorkItem, Ticket, EncodeJob, the PreparedImage and its
 # pixels, three futures) sit in reference cycles and are freed only when the cyclic GC runs, so RSS
@@ -36,21 +34,9 @@ RSS_TOLERANCE_MIB = 32
 FD_TOLERANCE = 8
 
 
-@pytest.fixture
-def soak(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # spawn-started readers and image builders import from bench/ too
-    for name in ("soak", "loadtest"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    import soak
-
-    yield soak
-    for name in ("soak", "loadtest"):
-        sys.modules.pop(name, None)
-
-
 @pytest.mark.slow  # a minute alone on two cores: 2,000 images through a real server
 @pytest.mark.timeout(400)
-def test_cpu_soak_2000_distinct_images_with_constant_eviction_and_readers(soak, tmp_path):
+def test_cpu_soak_2000_distinct_images_with_constant_eviction_and_readers(tmp_path):
     store, out = tmp_path / "store", tmp_path / "soak"
     t0 = time.monotonic()
     rc = soak.main(["--serve", f"{SERVE} --store {store}", "--images", str(IMAGES), "--sizes", "128x128",

@@ -2,14 +2,16 @@
 server's log, health, memory and file descriptors. One JSON report and a short markdown table.
 
     # start the server itself (on 127.0.0.1, a port the kernel picks, a fresh store under /dev/shm):
-    python bench/soak.py --serve "--model tiny --device cpu --store-capacity-bytes 4000000 \\
+    qwen3vl-encoder soak --serve "--model tiny --device cpu --store-capacity-bytes 4000000 \\
         --store-min-residency-s 1" --images 2000 --out-dir soak-out
     # or a server that is already running:
-    python bench/soak.py --url http://127.0.0.1:8080 --store-root /dev/shm/qwen3vl-encoder-cache \\
+    qwen3vl-encoder soak --url http://127.0.0.1:8080 --store-root /dev/shm/qwen3vl-encoder-cache \\
         --server-log server.log --server-pid 1234 --images 100000 --processes 4 --concurrency 64 \\
         --verify-every 100 --out-dir soak-out
 
-What runs: `bench/loadtest.py` with every image distinct, every --replay-every'th answered image read
+(`python -m service soak ...` is the same; `make soak` is the scaled-down soak that CI runs.)
+
+What runs: `qwen3vl-encoder loadtest` with every image distinct, every --replay-every'th answered image read
 back from the store as a consumer reads it (shape, grid, finite values) and every --verify-every'th
 replay compared with a float32 reference of the same weights (the service's own tower on the CPU).
 Meanwhile --readers threads (in a process of their own) read random entries of the store, pausing
@@ -29,148 +31,30 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import multiprocessing
 import os
 import platform
-import random
 import re
 import shlex
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(1, str(ROOT))
-sys.path.insert(1, str(ROOT / "bench"))
-
-import loadtest  # noqa: E402  (after the path set-up above)
-from tests.proctree import descendants  # noqa: E402
+from service.loadtest import cli as loadtest
+from service.loadtest.readers import readers_main
+from service.loadtest.report import strict_json
+from service.loadtest.resources import Sampler, plot_resources, windows
+from service.loadtest.server import Server, serve_settings
 
 # Lines of a server log that mean something went wrong inside it.
 LOG_PROBLEMS = re.compile(r"Traceback \(most recent call last\)|CUDA error|cudaError|illegal memory access|"
                           r"device-side assert|Segmentation fault|core dumped")
-
-
-# ---- the server ------------------------------------------------------------------------------------
-# The line `serve` logs once its socket is bound (in one process, or its supervisor's), with the port.
-BOUND = re.compile(r"(?:listening on|supervisor \d+:) http://127\.0\.0\.1:(\d+)")
-
-
-def serve_settings(serve_args: list[str]):
-    """The Settings the server will run with (to learn its store, model and pixel limits)."""
-    from service.__main__ import build_parser
-    from service.config import Settings
-
-    args = vars(build_parser().parse_args(["serve", *serve_args]))
-    args.pop("command"), args.pop("log_level", None)
-    return Settings(**args)
-
-
-class Server:
-    """`python -m service serve ARGS` on 127.0.0.1 and port 0 (always: later flags win), its output in `log`.
-    The kernel picks the port as the server binds it; the port is read from the line the server logs at
-    level info (a --log-level above info in ARGS hides it: the start then times out)."""
-
-    def __init__(self, serve_args: list[str], log: Path, ready_timeout_s: float, fault_inject: str | None = None):
-        self.port = self.url = None
-        self.log = log
-        cmd = [sys.executable, "-m", "service", "serve", *serve_args, "--host", "127.0.0.1", "--port", "0"]
-        # This checkout's `service` (PYTHONPATH, not cwd: relative paths in ARGS stay the caller's).
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-        if fault_inject:  # the server's alone: the load tool's reference engine must stay exact
-            env["QVE_FAULT_INJECT"] = fault_inject
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready; "
-                                   f"see {log}")
-            if self.url is None and (bound := BOUND.search(log.read_text(errors="replace"))):
-                self.port = int(bound.group(1))
-                self.url = f"http://127.0.0.1:{self.port}"
-            try:
-                if self.url is not None and httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server was not ready within {ready_timeout_s:g} s; see {log}")
-            time.sleep(0.2)
-
-    def stop(self, timeout_s: float = 60) -> int | None:
-        """SIGTERM (the service drains and exits), SIGKILL if it hangs; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return None
-
-
-# ---- what is sampled and scanned ---------------------------------------------------------------------
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every live process below it (decode workers, API processes, the engine), from /proc."""
-    return sorted({pid} | descendants(pid))
-
-
-def sample_resources(pid: int) -> tuple[float, int, int]:
-    """(RSS in MiB, open file descriptors, processes) summed over the server's process tree."""
-    rss_kb, fds, procs = 0, 0, 0
-    for p in process_tree(pid):
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            n_fds = len(os.listdir(f"/proc/{p}/fd"))
-        except OSError:  # exited between the listing and the read
-            continue
-        rss_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        fds += n_fds
-        procs += 1
-    return rss_kb / 1024, fds, procs
-
-
-class Sampler(threading.Thread):
-    """Samples the server tree every `interval_s`: [seconds since start, RSS MiB, fds, processes]."""
-
-    def __init__(self, pid: int, interval_s: float):
-        super().__init__(name="sampler", daemon=True)
-        self.pid, self.interval_s = pid, interval_s
-        self.samples: list[list[float]] = []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        t0 = time.monotonic()
-        while not self.stopping.is_set():
-            rss, fds, procs = sample_resources(self.pid)
-            if procs:
-                self.samples.append([round(time.monotonic() - t0, 2), round(rss, 1), fds, procs])
-            self.stopping.wait(self.interval_s)
-
-
-def windows(samples: list[list[float]], column: int) -> dict:
-    """An early window (20-40% of the run: after warm-up) and a late one (the last 20%) of one column:
-    each one's median and max, so growth over the run can be judged (see tests/test_soak.py)."""
-    if len(samples) < 5:
-        return {"early_median": None, "early_max": None, "late_median": None, "late_max": None, "samples": len(samples)}
-    n = len(samples)
-    early = [s[column] for s in samples[int(n * 0.2) : max(int(n * 0.4), int(n * 0.2) + 1)]]
-    late = [s[column] for s in samples[int(n * 0.8) :]]
-    return {"early_median": statistics.median(early), "early_max": max(early),
-            "late_median": statistics.median(late), "late_max": max(late), "samples": n}
 
 
 def scan_log(path: Path) -> dict:
@@ -198,90 +82,10 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
-# ---- readers ---------------------------------------------------------------------------------------
-def readers_main(root: str, threads: int, pause_s: float, stop, out) -> None:
-    """Read random store entries on `threads` threads until `stop`; put the tally on `out`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's parent handles Ctrl-C
-    from service.store.format import StoreFormatError, read_embeddings
-
-    tally = {"reads": 0, "ok": 0, "vanished": 0, "inconsistent": 0, "problems": []}
-    digests: dict[str, bytes] = {}  # key -> digest of its bytes at the first read: a key is written once
-    lock = threading.Lock()
-    keys: list[str] = []
-
-    def problem(text: str) -> None:
-        with lock:
-            tally["inconsistent"] += 1
-            if len(tally["problems"]) < 10:
-                tally["problems"].append(text)
-
-    def read_one(rng: random.Random) -> None:
-        key = rng.choice(keys)
-        try:
-            emb = read_embeddings(root, key)
-        except (KeyError, FileNotFoundError):  # evicted since the listing, or still being written: fine
-            with lock:
-                tally["reads"] += 1
-                tally["vanished"] += 1
-            return
-        except StoreFormatError as e:
-            tally["reads"] += 1
-            problem(f"{key}: {e}")
-            return
-        import torch
-
-        t, h, w = emb.grid_thw
-        ec = torch.cat([emb.main, *emb.deepstack], dim=1)
-        meta = emb.metadata
-        why = []
-        if ec.shape[0] != t * h * w // 4 or str(ec.shape[0]) != meta.get("num_tokens"):
-            why.append(f"{ec.shape[0]} rows for grid {emb.grid_thw}, metadata num_tokens {meta.get('num_tokens')}")
-        if len(emb.deepstack) != int(meta["deepstack_levels"]) or emb.main.shape[1] != int(meta["out_hidden_size"]):
-            why.append(f"{len(emb.deepstack)} deepstack x {emb.main.shape[1]} vs metadata {meta}")
-        if not torch.isfinite(ec).all():
-            why.append("non-finite values")
-        digest = hashlib.blake2b(ec.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
-        with lock:
-            tally["reads"] += 1
-            first = digests.setdefault(key, digest)
-        if first != digest:
-            why.append("different bytes than an earlier read of the same key")
-        if why:
-            problem(f"{key}: " + "; ".join(why))
-        else:
-            with lock:
-                tally["ok"] += 1
-
-    def loop(seed: int) -> None:
-        rng = random.Random(seed)
-        while not stop.is_set():
-            if not keys:
-                time.sleep(0.01)
-                continue
-            read_one(rng)
-            if pause_s:
-                time.sleep(pause_s)
-
-    def lister() -> None:  # one listing shared by the readers, refreshed often (entries come and go)
-        while not stop.is_set():
-            try:
-                keys[:] = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-            except FileNotFoundError:
-                pass
-            stop.wait(0.1)
-
-    workers = [threading.Thread(target=lister, daemon=True)]
-    workers += [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    out.put(tally)
-
-
-# ---- the soak --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The soak's flags: `qwen3vl-encoder soak` hands its arguments to this parser as they are."""
+    p = argparse.ArgumentParser(prog="qwen3vl-encoder soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--serve", metavar="ARGS", help="start `python -m service serve ARGS` on 127.0.0.1 (quote ARGS)")
     where.add_argument("--url", help="a running server (loopback)")
@@ -304,12 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout-s", type=float, default=600.0, help="--serve: how long the server may take to start")
     p.add_argument("--fault-inject", metavar="SPEC", help="--serve only, the control run: QVE_FAULT_INJECT for the server "
                    "(e.g. stall=20000000,no-fence on cuda), to show the soak catches what a missing fence corrupts")
-    p.add_argument("--loadtest-args", default="", help="more bench/loadtest.py flags (quoted), e.g. '--model DIR'")
+    p.add_argument("--loadtest-args", default="",
+                   help="more `qwen3vl-encoder loadtest` flags (quoted), e.g. '--model DIR'")
     p.add_argument("--out-dir", type=Path, default=Path("soak-out"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`qwen3vl-encoder soak ARGS`: the server (started here, or the one at --url), the soak, its report; the exit
+    status (the module's docstring lists them)."""
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # for the report
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -382,7 +189,7 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
                "--sizes", args.sizes, "--replay-every", str(args.replay_every), "--store-root", str(store),
                "--verify", "--verify-every", str(args.verify_every), "--out", str(lt_report),
                *reference_args, *shlex.split(args.loadtest_args)]
-    print(f"load: python bench/loadtest.py {shlex.join(lt_argv)}", file=sys.stderr, flush=True)
+    print(f"load: qwen3vl-encoder loadtest {shlex.join(lt_argv)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         lt_rc = loadtest.main(lt_argv)
@@ -423,7 +230,7 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
     report = {
         "date": started.isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
-        "command": "python bench/soak.py " + shlex.join(args.argv),
+        "command": "qwen3vl-encoder soak " + shlex.join(args.argv),
         "server": {"url": url, "serve_args": serve_args, "ready": lt["server"] if lt else None, "log": str(log) if log else None,
                    "exit_status": exit_status, "shutdown_clean": shutdown_clean},
         "load": {"loadtest_exit_status": lt_rc, "report": str(lt_report), "plot": lt.get("plot") if lt else None,
@@ -447,38 +254,11 @@ def _soak(args, url: str, pid: int | None, store: Path, server: Server | None, l
     report["checks"] = checks(report, args)
     report["passed"] = all(report["checks"].values())
     report["resources"]["plot"] = plot_resources(args.out_dir / "resources.png", samples)
-    (args.out_dir / "soak.json").write_text(json.dumps(loadtest.strict_json(report), indent=2) + "\n")
+    (args.out_dir / "soak.json").write_text(json.dumps(strict_json(report), indent=2) + "\n")
     table = markdown(report)
     (args.out_dir / "soak.md").write_text(table + "\n")
     print(table)
     return 0 if report["passed"] else 1
-
-
-def plot_resources(path: Path, samples: list[list[float]]) -> str | None:
-    """The server's RSS and open file descriptors over the run, as a PNG (None without matplotlib or samples)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    if not samples:
-        return None
-    t = [s[0] for s in samples]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
-    ax1.plot(t, [s[1] for s in samples], color="tab:blue")
-    ax1.set_ylabel("server RSS (MiB)")
-    ax1.grid(alpha=0.3)
-    ax2.plot(t, [s[2] for s in samples], color="tab:purple")
-    ax2.set_ylabel("open file descriptors")
-    ax2.set_xlabel("seconds since sampling started")
-    ax2.grid(alpha=0.3)
-    fig.suptitle("server process tree (summed)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return str(path)
 
 
 def checks(r: dict, args) -> dict[str, bool]:
