@@ -39,6 +39,9 @@ def test_make_demo_on_a_fresh_clone_answers_and_leaves_nothing(tmp_path):
     # The clone's pyproject.toml gets this checkout's mtime: its fresh one is newer than the stamps, and make
     # would install into this venv again (its editable install then pointing at the clone) before the demo.
     mine = (ROOT / "pyproject.toml").stat()
+    if mine.st_mtime_ns > (venv / ".installed-serve").stat().st_mtime_ns:  # (make would reinstall even so)
+        pytest.fail("this checkout's pyproject.toml is newer than its virtualenv: run `make install` first (the "
+                    "demo's make would install into the venv, pointing its editable install at the clone)")
     os.utime(clone / "pyproject.toml", ns=(mine.st_atime_ns, mine.st_mtime_ns))
     t0 = time.monotonic()
     done = subprocess.run(["make", "-C", str(clone), "demo", f"VENV={venv}", f"ARGS=--workdir {tmp_path / 'work'}"],

@@ -147,7 +147,7 @@ def test_no_module_imports_itself_back_through_others():
 
 
 # The store's backends and their parts: only service/store/ itself names them (open_store picks one).
-STORE_BACKEND = {"service.store.directory", "service.store.mooncake", "service.store.files", "service.store.index",
+STORE_BACKEND = {"service.store.directory", "service.store.mooncake", "service.store.pool", "service.store.files", "service.store.index",
                  "service.store.lookups"}
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import struct
 import time
 import warnings
@@ -47,7 +46,7 @@ from PIL import (
     WebPImagePlugin,
 )
 
-from service.media import preprocess
+from service.media import preprocess, sniff
 from service.media.params import ImageLimits, PreprocessParams
 from service.errors import (
     BadAspectRatio,
@@ -101,10 +100,10 @@ class ImageHeader:
     worker process."""
 
     nbytes: int  # len() of the data it was read from
-    format: str | None  # the supported format the data's signature names (_sniff_format); None: none does
+    format: str | None  # the supported format the data's signature names (sniff.sniff_format); None: none does
     size: tuple[int, int] | None  # (width, height) as declared, before EXIF orientation; None: no parser read it
     plain_jpeg: bool  # simplejpeg may decode it straight to the RGB pixels (see _decode_plain_jpeg)
-    # A JPEG's scans (_jpeg_scans: counted up to one more than the limit); 0 for other formats; None: a JPEG of
+    # A JPEG's scans (sniff.jpeg_scans: counted up to one more than the limit); 0 for other formats; None: a JPEG of
     # more marker segments than are worth walking (refused, and never given to PIL's header parser).
     scans: int | None = 0
 
@@ -118,10 +117,10 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
     """One parse of the image's header, nothing decoded: its format, declared size and whether it is a
     plain JPEG. Never raises for bad data: what the header's fault is, decoding says (the size is None
     then). Cheap enough for the event loop's thread hop (a header parse, no pixels)."""
-    fmt = _sniff_format(data)
+    fmt = sniff.sniff_format(data)
     if fmt == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
-        return ImageHeader(len(data), fmt, _declared_size("WEBP", data), plain_jpeg=False)
-    scans = _count_scans(data, limits) if fmt == "JPEG" else 0
+        return ImageHeader(len(data), fmt, sniff.declared_size("WEBP", data), plain_jpeg=False)
+    scans = sniff.count_scans(data, limits) if fmt == "JPEG" else 0
     if scans is None:  # PIL's parser walks the segments before the first scan in Python: 3 s per million
         return ImageHeader(len(data), fmt, None, plain_jpeg=False, scans=None)
     size, plain = None, False
@@ -134,8 +133,8 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
         except Exception:  # noqa: BLE001 - whatever the header's fault: the decode says what it is
             pass
     # simplejpeg never sees what decode_image refuses on its byte count alone (empty, over max_image_bytes),
-    # nor a JPEG of more scans than _FAST_JPEG_SCANS: it cannot be stopped, PIL's decode can (_Budgeted).
-    plain = plain and 0 < len(data) <= limits.max_image_bytes and scans <= _FAST_JPEG_SCANS
+    # nor a JPEG of more scans than sniff.FAST_JPEG_SCANS: it cannot be stopped, PIL's decode can (_Budgeted).
+    plain = plain and 0 < len(data) <= limits.max_image_bytes and scans <= sniff.FAST_JPEG_SCANS
     return ImageHeader(len(data), fmt, size, plain_jpeg=plain, scans=scans)
 
 
@@ -144,7 +143,7 @@ def check_complexity(header: ImageHeader, limits: ImageLimits) -> None:
     are worth counting): from the header alone, before a queue place or a decode is spent on it."""
     if header.scans is None:
         raise ImageTooComplex(
-            f"the JPEG has more than {_max_jpeg_segments(_most_scans(limits)):,} marker segments (a photograph "
+            f"the JPEG has more than {sniff.max_jpeg_segments(sniff.most_scans(limits)):,} marker segments (a photograph "
             "has a few dozen); re-encode it")
     if header.scans > limits.max_jpeg_scans:
         raise ImageTooComplex(
@@ -192,14 +191,14 @@ def prepare_image(data: bytes, params: PreprocessParams, limits: ImageLimits, he
     """
     # The decode's budget starts now: what it costs before PIL's decode (a header parse) counts too.
     deadline = time.monotonic() + limits.decode_timeout_s
-    if header is None and _sniff_format(data) == "JPEG":
+    if header is None and sniff.sniff_format(data) == "JPEG":
         # Only a JPEG's header picks its path: any other image goes to PIL's open (its one parse) at once.
         header = read_header(data, limits)
     assert header is None or header.nbytes == len(data), "a header read from other bytes: this is a bug"
     dest = _Destination(out)
     pixels = None
     if header is not None and header.plain_jpeg:
-        check_complexity(header, limits)  # (_FAST_JPEG_SCANS may be over a lowered --max-jpeg-scans)
+        check_complexity(header, limits)  # (sniff.FAST_JPEG_SCANS may be over a lowered --max-jpeg-scans)
         pixels = _decode_plain_jpeg(data, header.size, params, limits, dest)
     if pixels is None:
         img = decode_image(data, limits, header, deadline)
@@ -297,11 +296,11 @@ def decode_image(data: bytes, limits: ImageLimits, header: ImageHeader | None = 
             f"the encoded image is {_mb(len(data))}, over the limit of {_mb(limits.max_image_bytes)}; "
             "compress or downscale it, or raise --max-image-bytes"
         )
-    sniffed = _sniff_format(data)
+    sniffed = sniff.sniff_format(data)
     if sniffed == "JPEG":  # before PIL's parser walks its segments, and before any scan is decoded
-        scans = header.scans if header is not None else _count_scans(data, limits)
+        scans = header.scans if header is not None else sniff.count_scans(data, limits)
         check_complexity(ImageHeader(len(data), sniffed, None, False, scans), limits)
-    if sniffed == "WEBP" and (declared := _declared_size("WEBP", data)) is not None:
+    if sniffed == "WEBP" and (declared := sniff.declared_size("WEBP", data)) is not None:
         # Before PIL sees the file: PIL's WebP parser allocates the whole canvas when it opens it.
         _check_geometry(declared, limits)
 
@@ -361,7 +360,7 @@ def _open(data: bytes, sniffed: str | None, limits: ImageLimits, deadline: float
         raise _unidentified(data, sniffed) from None
     except Image.DecompressionBombError as e:
         # over twice Image.MAX_IMAGE_PIXELS: name the size where we can read it from the header ourselves
-        declared = _declared_size(sniffed, data) if sniffed is not None else None
+        declared = sniff.declared_size(sniffed, data) if sniffed is not None else None
         if declared is not None:
             _check_geometry(declared, limits)  # our limit, our message, if it is the one exceeded
         raise _pil_bomb_error(e, declared) from e
@@ -459,7 +458,7 @@ def _unidentified(data: bytes, sniffed: str | None) -> Exception:
     """PIL's supported parsers all refused the file: a broken supported file, another format, or no image."""
     if sniffed is not None:
         reason = _header_failure_reason(sniffed, data)
-        if _looks_truncated(sniffed, data):
+        if sniff.looks_truncated(sniffed, data):
             return TruncatedImage(
                 f"the data starts like a {sniffed} file but ends before its header does ({reason}); "
                 "the file was cut off: send the complete file"
@@ -482,7 +481,7 @@ def _unidentified(data: bytes, sniffed: str | None) -> Exception:
 
 def _data_error(fmt: str, data: bytes, e: Exception, stage: str) -> Exception:
     """A parser or decoder failure on a file whose format is known: truncated or corrupt."""
-    truncated = isinstance(e, EOFError) or "truncated" in str(e).lower() or _looks_truncated(fmt, data)
+    truncated = isinstance(e, EOFError) or "truncated" in str(e).lower() or sniff.looks_truncated(fmt, data)
     if truncated:
         return TruncatedImage(
             f"the {fmt} file is truncated: its data ends before the image does ({_describe(e)}); "
@@ -509,7 +508,7 @@ def _pil_bomb_error(e: Exception, size: tuple[int, int] | None = None) -> ImageT
 
 def _header_failure_reason(fmt: str, data: bytes) -> str:
     """PIL's own reason for refusing the header (Image.open discards it)."""
-    if (size := _declared_size(fmt, data)) is not None and min(size) <= 0:
+    if (size := sniff.declared_size(fmt, data)) is not None and min(size) <= 0:
         return f"it declares a size of {size[0]}x{size[1]}"
     try:
         _PLUGINS[fmt](io.BytesIO(data)).close()
@@ -530,123 +529,6 @@ def _identify_any_format(data: bytes) -> str | None:
 def _describe(e: Exception) -> str:
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-# ---- container-level facts read from the raw bytes -------------------------------------------------
-
-
-# A plain JPEG of at most this many scans is decoded by simplejpeg (fast, but it cannot be stopped); one of
-# more goes through PIL's decode, which is stopped at the deadline. libjpeg's progressive files have 10 scans,
-# so they keep the fast path; 16 scans of a 64 MP image cost simplejpeg about 1.3 s.
-_FAST_JPEG_SCANS = 16
-# Any marker but a stuffed 0xFF (0x00), a restart marker (0xD0-0xD7) or a fill byte (0xFF): what ends a scan's
-# entropy-coded data, in which every 0xFF is followed by 0x00 or a restart marker.
-_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-
-
-def _max_jpeg_segments(max_scans: int) -> int:
-    """Marker segments _jpeg_scans walks at most: a photograph has a few dozen (APPn, DQT, SOF, DHT, SOS, ...),
-    a progressive one two per scan (DHT and SOS). Each costs about a microsecond of Python; past this the
-    file is refused (a million empty COM segments cost PIL's header parser 3 s)."""
-    return 1024 + 8 * max_scans
-
-
-def _most_scans(limits: ImageLimits) -> int:
-    """How far a JPEG's scans are counted: past the limit, and past the fast path's (read_header)."""
-    return max(limits.max_jpeg_scans, _FAST_JPEG_SCANS)
-
-
-def _count_scans(data: bytes, limits: ImageLimits) -> int | None:
-    return _jpeg_scans(data, _most_scans(limits))
-
-
-def _jpeg_scans(data: bytes, most: int) -> int | None:
-    """The scans (SOS markers) of a JPEG's first image, walked as libjpeg reads them: a segment's length
-    skips its contents (an EXIF thumbnail's scans are not the image's), a scan's entropy-coded data is
-    skipped to the next marker (_JPEG_MARKER), and the image ends at EOI (an MPO's other pictures, or a
-    video a phone appended, are never decoded). Counting every 0xFF 0xDA pair of the file instead would
-    count those of such appended data too (one per 64 KiB of compressed data: the few MB of video of a
-    phone's motion photo would make it a scan bomb).
-    Stops at `most + 1` (more than `most`); None past _max_jpeg_segments(most) segments."""
-    pos, scans, segments, cap = 2, 0, 0, _max_jpeg_segments(most)  # (after SOI)
-    while (m := _JPEG_MARKER.search(data, pos)) is not None:
-        segments += 1
-        if segments > cap:
-            return None
-        marker = data[m.start() + 1]
-        if marker == 0xD9:  # EOI
-            break
-        if marker == 0xDA:
-            scans += 1
-            if scans > most:
-                break
-        if marker in (0x01, 0xD8):  # TEM, SOI: no length (RSTn, the others, never match _JPEG_MARKER)
-            pos = m.end()
-            continue
-        pos = m.end() + int.from_bytes(data[m.end() : m.end() + 2], "big")  # (a scan's data follows its header)
-    return scans
-
-
-def _sniff_format(data: bytes) -> str | None:
-    """The supported format whose signature the data starts with, if any."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "PNG"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "JPEG"
-    if data.startswith((b"GIF87a", b"GIF89a")):
-        return "GIF"
-    if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
-        return "WEBP"
-    if data.startswith((b"II*\x00", b"MM\x00*")):
-        return "TIFF"
-    # "BM" alone is too weak (text can start with it): also require the reserved header fields to be 0
-    if data.startswith(b"BM") and len(data) >= 14 and data[6:10] == b"\x00\x00\x00\x00":
-        return "BMP"
-    return None
-
-
-def _declared_size(fmt: str, data: bytes) -> tuple[int, int] | None:
-    """(width, height) from fixed-position header fields, where the format has them."""
-    if fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
-        return struct.unpack(">II", data[16:24])
-    if fmt == "GIF" and len(data) >= 10:
-        return struct.unpack("<HH", data[6:10])
-    if fmt == "WEBP" and len(data) >= 30:  # the canvas size, as PIL's WebP plugin reads it
-        chunk = data[12:16]
-        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
-            width, height = struct.unpack("<HH", data[26:30])
-            return width & 0x3FFF, height & 0x3FFF
-        if chunk == b"VP8X":
-            return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
-        if chunk == b"VP8L" and data[20] == 0x2F:
-            bits = int.from_bytes(data[21:25], "little")
-            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-    return None
-
-
-def _looks_truncated(fmt: str, data: bytes) -> bool:
-    """Whether the container says the file should be longer than it is (used only to classify failures)."""
-    tail = data.rstrip(b"\x00\r\n ")
-    if fmt == "PNG":
-        return b"IEND" not in data[-64:]
-    if fmt == "JPEG":
-        return not tail.endswith(b"\xff\xd9")
-    if fmt == "GIF":
-        return not tail.endswith(b";")
-    if fmt == "WEBP":
-        return len(data) >= 8 and struct.unpack("<I", data[4:8])[0] + 8 > len(data)
-    if fmt == "BMP":
-        return len(data) >= 6 and struct.unpack("<I", data[2:6])[0] > len(data)
-    if fmt == "TIFF":  # the first IFD (offset at byte 4: 2-byte entry count, 12-byte entries) must fit
-        if len(data) < 8:
-            return True
-        order = "<" if data[:2] == b"II" else ">"
-        ifd = struct.unpack(order + "I", data[4:8])[0]
-        if ifd + 2 > len(data):
-            return True
-        (entries,) = struct.unpack(order + "H", data[ifd : ifd + 2])
-        return ifd + 2 + 12 * entries + 4 > len(data)
-    return False
 
 
 def _mb(n: int) -> str:

@@ -21,25 +21,23 @@ import concurrent.futures
 import errno
 import json
 import logging
-import mmap
 import os
 import secrets
 import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import StoreFull
 from service.store import files
 from service.store.base import Answer, Found, StoreStats, answered
-from service.store.format import (_DTYPES, _O_CLOEXEC, FILE_NAME, FORMAT_VERSION, TMP_PREFIX, StoreFormatError,
+from service.store.format import (_DTYPES, _O_CLOEXEC, FILE_NAME, FORMAT_VERSION, TMP_PREFIX,
                                   StoredEmbeddings, StoredItem, VideoMeta, _encode_header, _Header, _key_dir,
-                                  _read_header, read_embeddings)
+                                  read_embeddings)
 from service.store.index import Entry, Index
-from service.store.keys import is_store_key, shard_of, validate_key
+from service.store.keys import shard_of, validate_key
 
 if TYPE_CHECKING:  # torch is not imported here: preflight's root check (and so every start-up) would wait on it
     import torch
@@ -49,33 +47,6 @@ log = logging.getLogger(__name__)
 # str(torch dtype) -> safetensors dtype code (format's _DTYPES the other way round), keyed by name so that
 # this module needs no torch.
 _CODE_OF: dict[str, str] = {f"torch.{name}": code for code, (name, _) in _DTYPES.items()}
-
-
-@dataclass
-class PendingEntry:
-    """A write in progress (see DirectoryStore.reserve): an open, pre-allocated temp file for one key."""
-
-    key: str
-    key_dir: Path
-    tmp: Path
-    fd: int
-    header: bytes
-    shape: tuple[int, int]
-    dtype: torch.dtype
-    grid: tuple[int, int, int]
-    content_sha256: str | None
-    video: VideoMeta | None = None
-    mapping: mmap.mmap | None = None  # the file mapped ahead (reserve's `lone`); closed after the commit
-
-    def unmap(self) -> None:
-        if self.mapping is not None:
-            self.mapping.close()
-            self.mapping = None
-
-    @property
-    def nbytes(self) -> int:
-        """The entry's file size."""
-        return len(self.header) + self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
 class DirectoryStore:
@@ -298,7 +269,7 @@ class DirectoryStore:
 
     def reserve(self, key: str, shape: tuple[int, int], dtype: torch.dtype, grid_thw,
                 content_sha256: str | None = None, video: VideoMeta | None = None, *,
-                lone: bool = False) -> PendingEntry:
+                lone: bool = False) -> files.PendingEntry:
         """The first half of `put`, for before the embeddings exist: check room, create the temp file
         and allocate its pages. Why: on tmpfs most of a write's cost is allocating and zeroing fresh
         pages (~1.5 ms for one 448px image's 4 MB); the step loop reserves while the GPU computes, and
@@ -338,7 +309,7 @@ class DirectoryStore:
                 # The file made ahead for it (prepare_next): no create, allocate or map here. It is renamed
                 # from the root onto the key's name at commit (which makes the key's directory then).
                 self._spare = None
-                return PendingEntry(key, key_dir, spare.path, spare.fd, header, (n, width), dtype, grid,
+                return files.PendingEntry(key, key_dir, spare.path, spare.fd, header, (n, width), dtype, grid,
                                     content_sha256, video, mapping=spare.mapping)
 
         # The temp file is created (empty) under the lock together with the mkdir: from then on the
@@ -352,7 +323,7 @@ class DirectoryStore:
             # (a shared writable mapping needs the file open for reading too)
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | (os.O_RDWR if lone else os.O_WRONLY) | _O_CLOEXEC,
                          self.file_mode)
-        r = PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256, video)
+        r = files.PendingEntry(key, key_dir, tmp, fd, header, (n, width), dtype, grid, content_sha256, video)
         try:
             try:
                 allocated = files.allocate(fd, total)
@@ -377,7 +348,7 @@ class DirectoryStore:
             raise
         return r
 
-    def prepare_next(self, like: PendingEntry) -> bool:
+    def prepare_next(self, like: files.PendingEntry) -> bool:
         """Make ahead the file that the next lone reservation of `like`'s size takes, instead of creating,
         allocating and mapping its own: a lone image's reservation (2.4-2.8 ms for a 448px entry on an H200
         host, its pages faulted in) ended after the device and delayed its answer. The writer calls it once
@@ -407,7 +378,7 @@ class DirectoryStore:
             old.drop()
         return True
 
-    def abort(self, r: PendingEntry) -> None:
+    def abort(self, r: files.PendingEntry) -> None:
         """Give up a pending entry: close and remove its temp file (the key's entry, if any, is untouched)."""
         r.unmap()
         if r.fd >= 0:
@@ -418,7 +389,7 @@ class DirectoryStore:
             if r.key not in self._index.entries:
                 files.rmdir_quietly(r.key_dir)
 
-    def commit(self, r: PendingEntry, ec_cache: torch.Tensor,
+    def commit(self, r: files.PendingEntry, ec_cache: torch.Tensor,
                answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
         """The second half of `put`: write `ec_cache` (the reserved shape and dtype) into the reserved
         file, publish it atomically and evict to fit. On failure the entry is aborted.
@@ -478,7 +449,7 @@ class DirectoryStore:
             self._empty_trash()
         return item
 
-    def commit_step(self, pendings: list[PendingEntry], rows: list[torch.Tensor], answer: Answer) -> None:
+    def commit_step(self, pendings: list[files.PendingEntry], rows: list[torch.Tensor], answer: Answer) -> None:
         """Commit a step's entries on the store's writer threads (this one included), in contiguous shares,
         answer(i, item or error) as each is published.
 
@@ -542,52 +513,16 @@ class DirectoryStore:
         )
 
     def _scan(self) -> list[tuple[int, str, Entry]]:
-        """Every `<root>/<key>/encoder_cache.safetensors` of this shard as (mtime_ns, key, entry), from its
-        header (the index's LRU order is mtime order).
-
-        Removes temp files left by a crashed writer, this shard's spare file and empty key directories. Leaves
-        anything that is not in the store's layout (other names, invalid keys) alone and uncounted, and so the
-        keys of other shards (their writers run beside this one).
-        """
-        found: list[tuple[int, str, Entry]] = []
-        for tmp in self.root.glob(".tmp*"):
-            files.unlink_quietly(tmp)
-        for spare in self.root.glob(f"{files.SPARE_PREFIX}{self.shard[0]}-*"):  # (other shards' spares are theirs)
-            files.unlink_quietly(spare)
-        with os.scandir(self.root) as it:
-            dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
-        for d in dirs:
-            key = d.name
-            if not is_store_key(key) or shard_of(key, self.shard[1]) != self.shard[0]:
-                continue
-            key_dir = Path(d.path)
-            for tmp in key_dir.glob(".tmp*"):
-                log.info("removing stale temp file %s", tmp)
-                files.unlink_quietly(tmp)
-            path = key_dir / FILE_NAME
-            try:
-                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-            except FileNotFoundError:
-                files.rmdir_quietly(key_dir)
-                continue
-            except OSError as e:
-                log.warning("store: cannot open %s (%s); ignoring it", path, e)
-                continue
-            try:
-                st = os.fstat(fd)
-                try:
-                    h = _read_header(fd, str(path))
-                except StoreFormatError as e:
-                    log.warning("store: %s; it is counted and evictable but never a hit", e)
-                    h = None
-            finally:
-                os.close(fd)
+        """Every entry of this shard on disk as (mtime_ns, key, entry): the index at start, in mtime order.
+        A file whose header does not parse, or names another model, is counted but no hit (the class NOTE)."""
+        found = []
+        for mtime_ns, key, nbytes, h in files.scan_root(self.root, self.shard):
             item = None
             if h is not None and self._is_hit(h):
                 item = StoredItem(key=key, path=f"{key}/{FILE_NAME}", num_tokens=h.shape[0], grid_thw=h.grid_thw,
-                                  shape=h.shape, dtype=h.dtype, nbytes=st.st_size,
+                                  shape=h.shape, dtype=h.dtype, nbytes=nbytes,
                                   content_sha256=h.metadata.get("content_sha256"), video=_video_meta(h.metadata))
-            found.append((st.st_mtime_ns, key, Entry(nbytes=st.st_size, item=item)))
+            found.append((mtime_ns, key, Entry(nbytes=nbytes, item=item)))
         return found
 
     def _evict(self, keep: str | None, limit: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """The directory store's files: writing an entry's file (allocated ahead, mapped, or with writev), the spare
-file made ahead for a lone image, the tmpfs check, and the root: made the service's own and locked, one
-writer per root (or per shard). No index and no policy here (service/store/index.py, directory.py).
+file made ahead for a lone image, the tmpfs check, and the root: its entries' headers read at start, made
+the service's own and locked, one writer per root (or per shard). No index and no policy here (service/store/index.py, directory.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import StoreOwnershipError
-from service.store.format import _O_CLOEXEC, FILE_MODE, tensor_bytes
+from service.store.format import (_O_CLOEXEC, FILE_MODE, FILE_NAME, StoreFormatError, VideoMeta, _Header, _read_header,
+                                  tensor_bytes)
+from service.store.keys import is_store_key, shard_of
 
 if TYPE_CHECKING:  # torch is not imported here: preflight's root check (and so every start-up) would wait on it
     import torch
@@ -146,6 +148,33 @@ def write_ec_file(fd: int, header: bytes, ec_cache: torch.Tensor, *, fsync: bool
 
 
 @dataclass
+class PendingEntry:
+    """A write in progress (DirectoryStore.reserve): an open, pre-allocated temp file for one key."""
+
+    key: str
+    key_dir: Path
+    tmp: Path
+    fd: int
+    header: bytes
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    grid: tuple[int, int, int]
+    content_sha256: str | None
+    video: VideoMeta | None = None
+    mapping: mmap.mmap | None = None  # the file mapped ahead (DirectoryStore.reserve's `lone`); closed after the commit
+
+    def unmap(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+    @property
+    def nbytes(self) -> int:
+        """The entry's file size."""
+        return len(self.header) + self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
+@dataclass
 class Spare:
     """A file made ahead for a lone image's entry (DirectoryStore.prepare_next): allocated and mapped."""
 
@@ -184,6 +213,50 @@ def lock_root(root: Path, group: str | None) -> RootLock:
     """The root's checks and ROOT_LOCK, as a store's own (own_root), without a store: what preflight checks
     (then closes), and what the supervisor of a sharded service holds until it exits."""
     return RootLock(own_root(Path(root).absolute(), group, ROOT_LOCK)[0])
+
+
+def scan_root(root: Path, shard: tuple[int, int]) -> list[tuple[int, str, int, _Header | None]]:
+    """Every `<root>/<key>/encoder_cache.safetensors` of shard (i, n) as (mtime_ns, key, file size, its header,
+    None where it does not parse).
+
+    Removes temp files left by a crashed writer, this shard's spare file and empty key directories. Leaves
+    anything that is not in the store's layout (other names, invalid keys) alone and uncounted, and so the
+    keys of other shards (their writers run beside this one)."""
+    found = []
+    for tmp in root.glob(".tmp*"):
+        unlink_quietly(tmp)
+    for spare in root.glob(f"{SPARE_PREFIX}{shard[0]}-*"):  # (other shards' spares are theirs)
+        unlink_quietly(spare)
+    with os.scandir(root) as it:
+        dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
+    for d in dirs:
+        key = d.name
+        if not is_store_key(key) or shard_of(key, shard[1]) != shard[0]:
+            continue
+        key_dir = Path(d.path)
+        for tmp in key_dir.glob(".tmp*"):
+            log.info("removing stale temp file %s", tmp)
+            unlink_quietly(tmp)
+        path = key_dir / FILE_NAME
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        except FileNotFoundError:
+            rmdir_quietly(key_dir)
+            continue
+        except OSError as e:
+            log.warning("store: cannot open %s (%s); ignoring it", path, e)
+            continue
+        try:
+            st = os.fstat(fd)
+            try:
+                h = _read_header(fd, str(path))
+            except StoreFormatError as e:
+                log.warning("store: %s; it is counted and evictable but never a hit", e)
+                h = None
+        finally:
+            os.close(fd)
+        found.append((st.st_mtime_ns, key, st.st_size, h))
+    return found
 
 
 def own_root(root: Path, group: str | None, lock_name: str) -> tuple[int, int]:

@@ -135,7 +135,7 @@ def main() -> None:
         )
 
         from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
-        from service.store.mooncake import connect
+        from service.store.pool import connect
 
         client = connect(MooncakeOptions(master=parse_mooncake(master), local_host="127.0.0.1", segment_bytes=0,
                                          buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=None))

@@ -17,7 +17,8 @@ from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_
 from service.errors import StoreUnavailable
 from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
-from service.store.mooncake import MooncakeStore, added_ranges, connect, meta_key, value_key
+from service.store.mooncake import MooncakeStore, meta_key, value_key
+from service.store.pool import anonymous_mappings, connect
 from service.store.reader import open_reader
 from tests.mooncake_pool import LOOPBACK, Master
 from tests.netns import proc_listeners
@@ -221,27 +222,8 @@ def _resident(ranges: set[tuple[int, int]]) -> int:
     return total
 
 
-def test_added_ranges_are_the_new_mappings_and_only_the_added_part_of_a_merged_one():
-    """A mapping the kernel merged with an older neighbour counts only for what it added: taken whole (as
-    `after - before` did), a full-suite run counted 1.77 GB for a 192 MiB segment and buffer, and the
-    segment was not faulted in."""
-    mib = 1 << 20
-    before = {(100 * mib, 1700 * mib), (2000 * mib, 2001 * mib), (3000 * mib, 3010 * mib)}
-    after = {
-        (100 * mib, 1828 * mib),  # the old 1.6 GB mapping with a 128 MiB segment merged after it
-        (1900 * mib, 2001 * mib),  # an old one with 100 MiB merged before it
-        (2500 * mib, 2564 * mib),  # a new mapping alone
-        (3000 * mib, 3010 * mib),  # unchanged
-    }
-    assert added_ranges(before, after) == {(1700 * mib, 1828 * mib), (1900 * mib, 2000 * mib),
-                                           (2500 * mib, 2564 * mib)}
-    # two old neighbours joined by a new middle: only the middle
-    assert added_ranges({(0, 10), (20, 30)}, {(0, 30)}) == {(10, 20)}
-    assert added_ranges(before, before) == set()
-
-
 def test_the_segment_is_faulted_in_at_start_so_the_first_puts_pay_no_page_faults(master):
-    """Issue 21: a put into this host's own segment is a memcpy in Mooncake's one memcpy thread, and each
+    """A put into this host's own segment is a memcpy in Mooncake's one memcpy thread, and each
     page of a segment never written cost it a page fault and the kernel's zeroing: on the H200 that thread
     held Mooncake at 1 image per request to 0.62 of the directory's img/s, and here a fresh segment took
     puts at 272 MB/s against 9-12 GB/s once written (a probe, now in git history). connect faults the
@@ -250,15 +232,13 @@ def test_the_segment_is_faulted_in_at_start_so_the_first_puts_pay_no_page_faults
     import gc
     import resource
 
-    from service.store import mooncake
-
     segment = 128 << 20
     rows = [torch.randn(65536, WIDTH).to(torch.bfloat16) for _ in range(8)]  # 4 MiB each, 32 MiB in all
     gc.collect()
-    before = mooncake.anonymous_mappings()
+    before = anonymous_mappings()
     store = _store(master, segment=segment)
     try:
-        new = mooncake.anonymous_mappings() - before
+        new = anonymous_mappings() - before
         assert _resident(new) >= segment, f"{_resident(new)} bytes of the new mappings resident after connect"
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         keys = [f"fault-{i}" for i in range(len(rows))]
