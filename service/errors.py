@@ -1,28 +1,42 @@
-"""The service's errors: one tree, the one table that maps them to HTTP status, and the one place their
-answers are built.
+"""The service's errors: a few families, each with its table of codes and their HTTP status, and the one
+place their answers are built.
 
     QveError
-     ├─ ServiceError          what a request is answered with (status: HTTP_STATUS; body: response())
-     │   ├─ Unauthorized, BadRequest, NotFound, MethodNotAllowed, InvalidKey, KeyConflict,
-     │   │  RequestTooLarge, RequestTimeout, HeaderTooLarge
-     │   ├─ ImageError: EmptyImage, NotAnImage, UnsupportedFormat, CorruptImage, TruncatedImage,
-     │   │  ImageTooLarge, BadAspectRatio, ImageTooComplex, ImageFetchError
-     │   ├─ VideoError: NotAVideo, UnsupportedCodec, CorruptVideo, TruncatedVideo, VideoTooLarge, VideoTooLong
-     │   ├─ Overloaded (429): ArenaFull;  Unavailable (503): StoreFull, StoreUnavailable, EngineMismatch
-     │   ├─ BackendError (500);  BadGateway (502), EmbeddingsMissing (424), DeadlineExceeded (504): the LM side's
-     │   └─ Relayed: another service's answer passed on with its own status
+     ├─ ServiceError          what a request is answered with: {"error": {"code", "message", "index"?}}
+     │   ├─ RequestError      the request itself is malformed or not allowed (400, 401, 404, 405, 408, 413, 422, 431)
+     │   ├─ KeyConflict       a client uuid already bound to other bytes (409)
+     │   ├─ MediaError        one image or video of the request cannot be used (413, 415, 422), answered by its index
+     │   │   ├─ ImageError
+     │   │   └─ VideoError
+     │   ├─ Overloaded        the queue or an arena is full: 429 + Retry-After
+     │   ├─ Unavailable       starting, the store full or unreachable, the engines disagree: 503
+     │   ├─ BackendError      an encoding step or a store write failed: 500
+     │   ├─ GatewayError      the LM side: a service it needs failed (502, 424, 504)
+     │   └─ Relayed           another service's error answer, passed on with its own status
      └─ StartupError          a start-up check failed: one line, exit status 2 (never an HTTP answer)
          ├─ ModelLoadError
          └─ StoreOwnershipError
 
-Bad input and overload are ServiceErrors with a machine-readable `code` and a message that says how to
-fix the request. Anything else that escapes a handler is a bug and becomes a 500. Invariants are
-asserts; user input never reaches an assert.
+A code is data: `ImageError("the image is empty ...", code="empty_image")`. Each family's CODES say what
+each code means and its status; `CODES` joins them (the OpenAPI document's error responses and
+docs/api.md are written from it). Bad input and overload carry a machine-readable code and a message that
+says how to fix the request; anything else that escapes a handler is a bug and becomes a 500. Invariants
+are asserts; user input never reaches an assert.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Code:
+    status: int
+    means: str  # what the code says, for the OpenAPI document and the docs
+    closes: bool = False  # the answer closes its connection (`connection: close`)
+    retry_after_s: int | None = None  # the Retry-After of a transient refusal, unless the raiser says
 
 
 class QveError(Exception):
@@ -30,242 +44,167 @@ class QveError(Exception):
 
 
 class ServiceError(QveError):
-    """An answer to a request. `code` is stable (clients switch on it); the message is for humans.
-    `retry_after_s`: a transient refusal says when to retry (Retry-After). `index`: the image's position
-    in the request, for per-image errors (set by `at_index`)."""
+    """An answer to a request. `code` is stable (clients switch on it) and one of the family's CODES (the
+    first is the default); the message is for humans. `retry_after_s`: a transient refusal says when to
+    retry (Retry-After). `index`: the image's position in the request, for per-image errors (at_index)."""
 
-    code = "internal_error"
-    retry_after_s: int | None = None
+    CODES: ClassVar[dict[str, Code]] = {}
     index: int | None = None
-    closes_connection = False  # the answer closes its connection (`connection: close`)
 
-    def __init__(self, message: str, retry_after_s: int | None = None):
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
+        codes = type(self).CODES
+        self.code = code if code is not None else next(iter(codes))
+        assert self.code in codes, f"{type(self).__name__} has no code {self.code!r}: this is a bug"
         self.message = message
-        if retry_after_s is not None:
-            self.retry_after_s = retry_after_s
+        self.retry_after_s = retry_after_s if retry_after_s is not None else codes[self.code].retry_after_s
+
+    @property
+    def status(self) -> int:
+        return type(self).CODES[self.code].status
+
+    @property
+    def closes_connection(self) -> bool:
+        return type(self).CODES[self.code].closes
+
+    def __reduce__(self):
+        # Decode workers are processes: an error crosses back pickled, with its code (Exception's own pickling
+        # would make it again from its message alone, with the family's default code).
+        return _rebuilt, (type(self), self.message, self.code, self.retry_after_s, self.index)
 
 
-class Unauthorized(ServiceError):
-    """--api-key is set and the request has no `Authorization: Bearer <key>` with one of the keys."""
-
-    code = "unauthorized"
-
-
-# ---- the request itself is malformed (400 and the like) -------------------------------------------
-class BadRequest(ServiceError):
-    code = "bad_request"
+def _rebuilt(cls: type[ServiceError], message: str, code: str, retry_after_s: int | None,
+             index: int | None) -> ServiceError:
+    err = cls(message, code=code, retry_after_s=retry_after_s)
+    err.index = index
+    return err
 
 
-class NotFound(ServiceError):
-    code = "not_found"
-
-
-class MethodNotAllowed(ServiceError):
-    code = "method_not_allowed"
-
-
-class InvalidKey(ServiceError):
-    """A client `uuid` that is not a safe store key (it could name a path outside the store)."""
-
-    code = "invalid_key"
+class RequestError(ServiceError):
+    CODES = {
+        "bad_request": Code(400, "a malformed request: its body, a field, a header"),
+        "unauthorized": Code(401, "--api-key is set and the request has no `Authorization: Bearer <key>` with "
+                                  "one of the keys"),
+        "not_found": Code(404, "no such endpoint"),
+        "method_not_allowed": Code(405, "the endpoint does not take this method"),
+        # NOTE: a request cut off mid-body leaves the connection in the middle of a message: it cannot carry
+        # another (kept open, it waited for the rest of a body that never came).
+        "request_timeout": Code(408, "the request head or body came too slowly (--header-timeout-s, "
+                                     "--body-timeout-s)", closes=True),
+        "request_too_large": Code(413, "the body is over --max-request-bytes (refused before or while it is "
+                                       "read)", closes=True),
+        "invalid_key": Code(422, "a `uuid` that is not a safe store key (it could name a path outside the store)"),
+        "header_too_large": Code(431, "the request head is over the HTTP layer's cap", closes=True),
+    }
 
 
 class KeyConflict(ServiceError):
-    """A client `uuid` already bound to other image bytes (in the store, in flight, or in the request)."""
-
-    code = "key_conflict"
-
-
-class RequestTooLarge(ServiceError):
-    """The whole request body is over --max-request-bytes (refused before or while it is read)."""
-
-    code = "request_too_large"
-    closes_connection = True  # the body it did not read is still coming
+    CODES = {"key_conflict": Code(409, "a client `uuid` already bound to other bytes (in the store, in flight, "
+                                       "or in the request)")}
 
 
-class HeaderTooLarge(ServiceError):
-    """The request head (request line and headers) is over the HTTP layer's cap (api/protocol.py)."""
-
-    code = "header_too_large"
-    closes_connection = True
+class MediaError(ServiceError):
+    """One image or video of the request cannot be used: the request is answered with it, by its index."""
 
 
-class RequestTimeout(ServiceError):
-    """The client sent the request head or body too slowly (--header-timeout-s, --body-timeout-s)."""
-
-    code = "request_timeout"
-    # NOTE: a request cut off mid-body leaves the connection in the middle of a message: it cannot carry
-    # another (kept open, it waited for the rest of a body that never came).
-    closes_connection = True
-
-
-# ---- an image could not be used (422 / 413 / 415) -------------------------------------------------
-class ImageError(ServiceError):
-    """Base for every per-image problem."""
-
-    code = "invalid_image"
-
-
-class EmptyImage(ImageError):
-    code = "empty_image"
-
-
-class NotAnImage(ImageError):
-    code = "not_an_image"
+class ImageError(MediaError):
+    CODES = {
+        "invalid_image": Code(422, "an image that cannot be used"),
+        "empty_image": Code(422, "an image of 0 bytes"),
+        "not_an_image": Code(422, "bytes that are no image format"),
+        "unsupported_format": Code(415, "an image format that is not supported"),
+        "corrupt_image": Code(422, "an image whose data does not decode"),
+        "truncated_image": Code(422, "an image cut short"),
+        "image_too_large": Code(413, "encoded bytes or declared pixels over --max-image-bytes / --max-input-pixels "
+                                     "(decompression bombs land here)"),
+        "aspect_ratio_too_extreme": Code(422, "an image more than 200 times longer than wide (the model's limit)"),
+        # A JPEG of more scans than --max-jpeg-scans (each scan is a pass over the whole image: a few KB of
+        # repeated scans took minutes), or a decode that ran past --decode-timeout-s. 422: the same bytes are
+        # refused again; re-encoding fixes it.
+        "image_too_complex": Code(422, "an image whose decode would cost more than its size explains (too many "
+                                       "JPEG scans, or past --decode-timeout-s)"),
+        "image_fetch_failed": Code(422, "an http(s) image URL that is not allowed, failed, timed out or was too large"),
+    }
 
 
-class UnsupportedFormat(ImageError):
-    code = "unsupported_format"
+class VideoError(MediaError):
+    CODES = {
+        "invalid_video": Code(422, "a video that cannot be used"),
+        "not_a_video": Code(422, "not a container PyAV opens, or one without a video stream"),
+        "unsupported_codec": Code(415, "a video codec that is not supported"),
+        "corrupt_video": Code(422, "a video whose frames do not decode"),
+        "truncated_video": Code(422, "fewer frames decode than the container's header promised for the sampled ones"),
+        "video_too_large": Code(413, "encoded bytes, frame size or the sampled clip's pixels over a limit"),
+        "video_too_long": Code(413, "duration, frame count or decode time over a limit"),
+    }
 
 
-class CorruptImage(ImageError):
-    code = "corrupt_image"
-
-
-class TruncatedImage(ImageError):
-    code = "truncated_image"
-
-
-class ImageTooLarge(ImageError):
-    """Encoded bytes or decoded pixel count over the configured limit (decompression bombs land here)."""
-
-    code = "image_too_large"
-
-
-class BadAspectRatio(ImageError):
-    code = "aspect_ratio_too_extreme"
-
-
-class ImageTooComplex(ImageError):
-    """An image whose decode would cost more than its size explains: a JPEG of more scans than
-    --max-jpeg-scans (each scan is a pass over the whole image: a few KB of repeated scans took minutes), or
-    a decode that ran past --decode-timeout-s. 422: the same bytes are refused again; re-encoding fixes it."""
-
-    code = "image_too_complex"
-
-
-class ImageFetchError(ImageError):
-    """An http(s) image URL that is not allowed, failed, timed out or was too large."""
-
-    code = "image_fetch_failed"
-
-
-# ---- a video could not be used (422 / 413 / 415) ---------------------------------------------------
-class VideoError(ServiceError):
-    """Base for every per-video problem."""
-
-    code = "invalid_video"
-
-
-class NotAVideo(VideoError):
-    """Not a container PyAV opens, or one without a video stream."""
-
-    code = "not_a_video"
-
-
-class UnsupportedCodec(VideoError):
-    code = "unsupported_codec"
-
-
-class CorruptVideo(VideoError):
-    code = "corrupt_video"
-
-
-class TruncatedVideo(VideoError):
-    """Fewer frames decode than the container's header promised for the sampled ones."""
-
-    code = "truncated_video"
-
-
-class VideoTooLarge(VideoError):
-    """Encoded bytes, frame size or the sampled clip's pixels over the configured limit."""
-
-    code = "video_too_large"
-
-
-class VideoTooLong(VideoError):
-    """Duration, frame count or decode time over the configured limit."""
-
-    code = "video_too_long"
-
-
-# ---- the service cannot take the work now (429 / 503) ---------------------------------------------
 class Overloaded(ServiceError):
-    code = "overloaded"
-    retry_after_s = 1
-
-
-class ArenaFull(Overloaded):
-    """No free cell large enough in an API process's pixel arena right now (the engine still holds the
-    others): the images being decoded or queued from this process fill it."""
+    CODES = {"overloaded": Code(429, "the queue (or this process's pixel arena) is full: retry after Retry-After",
+                                retry_after_s=1)}
 
 
 class Unavailable(ServiceError):
-    code = "unavailable"
+    CODES = {
+        "unavailable": Code(503, "starting, shutting down, or the engine is not running: retry after Retry-After"),
+        # Transient: the entries answered in the last --store-min-residency-s may still be read by consumers,
+        # and nothing may be evicted yet.
+        "store_full": Code(503, "the store is full of entries still in their minimum residency"),
+        "store_unavailable": Code(503, "the store cannot be reached now (Mooncake's master or a peer host)",
+                                  retry_after_s=1),
+        # A key would depend on which engine hashed it: the service never becomes ready.
+        "engine_mismatch": Code(503, "the engines report different models or preprocessing"),
+    }
 
 
-class StoreFull(Unavailable):
-    """Every byte of the store is held by entries still in their minimum residency (consumers may be
-    about to read them); nothing may be evicted yet. Transient: 503 + Retry-After."""
-
-    code = "store_full"
-
-
-class StoreUnavailable(Unavailable):
-    """The store cannot be reached now (Mooncake Store's master or a peer host): transient, 503 +
-    Retry-After; /health and /ready say so until it answers again."""
-
-    code = "store_unavailable"
-    retry_after_s = 1
-
-
-class EngineMismatch(Unavailable):
-    """The engines report different models or preprocessing: a key would depend on which engine hashed
-    it. The service never becomes ready."""
-
-    code = "engine_mismatch"
-
-
-# ---- something behind the request failed (5xx, 424) ------------------------------------------------
 class BackendError(ServiceError):
-    """An encoding step or a store write failed."""
-
-    code = "backend_error"
-
-
-class BadGateway(ServiceError):
-    """The LM side: a service it needs (the encoder, vLLM) could not be reached or answered nonsense.
-    `code` names which (encoder_unavailable, lm_unavailable, embeddings_mismatch, ...)."""
-
-    code = "bad_gateway"
-
-    def __init__(self, message: str, code: str | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
+    CODES = {
+        "backend_error": Code(500, "an encoding step or a store write failed; only its requests fail"),
+        "internal_error": Code(500, "a bug: the server's log has it"),
+    }
 
 
-class EmbeddingsMissing(ServiceError):
-    """The LM side: the encoder answered a key its store does not hold (424: the encoder's answer failed)."""
+class GatewayError(ServiceError):
+    """The LM side: a service it needs (the encoder, vLLM) could not be reached or answered nonsense."""
 
-    code = "embeddings_missing"
-
-
-class DeadlineExceeded(ServiceError):
-    """The LM side: a request was not answered within its deadline (the consumer's --request-timeout-s);
-    its generation was stopped, so the LM goes on to the next request. No Retry-After: the request itself
-    (its max_tokens, its prompt) may be what took too long, not the queue."""
-
-    code = "deadline_exceeded"
+    CODES = {
+        "bad_gateway": Code(502, "a service behind this one answered nonsense"),
+        "encoder_unavailable": Code(502, "the encoder could not be reached"),
+        "encoder_unauthorized": Code(502, "the encoder refused this service's key"),
+        "lm_unavailable": Code(502, "vLLM could not be reached"),
+        "lm_unauthorized": Code(502, "vLLM refused this router's key"),
+        "embeddings_mismatch": Code(502, "a store entry does not fit this language model"),
+        "embeddings_missing": Code(424, "the encoder answered a key its store does not hold"),
+        # Its generation was stopped, so the LM goes on to the next request. No Retry-After: the request itself
+        # (its max_tokens, its prompt) may be what took too long, not the queue.
+        "deadline_exceeded": Code(504, "a request was not answered within its deadline (--request-timeout-s)"),
+    }
 
 
 class Relayed(ServiceError):
     """Another service's error answer, passed on as it came (its status, code and retry hint)."""
 
     def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None):
-        super().__init__(message, retry_after_s)
-        self.status, self.code = status, code
+        QveError.__init__(self, message)
+        self.message, self.code, self.retry_after_s, self._status = message, code, retry_after_s, status
+
+    @property
+    def status(self) -> int:
+        return self._status
+
+    @property
+    def closes_connection(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return Relayed, (self._status, self.code, self.message, self.retry_after_s)
+
+
+FAMILIES: tuple[type[ServiceError], ...] = (RequestError, KeyConflict, ImageError, VideoError, Overloaded, Unavailable,
+                                            BackendError, GatewayError)
+# Every code, with the family that raises it (each code is one family's).
+CODES: dict[str, tuple[type[ServiceError], Code]] = {c: (f, code) for f in FAMILIES for c, code in f.CODES.items()}
+assert len(CODES) == sum(len(f.CODES) for f in FAMILIES), "a code in two families: this is a bug"
 
 
 # ---- start-up (not HTTP) ---------------------------------------------------------------------------
@@ -283,46 +222,23 @@ class StoreOwnershipError(StartupError):
     service."""
 
 
-# NOTE: the one place where errors become HTTP status codes. Order matters: first match wins, so
-# subclasses come before their bases.
-HTTP_STATUS: list[tuple[type[ServiceError], int]] = [
-    (ImageTooLarge, 413),
-    (VideoTooLarge, 413),
-    (VideoTooLong, 413),
-    (UnsupportedCodec, 415),
-    (VideoError, 422),
-    (RequestTooLarge, 413),
-    (RequestTimeout, 408),
-    (HeaderTooLarge, 431),
-    (UnsupportedFormat, 415),
-    (ImageError, 422),
-    (InvalidKey, 422),
-    (KeyConflict, 409),
-    (Unauthorized, 401),
-    (NotFound, 404),
-    (MethodNotAllowed, 405),
-    (BadRequest, 400),
-    (Overloaded, 429),
-    (Unavailable, 503),
-    (EmbeddingsMissing, 424),
-    (DeadlineExceeded, 504),
-    (BadGateway, 502),
-    (BackendError, 500),
-    (ServiceError, 500),
-]
-
-
+# ---- answers -----------------------------------------------------------------------------------------
 def http_status(err: ServiceError) -> int:
-    if isinstance(err, Relayed):
-        return err.status
-    for cls, status in HTTP_STATUS:
-        if isinstance(err, cls):
-            return status
-    raise AssertionError(f"unmapped error type {type(err).__name__}: this is a bug")
+    return err.status
+
+
+def statuses(families: tuple[type[ServiceError], ...] = FAMILIES) -> dict[int, list[tuple[str, str]]]:
+    """Each HTTP status the families answer, with its codes and what they mean, in status order: the
+    OpenAPI document's error responses (api/app.py) and docs/api.md's table."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for family in families:
+        for name, code in family.CODES.items():
+            out.setdefault(code.status, []).append((name, code.means))
+    return dict(sorted(out.items()))
 
 
 def at_index(err: ServiceError, index: int) -> ServiceError:
-    """Tag a per-image error (ImageError, KeyConflict) with the image's position in the request."""
+    """Tag a per-image error (MediaError, KeyConflict) with the image's position in the request."""
     err.index = index
     return err
 
@@ -348,24 +264,16 @@ def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
     headers = {"content-type": "application/json"}
     if err.retry_after_s is not None:  # overload, a full store, starting: transient, say when to retry
         headers["retry-after"] = str(err.retry_after_s)
-    if isinstance(err, Unauthorized):
+    if err.code == "unauthorized":
         headers["www-authenticate"] = "Bearer"
     if err.closes_connection:  # (uvicorn closes a connection after an answer that says so)
         headers["connection"] = "close"
-    return http_status(err), headers, json.dumps(error_body(err.code, err.message, err.index)).encode()
-
-
-def _subclasses(cls: type) -> list[type]:
-    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+    return err.status, headers, json.dumps(error_body(err.code, err.message, err.index)).encode()
 
 
 def from_code(code: str, message: str, retry_after_s: int | None = None) -> ServiceError:
-    """The ServiceError whose class has `code`, made again from its parts (an engine's answer, raised in
-    the API process, answers the engine's status). An unknown code is a BackendError."""
-    for cls in [ServiceError, *_subclasses(ServiceError)]:
-        if "code" in cls.__dict__ and cls.code == code and cls not in (BadGateway, Relayed):
-            err = cls.__new__(cls)
-            ServiceError.__init__(err, message)
-            err.retry_after_s = retry_after_s
-            return err
-    return BackendError(message)
+    """The ServiceError of `code`, made again from its parts (an engine's answer, raised in the API process,
+    answers the engine's status). An unknown code is a BackendError."""
+    if code not in CODES:
+        return BackendError(message)
+    return CODES[code][0](message, code=code, retry_after_s=retry_after_s)

@@ -4,7 +4,7 @@ The /encode handler parses the request into `encode.Input`s (api/parse.py), call
 (keys, claims, decode, submit: api/encode.py) and maps its answers to the response. Handlers never see
 tensors: they deal in bytes, keys and StoredItems, and the same app serves a single-process service and
 each API process of a supervised one (api/runtime.py's Runtime is what differs, built by procs/).
-Every ServiceError becomes its HTTP status in one place (`errors.HTTP_STATUS`), as
+Every ServiceError answers its code's HTTP status (service/errors.py's families say which), as
 `{"error": {"code", "message", "index"?}}`.
 """
 
@@ -27,15 +27,16 @@ from service.api.schemas import EXAMPLE_REQUEST, EncodedItem, EncodeRequest, Enc
 from service.config import Settings
 from service import tracing
 from service.api.server import BodyLimit, bearer_auth, install_error_handlers
-from service.errors import Overloaded, ServiceError, Unauthorized, http_status
+from service import errors
+from service.errors import Overloaded, RequestError, ServiceError, http_status
 
 
-_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
-    (400, "malformed request"), (401, "missing or wrong API key"), (408, "the request body stalled"),
-    (409, "a uuid already names other image bytes"), (413, "an image or the request is too large"),
-    (415, "an image format that is not supported"), (422, "an image that cannot be used, or an invalid key"),
-    (429, "the queue is full: retry after Retry-After seconds"), (500, "an encoding step failed"),
-    (503, "starting, shutting down, or the store is full: retry after Retry-After seconds"))}
+# The error answers of /encode, written from the families' code tables (service/errors.py): each status with
+# the codes it answers and what they mean.
+ENCODER_ERRORS = (errors.RequestError, errors.KeyConflict, errors.ImageError, errors.VideoError, errors.Overloaded,
+                  errors.Unavailable, errors.BackendError)
+_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": "; ".join(f"`{c}`: {m}" for c, m in codes)}
+                    for status, codes in errors.statuses(ENCODER_ERRORS).items()}
 _HEALTH = {"description": "the service's state, in words", "content": {"application/json": {"schema": {
     "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}}
 # The JSON request body's schema, with its nested models as OpenAPI components (not dangling $defs).
@@ -91,7 +92,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
 
     def authorize(request: Request) -> None:
         if not authorized(request):
-            raise Unauthorized("this service needs an API key: send `Authorization: Bearer <key>`")
+            raise RequestError("this service needs an API key: send `Authorization: Bearer <key>`", code="unauthorized")
 
     # (response_model_exclude_none: an item names its entry by `path` or by `store_key`, not both as null)
     @app.post("/encode", response_model=EncodeResponse, response_model_exclude_none=True, responses=_ERROR_RESPONSES,

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
 from service.api.server import error_response
-from service.errors import NotFound
+from service.errors import RequestError
 
 ASSETS = "/docs-assets"  # the bundle's files (swagger-ui-bundle.js, swagger-ui.css, favicons)
 UI_OPENAPI = "/docs/openapi-3.0.json"  # the document as the bundled Swagger UI can read it
@@ -24,9 +24,9 @@ def mount_docs(app: FastAPI) -> None:
     except ImportError:
         @app.get("/docs", include_in_schema=False)
         async def no_docs():
-            return error_response(NotFound("the docs UI needs the swagger-ui-bundle package, which is not installed "
+            return error_response(RequestError("the docs UI needs the swagger-ui-bundle package, which is not installed "
                                            "here (pip install swagger-ui-bundle); the OpenAPI document is at "
-                                           "/openapi.json"))
+                                           "/openapi.json", code="not_found"))
         return
 
     from fastapi.staticfiles import StaticFiles

@@ -29,8 +29,7 @@ from typing import NamedTuple
 from service.api.runtime import Decoded, Runtime
 from service.engine.client import Pending
 from service.engine.messages import Grant, Hit
-from service.errors import (BackendError, EmptyImage, ImageError, KeyConflict, ServiceError, VideoError, VideoTooLarge,
-    at_index)
+from service.errors import at_index, BackendError, ImageError, KeyConflict, ServiceError, VideoError
 from service.media import video as media_video
 from service.media.images import ImageHeader, check_complexity, header_tokens, read_header
 from service.media.video_preprocess import plan_video
@@ -233,7 +232,7 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
     counts before decode); 409 when one uuid is given to different images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
-            raise at_index(EmptyImage(f"images[{i}] is empty (0 bytes); send the encoded image file"), i)
+            raise at_index(ImageError(f"images[{i}] is empty (0 bytes); send the encoded image file", code="empty_image"), i)
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
     params, limits, salt = rt.params, rt.settings.image_limits, rt.key_salt
@@ -275,9 +274,9 @@ def _video_keyed(i: int, inp: Input, digest: bytes, salt: bytes, params: media_v
         header = media_video.read_header(inp.data, limits)
         plan = plan_video(header, params)
         if plan.tokens > queue_tokens:
-            raise VideoTooLarge(f"the video becomes {plan.tokens} tokens ({len(plan.indices)} frames sampled, grid "
+            raise VideoError(f"the video becomes {plan.tokens} tokens ({len(plan.indices)} frames sampled, grid "
                                 f"{list(plan.grid_thw)}), more than the queue ever holds ({queue_tokens}, "
-                                "--max-queue-tokens); send a shorter clip")
+                                "--max-queue-tokens); send a shorter clip", code="video_too_large")
     except VideoError as e:
         raise _named(inp, i, e) from None
     return _Keyed(key, digest.hex(), header, plan.tokens)

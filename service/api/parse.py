@@ -18,31 +18,32 @@ from pydantic import ValidationError
 from service.api.encode import Input
 from service.api.runtime import Runtime
 from service.api.schemas import EncodeRequest, VideoPart
-from service.errors import BadRequest, ImageFetchError, ImageTooLarge, ServiceError, VideoTooLarge, at_index
+from service.errors import at_index, ImageError, RequestError, ServiceError, VideoError
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ImageTooLarge(f"request body is {int(declared)} bytes, over the limit of {limit}; send fewer or smaller images")
+        raise ImageError(f"request body is {int(declared)} bytes, over the limit of {limit}; send fewer or smaller images", code="image_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ImageTooLarge(f"request body is over the limit of {limit} bytes; send fewer or smaller images")
+            raise ImageError(f"request body is over the limit of {limit} bytes; send fewer or smaller images", code="image_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 def _too_large(video: bool, message: str, index: int) -> ServiceError:
-    return at_index((VideoTooLarge if video else ImageTooLarge)(message), index)
+    err = VideoError(message, code="video_too_large") if video else ImageError(message, code="image_too_large")
+    return at_index(err, index)
 
 
 def _decode_data_url(url: str, index: int, max_bytes: int, video: bool = False) -> bytes:
     field, kind = ("video_url", "video") if video else ("image_url", "image")
     head, sep, payload = url.partition(",")
     if not sep or not head.startswith("data:") or not head.endswith(";base64"):
-        raise BadRequest(f"images[{index}].{field}.url must be a data URL 'data:{kind}/<fmt>;base64,<data>' "
+        raise RequestError(f"images[{index}].{field}.url must be a data URL 'data:{kind}/<fmt>;base64,<data>' "
                          f"or an allowed http(s) URL")
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise _too_large(video, f"images[{index}] is over the limit of {max_bytes} bytes", index)
@@ -50,7 +51,7 @@ def _decode_data_url(url: str, index: int, max_bytes: int, video: bool = False) 
         # pybase64: ~30x the standard library's speed, so far less time holding the GIL (8 vs 249 us a JPEG)
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise BadRequest(f"images[{index}].{field}.url has invalid base64 data: {_base64_fault(payload)}") from None
+        raise RequestError(f"images[{index}].{field}.url has invalid base64 data: {_base64_fault(payload)}") from None
 
 
 _BASE64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
@@ -72,14 +73,14 @@ def _base64_fault(payload: str) -> str:
 
 
 def _url_host(url: str, index: int) -> tuple[str, int]:
-    """(host, port) of an http(s) URL, or BadRequest for one that does not parse."""
+    """(host, port) of an http(s) URL, or `bad_request` for one that does not parse."""
     try:
         parts = urlsplit(url)
         host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
-        raise BadRequest(f"images[{index}].image_url.url is not a valid URL: {e}") from None
+        raise RequestError(f"images[{index}].image_url.url is not a valid URL: {e}") from None
     if not host or any(c.isspace() or ord(c) < 32 for c in url):
-        raise BadRequest(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
+        raise RequestError(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
                          "characters in it)")
     return host, port
 
@@ -94,26 +95,26 @@ async def _check_resolves_public(rt: Runtime, host: str, port: int, index: int) 
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise at_index(ImageFetchError(f"images[{index}]: cannot resolve {host!r}: {e}"), index) from None
+        raise at_index(ImageError(f"images[{index}]: cannot resolve {host!r}: {e}", code="image_fetch_failed"), index) from None
     for *_, sockaddr in infos:
         addr = ipaddress.ip_address(sockaddr[0].split("%")[0])
         if not addr.is_global:
-            raise at_index(ImageFetchError(f"images[{index}]: {host!r} resolves to {addr}, a loopback, private or "
-                                           "link-local address; such fetches are refused (--allow-private-url-addresses)"),
+            raise at_index(ImageError(f"images[{index}]: {host!r} resolves to {addr}, a loopback, private or "
+                                           "link-local address; such fetches are refused (--allow-private-url-addresses)", code="image_fetch_failed"),
                            index)
 
 
 async def _fetch_url(rt: Runtime, url: str, index: int, video: bool = False) -> bytes:
     host, port = _url_host(url, index)
     if host not in rt.settings.allowed_url_hosts:
-        raise at_index(ImageFetchError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
-                                       f"the host to --allowed-url-hosts"), index)
+        raise at_index(ImageError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
+                                       f"the host to --allowed-url-hosts", code="image_fetch_failed"), index)
     await _check_resolves_public(rt, host, port, index)
     limit = rt.settings.video_max_bytes if video else rt.settings.max_image_bytes
     try:
         async with rt.http.stream("GET", url) as resp:
             if resp.status_code != 200:
-                raise at_index(ImageFetchError(f"images[{index}]: GET {url} answered {resp.status_code}"), index)
+                raise at_index(ImageError(f"images[{index}]: GET {url} answered {resp.status_code}", code="image_fetch_failed"), index)
             chunks, size = [], 0
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)
@@ -122,7 +123,7 @@ async def _fetch_url(rt: Runtime, url: str, index: int, video: bool = False) -> 
                 chunks.append(chunk)
             return b"".join(chunks)
     except (httpx.HTTPError, httpx.InvalidURL) as e:
-        raise at_index(ImageFetchError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}"), index) from None
+        raise at_index(ImageError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}", code="image_fetch_failed"), index) from None
 
 
 async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
@@ -133,20 +134,20 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
         try:
             form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
         except ServiceError:
-            raise  # RequestTooLarge from the body limit, as it is
+            raise  # `request_too_large` from the body limit, as it is
         except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
-            raise BadRequest(f"malformed multipart body: {e}") from None
+            raise RequestError(f"malformed multipart body: {e}") from None
         files = [(name, f) for name, f in form.multi_items() if name in ("image", "video")]  # in their order
         uuids = form.getlist("uuid")
         if not files:
-            raise BadRequest("multipart request has no 'image' or 'video' file parts")
+            raise RequestError("multipart request has no 'image' or 'video' file parts")
         if uuids and len(uuids) != len(files):
-            raise BadRequest(f"got {len(uuids)} 'uuid' fields for {len(files)} images and videos; send one per "
+            raise RequestError(f"got {len(uuids)} 'uuid' fields for {len(files)} images and videos; send one per "
                              "part or none")
         inputs = []
         for i, (name, f) in enumerate(files):
             if isinstance(f, str):
-                raise BadRequest(f"'{name}' part {i} is a text field; send it as a file part")
+                raise RequestError(f"'{name}' part {i} is a text field; send it as a file part")
             video = name == "video"
             limit = s.video_max_bytes if video else s.max_image_bytes
             data = await f.read(limit + 1)
@@ -155,16 +156,16 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
             inputs.append(Input(data, uuids[i] if uuids else None, video=video))
         return inputs
     if ctype not in ("application/json", ""):
-        raise BadRequest(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
+        raise RequestError(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
     body = await _read_body(request, limit)
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+        raise RequestError(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
     if len(req.images) > s.max_images_per_request:
-        raise BadRequest(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
+        raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
     inputs = []
     for i, part in enumerate(req.images):
         video = isinstance(part, VideoPart)
@@ -176,7 +177,7 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
             inputs.append(Input(data, part.uuid, source=url, video=video))
             continue
         else:
-            raise BadRequest(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
+            raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
                              "http:// or https://")
         inputs.append(Input(data, part.uuid, video=video))
     return inputs

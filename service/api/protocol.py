@@ -19,7 +19,7 @@ import sys
 from http import HTTPStatus
 
 from service import errors
-from service.errors import BadRequest, HeaderTooLarge, RequestTimeout, ServiceError, Unavailable
+from service.errors import RequestError, ServiceError, Unavailable
 
 # NOTE: a fixed cap, as nginx's header buffers (4 x 8 KB) are: a real request head is a few hundred
 # bytes (a browser's with cookies a few KB); h11's own cap is set above it (server_options) so both
@@ -99,8 +99,8 @@ class HeaderTimeout:
             self._head_len += len(data)
             if self._head_len > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._disarm_head_timer()
-                self.transport.write(_raw_response(HeaderTooLarge(
-                    f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes")))
+                self.transport.write(_raw_response(RequestError(
+                    f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes", code="header_too_large")))
                 # NOTE: closed a moment later, reading and dropping meanwhile (nginx's lingering close):
                 # closed at once with the client's bytes unread, the kernel answers a reset, which can
                 # destroy the 431 before the client reads it.
@@ -118,7 +118,7 @@ class HeaderTimeout:
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answer to a malformed request (text/plain): the service's one error shape instead.
-        self.transport.write(_raw_response(BadRequest(msg)))
+        self.transport.write(_raw_response(RequestError(msg)))
         self.transport.close()
 
     def _awaiting_head(self) -> bool:
@@ -144,9 +144,9 @@ class HeaderTimeout:
         if self.transport.is_closing() or not self._awaiting_head():
             return
         if self._head_bytes:
-            self.transport.write(_raw_response(RequestTimeout(
+            self.transport.write(_raw_response(RequestError(
                 f"the request head (request line and headers) did not arrive within {self.header_timeout_s:g} s "
-                "(--header-timeout-s); send it without pauses")))
+                "(--header-timeout-s); send it without pauses", code="request_timeout")))
         self.transport.close()
 
 

@@ -25,7 +25,7 @@ from service.media.params import PreprocessParams
 from service.config import Settings
 from service.engine.client import EngineRouter, EnginesStatus
 from service.engine.messages import Cell, Geometry
-from service.errors import EngineMismatch, ServiceError, Unavailable
+from service.errors import ServiceError, Unavailable
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -119,12 +119,12 @@ class Runtime:
         """Ask the engines for their status (None when they cannot answer; a mismatch is remembered)."""
         try:
             self.status = await self.engines.status()
-        except EngineMismatch as e:  # never ready: /health and /ready say why, and the log
-            if self.mismatch is None:
+        except ServiceError as e:
+            if e.code != "engine_mismatch":
+                return None
+            if self.mismatch is None:  # never ready: /health and /ready say why, and the log
                 log.error("%s", e.message)
             self.mismatch = e.message
-            return None
-        except ServiceError:
             return None
         return self.status
 

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from service import errors
 from service.api.protocol import H11_MAX_INCOMPLETE_BYTES, header_timeout_protocol
 from service.config import Settings
-from service.errors import RequestTimeout, RequestTooLarge, ServiceError
+from service.errors import RequestError, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         if err.status_code == 404:
-            answer = error_response(errors.NotFound(f"no such endpoint: {errors.clip(request.method, 16)} "
-                                                    f"{errors.clip(request.url.path)}; see /docs"))
+            answer = error_response(errors.RequestError(f"no such endpoint: {errors.clip(request.method, 16)} "
+                                                    f"{errors.clip(request.url.path)}; see /docs", code="not_found"))
         elif err.status_code == 405:
-            answer = error_response(errors.MethodNotAllowed(f"{errors.clip(request.method, 16)} is not allowed on "
-                                                            f"{errors.clip(request.url.path)}"))
+            answer = error_response(errors.RequestError(f"{errors.clip(request.method, 16)} is not allowed on "
+                                                            f"{errors.clip(request.url.path)}", code="method_not_allowed"))
         else:
             answer = error_response(errors.Relayed(err.status_code, "http_error", str(err.detail)))
         answer.headers.update(err.headers or {})  # e.g. a 405's Allow
@@ -99,8 +99,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            answer = error_response(RequestTooLarge(f"request body is {int(declared)} bytes, over the limit of "
-                                                    f"{self.limit} (--max-request-bytes); {self.hint}"))
+            answer = error_response(RequestError(f"request body is {int(declared)} bytes, over the limit of "
+                                                    f"{self.limit} (--max-request-bytes); {self.hint}", code="request_too_large"))
             return await answer(scope, receive, send)
         seen, body_done = 0, False
 
@@ -111,14 +111,14 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
             except asyncio.TimeoutError:
-                raise RequestTimeout(f"no part of the request body arrived for {self.timeout_s:g} s "
-                                     "(--body-timeout-s); send the body without pauses") from None
+                raise RequestError(f"no part of the request body arrived for {self.timeout_s:g} s "
+                                     "(--body-timeout-s); send the body without pauses", code="request_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
                 if seen > self.limit:
-                    raise RequestTooLarge(f"request body is over the limit of {self.limit} bytes "
-                                          f"(--max-request-bytes); {self.hint}")
+                    raise RequestError(f"request body is over the limit of {self.limit} bytes "
+                                          f"(--max-request-bytes); {self.hint}", code="request_too_large")
             return message
 
         await self.app(scope, counted, send)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from service import errors, tracing
-from service.errors import EngineMismatch
+from service.errors import Unavailable
 from service.engine.messages import (
     Cancel,
     Cell,
@@ -288,14 +288,14 @@ class EngineRouter:
         self._issuer(rid).cancel(rid)
 
     async def status(self) -> EnginesStatus:
-        """Raises EngineMismatch if the engines do not key and preprocess images alike."""
+        """Raises `engine_mismatch` if the engines do not key and preprocess images alike."""
         states = list(await asyncio.gather(*(c.status() for c in self.clients)))
         first = states[0]
         for i, st in enumerate(states[1:], 1):
             if (st.key_salt, st.params, st.video) != (first.key_salt, first.params, first.video):
-                raise EngineMismatch(f"engine {i} keys or preprocesses images differently from engine 0 "
+                raise Unavailable(f"engine {i} keys or preprocesses images differently from engine 0 "
                                      f"({st.key_salt!r} vs {first.key_salt!r}): every engine must load the "
-                                     "same model in the same dtype")
+                                     "same model in the same dtype", code="engine_mismatch")
         return EnginesStatus(first, states)
 
     async def metrics(self) -> str:

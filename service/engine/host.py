@@ -35,7 +35,7 @@ from service.engine.loader import LoadedModel
 from service.engine.runner import use_compile_cache
 from service.engine.messages import (Cancel, Claim, EngineStatus, Failed, FromEngine, Grant, Hit, Joined,
     MetricsQuery, MetricsText, ModelInfo, Queued, Result, Status, StatusQuery, Submit, ToEngine)
-from service.errors import BackendError, KeyConflict, ServiceError, VideoTooLarge
+from service.errors import BackendError, KeyConflict, ServiceError, VideoError
 from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
 from service.media.video_preprocess import PreparedVideo, video_grid
@@ -325,8 +325,8 @@ class EngineHost:
                                f"grid {g.grid_thw}, {g.tokens} tokens")
         t, gh, gw = g.grid_thw
         if gh * gw > self.engine.runner.max_patches:  # (one temporal group must fit a step)
-            raise VideoTooLarge(f"a frame of this video is {gh * gw} patches, more than a step holds "
-                                f"({self.engine.runner.max_patches}); raise --max-batch-tokens")
+            raise VideoError(f"a frame of this video is {gh * gw} patches, more than a step holds "
+                                f"({self.engine.runner.max_patches}); raise --max-batch-tokens", code="video_too_large")
         return PreparedVideo(pixels.reshape(n, h, w, 3), g.grid_thw, t * gh * gw, g.tokens, tuple(v.indices), v.fps,
                              tuple(v.timestamps))
 

@@ -23,7 +23,7 @@ from service import tracing
 from service.engine.batcher import Batcher, Part, WorkItem
 from service.engine.job import EncodeJob
 from service.engine.runner import Launched
-from service.errors import BackendError, ServiceError, clip
+from service.errors import BackendError, clip, ServiceError
 from service.metrics import Metrics
 from service.media.video_preprocess import PreparedVideo
 from service.store import Store
@@ -223,7 +223,7 @@ class Writer:
                 answer(j, e)
 
     def _store_failed(self, item: WorkItem[EncodeJob], e: Exception) -> None:
-        if isinstance(e, ServiceError):  # e.g. StoreFull: the client's answer (503 + Retry-After), as it is
+        if isinstance(e, ServiceError):  # e.g. `store_full`: the client's answer (503 + Retry-After), as it is
             log.warning("store write for %s refused: %s", item.key, e.message)
             self.batcher.finish(item, error=e)
         else:

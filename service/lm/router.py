@@ -53,7 +53,7 @@ from fastapi.responses import Response
 from service import tracing
 from service.lm.client import apost
 from service.api.server import BodyLimit, bearer_auth, error_response, install_error_handlers
-from service.errors import BadGateway, BadRequest, Unauthorized, clip
+from service.errors import clip, GatewayError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -165,35 +165,35 @@ FIELDS: dict[str, Callable[[object, RouterConfig], str | None]] = {
 
 def check_request(chat: object, cfg: RouterConfig) -> dict:
     """The request to route, as the client sent it plus `max_tokens` (--max-tokens-limit) where it gives no
-    bound; BadRequest naming the first field, message or part this router does not forward as it is."""
+    bound; `bad_request` naming the first field, message or part this router does not forward as it is."""
     if not isinstance(chat, dict):
-        raise BadRequest("the body must be a JSON object")
+        raise RequestError("the body must be a JSON object")
     for name, value in chat.items():
         check = FIELDS.get(name)
         if check is None:
-            raise BadRequest(f"{clip(name)!r} is not a field this router forwards; it forwards "
+            raise RequestError(f"{clip(name)!r} is not a field this router forwards; it forwards "
                              f"{', '.join(FIELDS)}: leave it out")
         problem = check(value, cfg)
         if problem is not None:
-            raise BadRequest(f"{name!r} must be {problem}")
+            raise RequestError(f"{name!r} must be {problem}")
     messages = chat.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of message objects ({\"role\", \"content\"})")
+        raise RequestError("'messages' must be a non-empty list of message objects ({\"role\", \"content\"})")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'")
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
         if extra := sorted(set(m) - MESSAGE_KEYS):
-            raise BadRequest(f"messages[{i}] has {clip(extra[0])!r}: this router forwards a message's role, content "
+            raise RequestError(f"messages[{i}] has {clip(extra[0])!r}: this router forwards a message's role, content "
                              "and name (no tools)")
         if m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(m.get("name", ""), str):
-            raise BadRequest(f"messages[{i}].name must be a string")
+            raise RequestError(f"messages[{i}].name must be a string")
         content = m.get("content")
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
+            raise RequestError(f"messages[{i}].content must be a string or a list of content parts")
         for j, p in enumerate(content):
             _check_part(p, f"messages[{i}].content[{j}]")
     if "max_tokens" not in chat and "max_completion_tokens" not in chat:
@@ -204,36 +204,36 @@ def check_request(chat: object, cfg: RouterConfig) -> dict:
 
 def _check_part(p: object, where: str) -> None:
     if not isinstance(p, dict):
-        raise BadRequest(f"{where} must be an object with a 'type'")
+        raise RequestError(f"{where} must be an object with a 'type'")
     kind = p.get("type")
     if not isinstance(kind, str) or kind not in PART_KEYS:
         return  # media_parts says why (a part vLLM would read itself)
     if extra := sorted(set(p) - PART_KEYS[kind] - {"type"}):
-        raise BadRequest(f"{where} ({kind}) has {clip(str(extra[0]))!r}; this router forwards its "
+        raise RequestError(f"{where} ({kind}) has {clip(str(extra[0]))!r}; this router forwards its "
                          f"{', '.join(sorted(PART_KEYS[kind]))}")
     if "uuid" in p and not isinstance(p["uuid"], str):
-        raise BadRequest(f"{where}.uuid must be a string")
+        raise RequestError(f"{where}.uuid must be a string")
     if kind in URL_KEYS:
         url = p.get(kind)
         if not isinstance(url, dict) or not isinstance(url.get("url"), str) or set(url) - URL_KEYS[kind]:
-            raise BadRequest(f"{where}.{kind} must be an object with a string 'url'"
+            raise RequestError(f"{where}.{kind} must be an object with a string 'url'"
                              + (" (and 'detail')" if kind == "image_url" else ""))
     elif kind == "image_embeds":
         embeds = p.get("image_embeds")
         if not (embeds is None or isinstance(embeds, str) or
                 (isinstance(embeds, dict) and all(isinstance(v, str) for v in embeds.values()))):
-            raise BadRequest(f"{where}.image_embeds must be a base64 string, an object of them, or null")
+            raise RequestError(f"{where}.image_embeds must be a base64 string, an object of them, or null")
     else:
         for key in PART_KEYS[kind] - {"closed"}:
             if not isinstance(p.get(key), str):
-                raise BadRequest(f"{where}.{key} must be a string")
+                raise RequestError(f"{where}.{key} must be a string")
         if not isinstance(p.get("closed", False), bool):
-            raise BadRequest(f"{where}.closed must be true or false")
+            raise RequestError(f"{where}.closed must be true or false")
 
 
 def media_parts(chat: dict) -> list[dict]:
     """The request's `image_url` and `video_url` content parts, in order (the dicts themselves, to be
-    rewritten). BadRequest for what the router cannot route: any other part vLLM would read as media
+    rewritten). `bad_request` for what the router cannot route: any other part vLLM would read as media
     (it also infers a part's type from its keys), or per-request options that change vLLM's mm_hash."""
     parts = []
     for i, m in enumerate(chat.get("messages", [])):
@@ -241,18 +241,18 @@ def media_parts(chat: dict) -> list[dict]:
         for j, p in enumerate(content if isinstance(content, list) else []):
             kind = p.get("type") if isinstance(p, dict) else None
             if not isinstance(kind, (str, type(None))):  # (a list is no set member: it would raise)
-                raise BadRequest(f"messages[{i}].content[{j}].type must be a string")
+                raise RequestError(f"messages[{i}].content[{j}].type must be a string")
             if kind in ENCODED:
                 parts.append(p)
             elif kind not in PASSED:
                 shown = f"type {kind!r}" if kind is not None else "no type"
-                raise BadRequest(f"messages[{i}].content[{j}] has {shown}: this router sends text, image_url and "
+                raise RequestError(f"messages[{i}].content[{j}] has {shown}: this router sends text, image_url and "
                                  "video_url parts (each through the encoder) and image_embeds; vLLM would read "
                                  "any other part itself, passing by the encoder. Send images as image_url and "
                                  "videos as video_url, with their type")
     for field in HASHED_FIELDS:
         if parts and chat.get(field):
-            raise BadRequest(f"{field} with images or videos: vLLM hashes them into each item's mm_hash, so it "
+            raise RequestError(f"{field} with images or videos: vLLM hashes them into each item's mm_hash, so it "
                              "would not find the encoder's entry and would encode the media itself. Leave them "
                              "out; set frame sampling on the vLLM server (docs/vllm.md, 'Video')")
     return parts
@@ -308,13 +308,13 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
         items: list[dict] = [{}] * len(parts)
         for answer in answers:
             if isinstance(answer, httpx.HTTPError):
-                return error_response(BadGateway(f"the encoder could not be reached: {type(answer).__name__}: "
+                return error_response(GatewayError(f"the encoder could not be reached: {type(answer).__name__}: "
                                                  f"{answer}", code="encoder_unavailable"))
             if isinstance(answer, BaseException):
                 raise answer
             positions, r = answer
             if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
-                return error_response(BadGateway("the encoder refused this router's key; start the router with "
+                return error_response(GatewayError("the encoder refused this router's key; start the router with "
                                                   "the encoder's key (--encoder-api-key or QVE_ENCODER_API_KEY)",
                                                   code="encoder_unauthorized"))
             if r.status_code != 200:  # a bad image (4xx) or overload (429/503): the client's answer as it is
@@ -326,12 +326,12 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
         if not authorized(request):
-            raise Unauthorized("this router needs an API key: send `Authorization: Bearer <key>`")
+            raise RequestError("this router needs an API key: send `Authorization: Bearer <key>`", code="unauthorized")
         body = await request.body()  # (BodyLimit: 413 over --max-request-bytes, 408 on a stall)
         try:
             chat = json.loads(body)
         except ValueError as e:  # (UnicodeDecodeError included)
-            raise BadRequest(f"the body is not JSON: {clip(str(e), 120)}") from None
+            raise RequestError(f"the body is not JSON: {clip(str(e), 120)}") from None
         chat = check_request(chat, cfg)
         parts = media_parts(chat)
         items: list[dict] = []
@@ -343,16 +343,16 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
             for i, (part, item) in enumerate(zip(parts, items)):
                 sent = "video" if part["type"] == "video_url" else "image"
                 if item.get("modality", "image") != sent:
-                    return error_response(BadGateway(
+                    return error_response(GatewayError(
                         f"the encoder answered media part {i} ({sent}) as an {item.get('modality', 'image')}: "
                         "does it take videos (issue 22)?", code="embeddings_mismatch"))
         try:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts),
                                           headers=tracing.outgoing())
         except httpx.HTTPError as e:
-            return error_response(BadGateway(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
+            return error_response(GatewayError(f"vLLM could not be reached: {type(e).__name__}: {e}", code="lm_unavailable"))
         if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
-            return error_response(BadGateway("vLLM refused this router's key; start the router with vLLM's key "
+            return error_response(GatewayError("vLLM refused this router's key; start the router with vLLM's key "
                                               "(--vllm-api-key or QVE_VLLM_API_KEY)", code="lm_unauthorized"))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 

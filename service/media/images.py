@@ -48,17 +48,7 @@ from PIL import (
 
 from service.media import preprocess, sniff
 from service.media.params import ImageLimits, PreprocessParams
-from service.errors import (
-    BadAspectRatio,
-    CorruptImage,
-    EmptyImage,
-    ImageError,
-    ImageTooComplex,
-    ImageTooLarge,
-    NotAnImage,
-    TruncatedImage,
-    UnsupportedFormat,
-)
+from service.errors import ImageError
 
 # PIL format names we accept. PIL reports JPEGs that carry a multi-picture index (most phone photos)
 # as "MPO"; they are JPEGs and decode as their first picture.
@@ -139,17 +129,17 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
 
 
 def check_complexity(header: ImageHeader, limits: ImageLimits) -> None:
-    """ImageTooComplex for a JPEG of more scans than limits.max_jpeg_scans (or of more marker segments than
+    """`image_too_complex` for a JPEG of more scans than limits.max_jpeg_scans (or of more marker segments than
     are worth counting): from the header alone, before a queue place or a decode is spent on it."""
     if header.scans is None:
-        raise ImageTooComplex(
+        raise ImageError(
             f"the JPEG has more than {sniff.max_jpeg_segments(sniff.most_scans(limits)):,} marker segments (a photograph "
-            "has a few dozen); re-encode it")
+            "has a few dozen); re-encode it", code="image_too_complex")
     if header.scans > limits.max_jpeg_scans:
-        raise ImageTooComplex(
+        raise ImageError(
             f"the JPEG has more than {limits.max_jpeg_scans} scans (a progressive JPEG has about 10, a baseline "
             "one 1), and each scan is a pass over the whole image; re-encode it as a baseline JPEG, or raise "
-            "--max-jpeg-scans")
+            "--max-jpeg-scans", code="image_too_complex")
 
 
 def _is_plain_jpeg(img: ImageFile.ImageFile) -> bool:
@@ -261,7 +251,7 @@ def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessPar
     width, height = size
     try:
         target = preprocess.smart_resize(height, width, params)
-    except BadAspectRatio:  # over the model's 200:1 (a looser --max-aspect-ratio): PIL's path says so, after its decode
+    except ImageError:  # aspect_ratio_too_extreme: over the model's 200:1 (a looser --max-aspect-ratio): PIL's path says so, after its decode
         return None
     # Called before the decode (the header gives the size), outside the try: out's errors are not simplejpeg's.
     into = dest.get(height, width) if target == (height, width) else None
@@ -284,17 +274,17 @@ def decode_image(data: bytes, limits: ImageLimits, header: ImageHeader | None = 
 
     The RGB conversion is transformers' (transparency composited on white), see preprocess.to_rgb.
     header: `read_header(data, limits)` if the caller has it (a JPEG's scans are not counted again).
-    deadline: time.monotonic() past which the decode is stopped (ImageTooComplex); default
+    deadline: time.monotonic() past which the decode is stopped (`image_too_complex`); default
     limits.decode_timeout_s from now.
     """
     if deadline is None:
         deadline = time.monotonic() + limits.decode_timeout_s
     if len(data) == 0:
-        raise EmptyImage("the image is empty (0 bytes); send the encoded file's bytes")
+        raise ImageError("the image is empty (0 bytes); send the encoded file's bytes", code="empty_image")
     if len(data) > limits.max_image_bytes:
-        raise ImageTooLarge(
+        raise ImageError(
             f"the encoded image is {_mb(len(data))}, over the limit of {_mb(limits.max_image_bytes)}; "
-            "compress or downscale it, or raise --max-image-bytes"
+            "compress or downscale it, or raise --max-image-bytes", code="image_too_large"
         )
     sniffed = sniff.sniff_format(data)
     if sniffed == "JPEG":  # before PIL's parser walks its segments, and before any scan is decoded
@@ -306,7 +296,7 @@ def decode_image(data: bytes, limits: ImageLimits, header: ImageHeader | None = 
 
     # NOTE: our max_input_pixels check below is the limit; PIL's own decompression-bomb warning (above
     # Image.MAX_IMAGE_PIXELS) is silenced so it never surfaces as a warning, and its hard error (above
-    # twice that) becomes ImageTooLarge. PIL's other UserWarnings are about damage it recovered from
+    # twice that) becomes `image_too_large`. PIL's other UserWarnings are about damage it recovered from
     # (e.g. "Corrupt EXIF data" in a TIFF): per-request noise, not actionable in the server log.
     # catch_warnings touches process-global state: fine in the decode worker processes, which handle
     # one image at a time; called from several threads at once, a warning could at worst leak.
@@ -320,9 +310,9 @@ def decode_image(data: bytes, limits: ImageLimits, header: ImageHeader | None = 
     try:
         return preprocess.to_rgb(img)
     except ValueError as e:  # a pixel mode PIL cannot convert (e.g. 'La')
-        raise UnsupportedFormat(
+        raise ImageError(
             f"{img.format} image with pixel mode {img.mode!r} cannot be converted to RGB ({e}); "
-            "re-encode it as 8-bit RGB or RGBA"
+            "re-encode it as 8-bit RGB or RGBA", code="unsupported_format"
         ) from e
 
 
@@ -374,18 +364,18 @@ def _open(data: bytes, sniffed: str | None, limits: ImageLimits, deadline: float
 def _check_geometry(size: tuple[int, int], limits: ImageLimits) -> None:
     width, height = size
     if width <= 0 or height <= 0:
-        raise CorruptImage(f"the image header declares a size of {width}x{height}; the file is corrupt")
+        raise ImageError(f"the image header declares a size of {width}x{height}; the file is corrupt", code="corrupt_image")
     pixels = width * height
     if pixels > limits.max_input_pixels:
-        raise ImageTooLarge(
+        raise ImageError(
             f"image is {width}x{height} = {pixels / 1e6:.1f}M pixels, over the limit of "
-            f"{limits.max_input_pixels / 1e6:.1f}M; downscale it or raise --max-input-pixels"
+            f"{limits.max_input_pixels / 1e6:.1f}M; downscale it or raise --max-input-pixels", code="image_too_large"
         )
     ratio = max(width, height) / min(width, height)
     if ratio > limits.max_aspect_ratio:
-        raise BadAspectRatio(
+        raise ImageError(
             f"image is {width}x{height}, an aspect ratio of {ratio:.1f}:1, over the limit of "
-            f"{limits.max_aspect_ratio:g}:1; crop or pad it to a less extreme shape"
+            f"{limits.max_aspect_ratio:g}:1; crop or pad it to a less extreme shape", code="aspect_ratio_too_extreme"
         )
 
 
@@ -407,7 +397,7 @@ def _load(img: ImageFile.ImageFile, data: bytes) -> None:
 
 
 class _Budgeted(io.BytesIO):
-    """The file PIL parses and decodes an image from: a read past `deadline` raises ImageTooComplex.
+    """The file PIL parses and decodes an image from: a read past `deadline` raises `image_too_complex`.
 
     Why this stops a decode: PIL's ImageFile.load feeds its decoder the file in chunks (decodermaxblock,
     64 KiB), and libjpeg (a suspending source), zlib (PNG), GIF's LZW and BMP's RLE decode each chunk and
@@ -426,9 +416,9 @@ class _Budgeted(io.BytesIO):
 
     def check(self) -> None:
         if time.monotonic() > self._deadline:
-            raise ImageTooComplex(
+            raise ImageError(
                 f"decoding the image took over {self._timeout_s:g} s, its limit (a JPEG of many progressive scans "
-                "is the usual cause); re-encode it as a baseline JPEG or PNG, downscale it, or raise --decode-timeout-s")
+                "is the usual cause); re-encode it as a baseline JPEG or PNG, downscale it, or raise --decode-timeout-s", code="image_too_complex")
 
     def read(self, size: int | None = -1) -> bytes:
         self.check()
@@ -445,8 +435,8 @@ def _apply_exif_orientation(img: Image.Image) -> Image.Image:
         # in_place: no copy of the pixels when there is nothing to do (the common case)
         ImageOps.exif_transpose(img, in_place=True)
     except (OSError, *_PIL_DATA_ERRORS) as e:
-        raise CorruptImage(
-            f"the {img.format} image's EXIF metadata is malformed ({e}); strip the metadata or re-save the image"
+        raise ImageError(
+            f"the {img.format} image's EXIF metadata is malformed ({e}); strip the metadata or re-save the image", code="corrupt_image"
         ) from e
     return img
 
@@ -459,23 +449,23 @@ def _unidentified(data: bytes, sniffed: str | None) -> Exception:
     if sniffed is not None:
         reason = _header_failure_reason(sniffed, data)
         if sniff.looks_truncated(sniffed, data):
-            return TruncatedImage(
+            return ImageError(
                 f"the data starts like a {sniffed} file but ends before its header does ({reason}); "
-                "the file was cut off: send the complete file"
+                "the file was cut off: send the complete file", code="truncated_image"
             )
-        return CorruptImage(
+        return ImageError(
             f"the data starts like a {sniffed} file but its header cannot be read ({reason}): the file is "
-            f"corrupt or a {sniffed} variant that is not supported; re-encode it as PNG or JPEG"
+            f"corrupt or a {sniffed} variant that is not supported; re-encode it as PNG or JPEG", code="corrupt_image"
         )
     other = _identify_any_format(data)
     if other is not None:
-        return UnsupportedFormat(
-            f"image format {other} is not supported; supported formats: {_SUPPORTED_TEXT}. Convert it to one of them"
+        return ImageError(
+            f"image format {other} is not supported; supported formats: {_SUPPORTED_TEXT}. Convert it to one of them", code="unsupported_format"
         )
     head = data[:16]
-    return NotAnImage(
+    return ImageError(
         f"the data is not an image in any known format ({len(data)} bytes starting {head!r}); "
-        f"send the raw bytes of a {_SUPPORTED_TEXT} file"
+        f"send the raw bytes of a {_SUPPORTED_TEXT} file", code="not_an_image"
     )
 
 
@@ -483,26 +473,26 @@ def _data_error(fmt: str, data: bytes, e: Exception, stage: str) -> Exception:
     """A parser or decoder failure on a file whose format is known: truncated or corrupt."""
     truncated = isinstance(e, EOFError) or "truncated" in str(e).lower() or sniff.looks_truncated(fmt, data)
     if truncated:
-        return TruncatedImage(
+        return ImageError(
             f"the {fmt} file is truncated: its data ends before the image does ({_describe(e)}); "
-            "send the complete file"
+            "send the complete file", code="truncated_image"
         )
     where = "header" if stage == "header" else "image data"
-    return CorruptImage(
-        f"the {fmt} file is corrupt: its {where} cannot be decoded ({_describe(e)}); re-encode or re-upload the image"
+    return ImageError(
+        f"the {fmt} file is corrupt: its {where} cannot be decoded ({_describe(e)}); re-encode or re-upload the image", code="corrupt_image"
     )
 
 
-def _pil_bomb_error(e: Exception, size: tuple[int, int] | None = None) -> ImageTooLarge:
+def _pil_bomb_error(e: Exception, size: tuple[int, int] | None = None) -> ImageError:
     """PIL refused the size itself: above 2 * Image.MAX_IMAGE_PIXELS, whatever --max-input-pixels says."""
     limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
     if size is not None and size[0] * size[1] <= limit:
         size = None  # PIL refused some other size than the one we read (e.g. a GIF frame bigger than its screen)
     if size is None:
-        return ImageTooLarge(f"image is over PIL's decompression-bomb limit ({e}); downscale it")
-    return ImageTooLarge(
+        return ImageError(f"image is over PIL's decompression-bomb limit ({e}); downscale it", code="image_too_large")
+    return ImageError(
         f"image is {size[0]}x{size[1]} = {size[0] * size[1] / 1e6:.1f}M pixels, over PIL's decompression-bomb "
-        f"limit of {limit / 1e6:.1f}M (2 x Image.MAX_IMAGE_PIXELS); downscale it"
+        f"limit of {limit / 1e6:.1f}M (2 x Image.MAX_IMAGE_PIXELS); downscale it", code="image_too_large"
     )
 
 

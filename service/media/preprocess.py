@@ -22,7 +22,7 @@ import typing
 import numpy as np
 from PIL import Image
 
-from service.errors import BadAspectRatio
+from service.errors import ImageError
 from service.media.params import PreprocessParams
 
 if typing.TYPE_CHECKING:
@@ -39,9 +39,9 @@ def smart_resize(height: int, width: int, params: PreprocessParams) -> tuple[int
     assert height > 0 and width > 0, f"image size {width}x{height} must be positive: this is a bug"
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
-        raise BadAspectRatio(
+        raise ImageError(
             f"image is {width}x{height}, an aspect ratio of {ratio:.1f}:1, over the model's limit of "
-            f"{MAX_ASPECT_RATIO:.0f}:1; crop or pad it to a less extreme shape"
+            f"{MAX_ASPECT_RATIO:.0f}:1; crop or pad it to a less extreme shape", code="aspect_ratio_too_extreme"
         )
     factor = params.factor
     h_bar = round(height / factor) * factor

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.media.params import VideoLimits, VideoParams
-from service.errors import CorruptVideo, NotAVideo, TruncatedVideo, UnsupportedCodec, VideoTooLarge, VideoTooLong
+from service.errors import VideoError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # import without numpy.
 
 # The decoders PyAV's wheel carries that we accept: what browsers and phones record, and what vLLM's
-# video loaders are tested on. Anything else is UnsupportedCodec (415), named.
+# video loaders are tested on. Anything else is `unsupported_codec` (415), named.
 CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
 
 
@@ -54,16 +54,16 @@ def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
     import av  # (PyAV: only the processes that decode video import it)
 
     if len(data) > limits.max_bytes:
-        raise VideoTooLarge(f"video is {len(data)} bytes; the limit is {limits.max_bytes}")
+        raise VideoError(f"video is {len(data)} bytes; the limit is {limits.max_bytes}", code="video_too_large")
     if not data:
-        raise NotAVideo("the video is empty (0 bytes)")
+        raise VideoError("the video is empty (0 bytes)", code="not_a_video")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if container.format.name.endswith("_pipe") or container.format.name == "image2":
-                raise NotAVideo(f"this is a still image ({container.format.name}), not a video: send it as an image")
+                raise VideoError(f"this is a still image ({container.format.name}), not a video: send it as an image", code="not_a_video")
             streams = container.streams.video
             if not streams:
-                raise NotAVideo("the file has no video stream" + (" (only audio)" if container.streams.audio else ""))
+                raise VideoError("the file has no video stream" + (" (only audio)" if container.streams.audio else ""), code="not_a_video")
             s = streams[0]
             # NOTE: the codec's canonical name, not its decoder's: PyAV decodes AV1 with a decoder named
             # 'libdav1d' (and could pick 'libvpx-vp9' for VP9), whose codec is 'av1'.
@@ -74,21 +74,21 @@ def read_header(data: bytes, limits: VideoLimits) -> VideoHeader:
                         else float(container.duration) / av.time_base if container.duration else 0.0)
             frames = int(s.frames) if s.frames else int(round(duration * rate))
     except av.error.InvalidDataError as e:
-        raise NotAVideo(f"not a video container PyAV can open ({e.strerror or e})") from None
+        raise VideoError(f"not a video container PyAV can open ({e.strerror or e})", code="not_a_video") from None
     except av.error.FFmpegError as e:
-        raise CorruptVideo(f"the video's header cannot be read ({e.strerror or e})") from None
+        raise VideoError(f"the video's header cannot be read ({e.strerror or e})", code="corrupt_video") from None
     if codec not in CODECS:
-        raise UnsupportedCodec(f"video codec {codec!r} is not supported; use one of {', '.join(sorted(CODECS))}")
+        raise VideoError(f"video codec {codec!r} is not supported; use one of {', '.join(sorted(CODECS))}", code="unsupported_codec")
     if width <= 0 or height <= 0 or rate <= 0 or frames <= 0:
-        raise CorruptVideo(f"the video's header gives no usable size, frame rate or length "
-                           f"({width}x{height}, {rate:g} fps, {frames} frames)")
+        raise VideoError(f"the video's header gives no usable size, frame rate or length "
+                           f"({width}x{height}, {rate:g} fps, {frames} frames)", code="corrupt_video")
     if width * height > limits.max_frame_pixels:
-        raise VideoTooLarge(f"video frames are {width}x{height} ({width * height} pixels); the limit is "
-                            f"{limits.max_frame_pixels} pixels a frame")
+        raise VideoError(f"video frames are {width}x{height} ({width * height} pixels); the limit is "
+                            f"{limits.max_frame_pixels} pixels a frame", code="video_too_large")
     if duration > limits.max_duration_s:
-        raise VideoTooLong(f"video is {duration:.1f} s long; the limit is {limits.max_duration_s:g} s")
+        raise VideoError(f"video is {duration:.1f} s long; the limit is {limits.max_duration_s:g} s", code="video_too_long")
     if frames > limits.max_frames:
-        raise VideoTooLong(f"video has {frames} frames; the limit is {limits.max_frames}")
+        raise VideoError(f"video has {frames} frames; the limit is {limits.max_frames}", code="video_too_long")
     return VideoHeader(codec=codec, width=width, height=height, fps=rate, frames=frames, duration_s=duration)
 
 
@@ -107,8 +107,8 @@ def sample_indices(total_frames: int, video_fps: float, params: VideoParams) -> 
 
 def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: VideoLimits) -> np.ndarray:
     """The frames at `indices` (ascending) as RGB uint8 [n, H, W, 3], decoded in order and each other
-    frame dropped as soon as it is decoded. TruncatedVideo when the stream ends before the last index
-    (a header that promised more frames than there are); VideoTooLong past the decode deadline."""
+    frame dropped as soon as it is decoded. `truncated_video` when the stream ends before the last index
+    (a header that promised more frames than there are); `video_too_long` past the decode deadline."""
     import av
     import numpy as np
 
@@ -123,21 +123,21 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
             stream.thread_type = "AUTO"
             for frame in container.decode(stream):
                 if time.monotonic() > deadline:
-                    raise VideoTooLong(f"decoding the video took over {limits.max_decode_s:g} s; send a shorter "
-                                       "or smaller one")
+                    raise VideoError(f"decoding the video took over {limits.max_decode_s:g} s; send a shorter "
+                                       "or smaller one", code="video_too_long")
                 if got < len(want) and i == want[got]:
                     if (frame.width, frame.height) != (header.width, header.height):
-                        raise CorruptVideo(f"frame {i} is {frame.width}x{frame.height}; the header said "
-                                           f"{header.width}x{header.height} (a size change mid-stream is not supported)")
+                        raise VideoError(f"frame {i} is {frame.width}x{frame.height}; the header said "
+                                           f"{header.width}x{header.height} (a size change mid-stream is not supported)", code="corrupt_video")
                     out[got] = frame.to_ndarray(format="rgb24")
                     got += 1
                     if got == len(want):
                         break
                 i += 1
     except av.error.FFmpegError as e:
-        raise CorruptVideo(f"the video cannot be decoded at frame {i} ({e.strerror or e})") from None
+        raise VideoError(f"the video cannot be decoded at frame {i} ({e.strerror or e})", code="corrupt_video") from None
     if got < len(want):
-        raise TruncatedVideo(f"the video ends after {i} frames; its header promised {header.frames}")
+        raise VideoError(f"the video ends after {i} frames; its header promised {header.frames}", code="truncated_video")
     return out
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.errors import CorruptVideo, VideoTooLarge
+from service.errors import VideoError
 from service.media.params import VideoLimits, VideoParams
 from service.media.preprocess import patch_rows
 from service.media.video import VideoHeader, clip_size, decode_frames, sample_indices, timestamps
@@ -138,12 +138,12 @@ def plan_video(header: VideoHeader, params: VideoParams) -> VideoPlan:
     refuses (fewer frames than a temporal patch, an aspect ratio over 200)."""
     indices = sample_indices(header.frames, header.fps, params)
     if len(indices) < params.temporal_patch_size:
-        raise CorruptVideo(f"the video has {header.frames} frame(s); Qwen3-VL needs at least "
-                           f"{params.temporal_patch_size}: send a longer one, or send the frame as an image")
+        raise VideoError(f"the video has {header.frames} frame(s); Qwen3-VL needs at least "
+                           f"{params.temporal_patch_size}: send a longer one, or send the frame as an image", code="corrupt_video")
     ratio = max(header.width, header.height) / min(header.width, header.height)
     if ratio > 200:
-        raise VideoTooLarge(f"video frames are {header.width}x{header.height}, an aspect ratio of {ratio:.0f}; "
-                            "the limit is 200")
+        raise VideoError(f"video frames are {header.width}x{header.height}, an aspect ratio of {ratio:.0f}; "
+                            "the limit is 200", code="video_too_large")
     h, w = clip_size(len(indices), header.height, header.width, params)
     grid = video_grid(len(indices), h, w, params)
     return VideoPlan(tuple(indices), h, w, grid, grid[0] * grid[1] * grid[2] // params.merge_size**2)

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from service.errors import ArenaFull
+from service.errors import Overloaded
 
 SHM_DIR = "/dev/shm"
 
@@ -53,7 +53,7 @@ class Arena:
         self.used = 0  # bytes in cells handed out
 
     def alloc(self, nbytes: int) -> int:
-        """Offset of a new cell of at least `nbytes`. Raises ArenaFull."""
+        """Offset of a new cell of at least `nbytes`. Raises `overloaded`."""
         need = _cell_size(nbytes)
         with self._lock:
             for i, (off, size) in enumerate(self._free):
@@ -64,7 +64,7 @@ class Arena:
                         self._free[i] = (off + need, size - need)
                     self.used += need
                     return off
-        raise ArenaFull(f"no free {need}-byte cell in the {self.size}-byte pixel arena ({self.used} in use)")
+        raise Overloaded(f"no free {need}-byte cell in the {self.size}-byte pixel arena ({self.used} in use)")
 
     def free(self, off: int, nbytes: int) -> None:
         need = _cell_size(nbytes)

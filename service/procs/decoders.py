@@ -9,7 +9,7 @@
 A video is decoded the same way (media/video_preprocess.prepare_video: PyAV decode of the sampled frames,
 the resize): off the event loop, its uint8 frames [2 * groups, h, w, 3] one array or one arena cell. A
 video's clip is bounded by its processor's max_pixels (a few MB); one bigger than the whole arena can never
-be placed and is a 413 (VideoTooLarge), not a 429.
+be placed and is a 413 (`video_too_large`), not a 429.
 
 An image's decode time is bounded where it runs (media/images.py: a JPEG's scans are capped, and PIL's
 decode is stopped between chunks past --decode-timeout-s). What cannot be stopped there (simplejpeg, WebP,
@@ -35,12 +35,12 @@ from collections.abc import Callable
 from service.api.runtime import Decoded
 from service.media.params import ImageLimits, PreprocessParams, VideoLimits, VideoParams
 from service.engine.messages import Cell, Geometry, VideoInfo
-from service.errors import ImageTooComplex, Overloaded, Unavailable, VideoTooLarge
+from service.errors import ImageError, Overloaded, Unavailable, VideoError
 from service.media.images import ImageHeader, PreparedImage, loaded_pid, prepare_image, warmup_png
 from service.media.video import VideoHeader
 from service.media.video_preprocess import PreparedVideo, prepare_video
 from service.metrics import Metrics
-from service.procs.arena import Arena, ArenaFull
+from service.procs.arena import Arena
 from service.procs.child import exit_with
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class PoolDecoder:
         waiting on the old one are answered 503.
 
         An image whose decode process spends its CPU budget (limits.decode_timeout_s + kill_grace_s) is
-        ended by the kernel: that image is answered 422 (ImageTooComplex), and the others on the pool are
+        ended by the kernel: that image is answered 422 (`image_too_complex`), and the others on the pool are
         decoded again on the new pool (up to RESUBMITS times)."""
         prep = await self._in_pool(prepare_image, data, params, self.limits, header,
                                    cpu_s=self.limits.decode_timeout_s + self.kill_grace_s)
@@ -214,11 +214,11 @@ class PoolDecoder:
                     except _PoolBroke as broke:
                         ended = await self._verdict(broke.pool)
                         if slot in ended:
-                            raise ImageTooComplex(
+                            raise ImageError(
                                 f"decoding the image took over {cpu_s:g} s of CPU, past its limit "
                                 f"(--decode-timeout-s {self.limits.decode_timeout_s:g}) in a decoder that "
                                 "cannot be interrupted, so its process was stopped; re-encode the image (as a "
-                                "baseline JPEG or PNG) or downscale it") from None
+                                "baseline JPEG or PNG) or downscale it", code="image_too_complex") from None
                         if not ended:
                             raise Unavailable("an image decode worker died while decoding (out of memory?); it has "
                                               "been replaced: retry", retry_after_s=1) from None
@@ -314,11 +314,11 @@ class ArenaDecoder:
 
         def into_cell(nbytes: int):
             if video and nbytes > self.arena.size:
-                raise VideoTooLarge(f"the video's resized frames are {nbytes} bytes, more than this process's pixel "
-                                    f"arena holds ({self.arena.size}); send a shorter clip or raise --arena-bytes")
+                raise VideoError(f"the video's resized frames are {nbytes} bytes, more than this process's pixel "
+                                    f"arena holds ({self.arena.size}); send a shorter clip or raise --arena-bytes", code="video_too_large")
             try:
                 off = self.arena.alloc(nbytes)
-            except ArenaFull as e:
+            except Overloaded as e:
                 raise Overloaded(f"too many images being decoded or queued in this process ({e}); retry shortly",
                                  retry_after_s=1) from None
             cells.append(Cell(self.arena.name, off, nbytes))

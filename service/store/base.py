@@ -32,7 +32,7 @@ from service.store.format import StoredEmbeddings, StoredItem, VideoMeta
 if TYPE_CHECKING:
     import torch
 
-# A lookup's outcome: the entry, None (a miss), or the error that answers whoever asked (StoreUnavailable).
+# A lookup's outcome: the entry, None (a miss), or the error that answers whoever asked (`store_unavailable`).
 Found = concurrent.futures.Future  # [StoredItem | None]
 # An entry's answer at commit: its StoredItem, or the error that answers its waiters.
 Answer = Callable[[int, "StoredItem | Exception"], None]

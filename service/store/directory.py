@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.errors import StoreFull
+from service.errors import Unavailable
 from service.store import files
 from service.store.base import Answer, Found, StoreStats, answered
 from service.store.format import (_DTYPES, _O_CLOEXEC, FILE_NAME, FORMAT_VERSION, TMP_PREFIX,
@@ -70,7 +70,7 @@ class DirectoryStore:
     mkdir, so a write of a key that is being evicted always lands.
 
     NOTE (minimum residency): see service/store/index.py. When a write cannot make room without evicting
-    entries in their residency it raises StoreFull (503 + Retry-After) and writes nothing.
+    entries in their residency it raises `store_full` (503 + Retry-After) and writes nothing.
 
     One writer process per root: the index is this process's memory. Readers in other processes use
     `read_embeddings`.
@@ -338,9 +338,9 @@ class DirectoryStore:
         except OSError as e:
             self.abort(r)
             if e.errno == errno.ENOSPC:
-                raise StoreFull(f"the store's filesystem ({self.root}) is full and nothing can be evicted now "
+                raise Unavailable(f"the store's filesystem ({self.root}) is full and nothing can be evicted now "
                                 f"(entries answered in the last {self.min_residency_s:g} s are kept); retry "
-                                "shortly, or give it more room", retry_after_s=1) from None
+                                "shortly, or give it more room", retry_after_s=1, code="store_full") from None
             self.unwritable = f"{type(e).__name__}: {e}"
             raise
         except BaseException:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.errors import InvalidKey
+from service.errors import RequestError
 from service.store.keys import validate_key
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _key_dir(root: Path, key: str, real_root: str | None = None) -> Path:
     d = root / key
     real_root = real_root or os.path.realpath(root)
     if os.path.dirname(os.path.realpath(d)) != real_root:
-        raise InvalidKey(f"key {key!r} resolves outside the store root {str(root)!r}; remove that entry from the store")
+        raise RequestError(f"key {key!r} resolves outside the store root {str(root)!r}; remove that entry from the store", code="invalid_key")
     return d
 
 
@@ -333,7 +333,7 @@ class StoredEmbeddings:
 def read_embeddings(root: Path, key: str, *, mmap: bool = False) -> StoredEmbeddings:
     """Read `<root>/<key>/encoder_cache.safetensors` and split it into main + deepstack embeddings.
 
-    Raises KeyError(key) if the key is not in the store (never written, or evicted), InvalidKey for a
+    Raises KeyError(key) if the key is not in the store (never written, or evicted), `invalid_key` for a
     key that could not be in the store, and StoreFormatError for a file that is not a whole ec_cache file.
 
     Safe against a concurrent eviction or replacement by the writer: the file is opened once, its

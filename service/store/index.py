@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import StoreFull
+from service.errors import Unavailable
 from service.store.format import StoredItem
 
 
@@ -73,7 +73,7 @@ class Index:
             self.bytes_used -= old.nbytes
 
     def check_room(self, key: str, incoming: int) -> None:
-        """Raise StoreFull if `incoming` bytes for `key` cannot fit without evicting entries still in their
+        """Raise `store_full` if `incoming` bytes for `key` cannot fit without evicting entries still in their
         minimum residency.
 
         Visits only the entries this put would evict (usually one), not the whole index (see the module
@@ -91,11 +91,11 @@ class Index:
                 continue
             if e.keep_until > now:  # this one and all after it are kept
                 wait = max(1, math.ceil(e.keep_until - now))
-                raise StoreFull(
+                raise Unavailable(
                     f"the embedding store is full of entries answered in the last {self.min_residency_s:g} s "
                     f"({used - freed} of {capacity} bytes), which consumers may still be reading; "
                     f"retry in about {wait} s, or raise --store-capacity-bytes",
-                    retry_after_s=wait,
+                    retry_after_s=wait, code="store_full",
                 )
             freed += e.nbytes
             if freed >= need:

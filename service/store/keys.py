@@ -17,7 +17,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from service.errors import InvalidKey
+from service.errors import RequestError
 
 KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # client keys (`uuid`), used verbatim
 CONTENT_KEY_PREFIX = "sha256+"
@@ -32,15 +32,15 @@ def is_store_key(key: object) -> bool:
 
 
 def validate_key(key: str, *, content_keys: bool = True) -> str:
-    """Return `key` if it is a store key, else raise InvalidKey. `content_keys=False` (a client's
+    """Return `key` if it is a store key, else raise `invalid_key`. `content_keys=False` (a client's
     `uuid`): only KEY_RE, so a client cannot take a content key."""
     ok = is_store_key(key) if content_keys else (isinstance(key, str) and key not in (".", "..")
                                                    and KEY_RE.fullmatch(key) is not None)
     if not ok:
         shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
-        raise InvalidKey(
+        raise RequestError(
             f"invalid key {shown}: a key is 1-128 ASCII characters from [A-Za-z0-9._-] "
-            "and must not start with '.'; leave 'uuid' out to use a content hash"
+            "and must not start with '.'; leave 'uuid' out to use a content hash", code="invalid_key"
         )
     return key
 

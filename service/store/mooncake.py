@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
-from service.errors import StoreFull, StoreUnavailable
+from service.errors import Unavailable
 from service.store.base import Answer, Found, StoreStats
 from service.store.format import FORMAT_VERSION, StoredEmbeddings, StoredItem, VideoMeta
 from service.store.keys import validate_key
@@ -136,7 +136,7 @@ class MooncakeStore:
         self._probe = ctypes.create_string_buffer(HEADER.size * PROBE_BATCH)
         self._probe_lock = threading.Lock()
         if self.client.register_buffer(ctypes.addressof(self._probe), len(self._probe)) != 0:
-            raise StoreUnavailable("Mooncake's client could not register a buffer for value headers")
+            raise Unavailable("Mooncake's client could not register a buffer for value headers", code="store_unavailable")
         self._lookups = Lookups(self.lookup_many)
 
     # ---- what the engine's metrics and health read -------------------------------------------------
@@ -195,7 +195,7 @@ class MooncakeStore:
         """The stored item of each key if it is a hit for this model, read from its companion (a failed read:
         a lost host, an evicted entry: None, and the image is encoded again). One batch_is_exist for all
         the keys (most lookups are misses: one round trip to the master); the hits' companions and a read
-        of their values' headers (_readable) cost two more, for all of them. StoreUnavailable if the master
+        of their values' headers (_readable) cost two more, for all of them. `store_unavailable` if the master
         does not answer."""
         for key in keys:
             validate_key(key)
@@ -204,8 +204,8 @@ class MooncakeStore:
             # the master does not answer: neither a hit nor a miss (a miss would be encoded for nothing)
             self._outage_at = time.monotonic()
             rc = min(here, default=-1)
-            raise StoreUnavailable(f"the Mooncake master at {self.options.master} does not answer (error {rc}); "
-                                   "retry shortly")
+            raise Unavailable(f"the Mooncake master at {self.options.master} does not answer (error {rc}); "
+                                   "retry shortly", code="store_unavailable")
         present = [key for key, h in zip(keys, here, strict=True) if h == 1]
         if not present:
             return [None] * len(keys)
@@ -296,7 +296,7 @@ class MooncakeStore:
 
     def commit(self, pending: MooncakePending, ec_cache: torch.Tensor,
                answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
-        """Put one entry (commit_many's one). Raises StoreFull (the pool has no room) or Unavailable (the
+        """Put one entry (commit_many's one). Raises `store_full` (the pool has no room) or Unavailable (the
         master or a peer is unreachable): 503 + Retry-After; nothing half-written is left as a hit.
         `answer(item)` once it is stored (nothing to tidy here)."""
         (out,) = self.commit_many([pending], [ec_cache])
@@ -392,13 +392,13 @@ class MooncakeStore:
         if rc in NO_SPACE and time.monotonic() - self._outage_at < REFORM_S:
             # A master that came back knows no segment until the hosts register theirs again: no room
             # then is a pool still forming, not a full one.
-            return StoreUnavailable(f"the Mooncake pool is forming again after its master came back (error {rc}); "
-                                   "retry shortly")
+            return Unavailable(f"the Mooncake pool is forming again after its master came back (error {rc}); "
+                                   "retry shortly", code="store_unavailable")
         if rc in NO_SPACE:
-            return StoreFull(f"the Mooncake pool has no room for this entry now (error {rc}): its segments are full "
-                            "of pinned entries; retry shortly, or add segment space", retry_after_s=1)
-        return StoreUnavailable(f"the Mooncake pool did not take the entry (error {rc}: its master or a peer "
-                               "unreachable?); retry shortly")
+            return Unavailable(f"the Mooncake pool has no room for this entry now (error {rc}): its segments are full "
+                            "of pinned entries; retry shortly, or add segment space", retry_after_s=1, code="store_full")
+        return Unavailable(f"the Mooncake pool did not take the entry (error {rc}: its master or a peer "
+                               "unreachable?); retry shortly", code="store_unavailable")
 
 
 class MooncakeReader:

@@ -176,7 +176,7 @@ def test_bad_requests_get_clear_4xx_and_good_ones_in_the_same_step_succeed(tmp_p
                 r = fut.result()
                 assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
                 err = r.json()["error"]
-                assert err["code"] == bad_images[name][1].code and err["index"] == 0, name
+                assert err["code"] == bad_images[name][1] and err["index"] == 0, name
                 assert err["message"].startswith("images[0]")
             assert [g.result().status_code for g in goods] == [200] * 4
         # malformed requests of every other kind

@@ -76,3 +76,18 @@ def test_without_the_ui_package_docs_says_so_and_the_service_starts(tmp_path, mo
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert "swagger-ui-bundle" in r.json()["error"]["message"] and "/openapi.json" in r.json()["error"]["message"]
     assert (_get(app, "/openapi.json")).status_code == 200
+
+
+def test_the_encode_error_responses_are_the_error_families_codes(tmp_path):
+    """/encode's error responses in the OpenAPI document come from service/errors.py's code tables: every
+    code the encoder can answer, under its status, and the LM side's codes not at all."""
+    from service import errors
+
+    doc = _get(_app(tmp_path), "/openapi.json").json()
+    responses = {int(s): r["description"] for s, r in doc["paths"]["/encode"]["post"]["responses"].items() if s != "200"}
+    encoder = [f for f in errors.FAMILIES if f is not errors.GatewayError]
+    assert set(responses) == {c.status for f in encoder for c in f.CODES.values()}
+    for family in encoder:
+        for code, c in family.CODES.items():
+            assert f"`{code}`: {c.means}" in responses[c.status], code
+    assert not any(f"`{code}`" in text for code in errors.GatewayError.CODES for text in responses.values())

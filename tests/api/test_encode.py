@@ -10,12 +10,13 @@ import pytest
 
 from service.api import encode as encoding
 from service.config import Settings
-from service.errors import NotAnImage, TruncatedImage, http_status
+from service.errors import http_status, ImageError
 from service.api.encode import Input
 from service.engine.loader import load_model
 from service.procs.local import local_runtime
 from tests import imagedata as data
 from tests.live import Gate, local_host, metric
+from tests.support.errors import raises_code
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_an_image_that_fails_to_decode_fails_its_request_with_its_4xx(tmp_path, 
     good, broken = _png(30), b"\x89PNG\r\n\x1a\n broken"
 
     async def test(rt):
-        with pytest.raises(TruncatedImage) as e:
+        with raises_code(ImageError, "truncated_image") as e:
             await encoding.encode(rt, [Input(good, None), Input(broken, None)], _here)
         assert e.value.index == 1 and e.value.message.startswith("images[1]: ") and http_status(e.value) == 422
         # The request failed as a whole: its places are given back and nothing of it stays queued. (Each
@@ -154,7 +155,7 @@ def test_an_image_that_fails_to_decode_fails_its_request_with_its_4xx(tmp_path, 
         kept = len(local_host(rt).store)
         assert kept <= 1
         # Fetched content is never echoed: the error names the URL instead.
-        with pytest.raises(NotAnImage) as e:
+        with raises_code(ImageError, "not_an_image") as e:
             await encoding.encode(rt, [Input(b"SECRET not an image", None, source="http://images.example/a.png")], _here)
         assert e.value.index == 0 and "SECRET" not in e.value.message
         assert e.value.message == ("images[0]: the content fetched from http://images.example/a.png is not a usable "
@@ -218,7 +219,7 @@ def test_a_request_is_answered_at_its_first_failed_image_not_after_its_slowest_d
     async def test(rt):
         go, released = _held_decodes(rt, {slow})
         failing = asyncio.create_task(encoding.encode(rt, [Input(slow, None), Input(broken, None)], _here))
-        with pytest.raises(TruncatedImage) as e:
+        with raises_code(ImageError, "truncated_image") as e:
             await asyncio.wait_for(failing, 10)  # while images[0] still decodes
         assert e.value.index == 1
         assert local_host(rt).batcher.reserved() == 0  # images[0]'s place too

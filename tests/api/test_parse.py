@@ -5,14 +5,15 @@ import base64
 import pytest
 
 from service.api.parse import _decode_data_url
-from service.errors import BadRequest
+from service.errors import RequestError
+from tests.support.errors import raises_code
 
 DATA = bytes(range(256)) * 2 + b"xy"  # any bytes (not a multiple of 3: the text ends in padding)
 GOOD = base64.b64encode(DATA).decode()
 
 
 def _message(payload: str, video: bool = False) -> str:
-    with pytest.raises(BadRequest) as e:
+    with raises_code(RequestError, "bad_request") as e:
         _decode_data_url(f"data:image/jpeg;base64,{payload}", 3, 1 << 20, video=video)
     return e.value.message
 

@@ -14,7 +14,7 @@ import pytest
 from service.engine.batcher import BatchLimits, Batcher
 from service.engine.host import EngineHost
 from service.engine.messages import Cancel, Claim, Failed, Geometry, Grant, Hit, Queued, Submit
-from service.errors import StoreUnavailable
+from service.errors import Unavailable
 from service.media.preprocess import grid_for, num_tokens
 from service.metrics import Metrics
 from service.media.params import PreprocessParams
@@ -65,7 +65,7 @@ class _RemoteStore(_DictStore):
         self.entered.release()
         assert self.go.wait(10)
         if self.down:
-            raise StoreUnavailable("the Mooncake master at m:1 does not answer (error -1); retry shortly")
+            raise Unavailable("the Mooncake master at m:1 does not answer (error -1); retry shortly", code="store_unavailable")
         return [self.items.get(k) for k in keys]
 
 

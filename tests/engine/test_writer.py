@@ -13,7 +13,7 @@ import torch
 from service.engine.batcher import Batcher, BatchLimits
 from service.engine.job import EncodeJob
 from service.engine.pool import OutputRing
-from service.errors import BackendError, StoreFull
+from service.errors import BackendError, Unavailable
 from service.metrics import Metrics
 from service.engine.runner import Launched
 from service.store.directory import DirectoryStore
@@ -218,7 +218,7 @@ def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
         if key == "full":
             if where == "commit":
                 store.abort(a[0])
-            raise StoreFull("the store is full", retry_after_s=1)
+            raise Unavailable("the store is full", retry_after_s=1, code="store_full")
         return real(*a, **k)
 
     setattr(store, where, failing)
@@ -229,7 +229,7 @@ def test_a_failed_store_write_answers_only_its_image(tmp_path, where):
     err = bad.exception(timeout=0)
     assert isinstance(err, BackendError)
     assert str(err) == "could not write embeddings to the store: [Errno 28] No space left on device"
-    assert isinstance(full.exception(timeout=0), StoreFull)  # a ServiceError is the client's answer as it is
+    assert full.exception(timeout=0).code == "store_full"  # a ServiceError is the client's answer as it is
     assert ring.held() == 0 and batcher.in_flight() == 0
     assert store.lookup("bad") is None and store.lookup("full") is None and len(store) == 2
 
@@ -288,7 +288,7 @@ class _BatchedStore:
         for i, (p, r) in enumerate(zip(pendings, rows)):
             if p.key in self.refuse:
                 self.inner.abort(p)
-                answer(i, StoreFull("the Mooncake pool has no room for this entry now", retry_after_s=1))
+                answer(i, Unavailable("the Mooncake pool has no room for this entry now", retry_after_s=1, code="store_full"))
             else:
                 answer(i, self.inner.commit(p, r))
 
@@ -302,17 +302,17 @@ def test_a_store_that_batches_gets_a_step_in_one_call_and_a_refused_entry_answer
     assert store.calls == [["a", "full", "b"]]  # one call for the step, in staging order
     a, full, b = (t.future for t in tickets)
     assert a.result(timeout=0).key == "a" and b.result(timeout=0).key == "b"
-    assert isinstance(full.exception(timeout=0), StoreFull)
+    assert full.exception(timeout=0).code == "store_full"
     rows = job.host_out[job.token_offsets[2] : job.token_offsets[3]]
     stored = read_embeddings(tmp_path / "store", "b")
     assert torch.equal(torch.cat([stored.main, *stored.deepstack], 1), rows)
     assert ring.held() == 0 and batcher.in_flight() == 0
 
     # The whole call failing (the master gone mid-step): every image of the step has that answer.
-    store.fail = StoreFull("the Mooncake pool is unreachable", retry_after_s=1)
+    store.fail = Unavailable("the Mooncake pool is unreachable", retry_after_s=1, code="store_full")
     items, job, tickets = _launched(batcher, ring, ["c", "d"], seed=1)
     writer.write(items, job)
-    assert all(isinstance(t.future.exception(timeout=0), StoreFull) for t in tickets)
+    assert all(t.future.exception(timeout=0).code == "store_full" for t in tickets)
     assert ring.held() == 0 and batcher.in_flight() == 0
 
 

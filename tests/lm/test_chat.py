@@ -22,7 +22,7 @@ from service.lm.chat.app import create_chat_app
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.model import LanguageModel
 from service.media.preprocess import to_rgb
-from service.errors import BadRequest
+from service.errors import RequestError
 from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from tests import imagedata as data
@@ -33,6 +33,7 @@ from tests.lm_reference import MAX_TOKENS, VideoInputs, monolithic_media, proces
 from tests.lm_reference import chat_messages as _messages
 from tests.lm_reference import monolithic as _monolithic
 from tests.processes import wait_for
+from tests.support.errors import raises_code
 
 
 ENCODER_KEY, LM_KEY = "encoder-key-0123", "lm-key-4567"
@@ -339,7 +340,7 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
     # the template's tokens but the placeholder (and wrapper)
     kept = len(ids) - 1 - (2 if lm.prompt.drops_video_wrapper else 0)
     assert lm.prompt.media_rows([emb]) == len(lm.prompt.expand(ids, [emb])) - kept > 3 * 26
-    with pytest.raises(BadRequest, match="placeholders"):  # a video part the template did not place
+    with raises_code(RequestError, "bad_request", match="placeholders"):  # a video part the template did not place
         lm.prompt.prompt_text([{"role": "user", "content": "no media"}], [emb])
 
 

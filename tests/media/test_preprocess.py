@@ -17,7 +17,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from service.media import preprocess
 from service.media.params import ImageLimits, PreprocessParams
-from service.errors import BadAspectRatio
+from service.errors import ImageError
 from service.media.images import prepare_image
 from tests.imagedata import (
     encode,
@@ -30,6 +30,7 @@ from tests.imagedata import (
     textured_rgb,
     valid_images,
 )
+from tests.support.errors import raises_code
 
 P = PreprocessParams()
 LUT = torch.from_numpy(preprocess.normalize_lut(P))
@@ -81,7 +82,7 @@ def test_smart_resize_aspect_ratio_limit_is_strictly_greater_than_200():
     # just over 200 fails in both
     with pytest.raises(ValueError, match="aspect ratio"):
         hf_smart_resize(20, 4020, 32, P.min_pixels, P.max_pixels)
-    with pytest.raises(BadAspectRatio) as info:
+    with raises_code(ImageError, "aspect_ratio_too_extreme") as info:
         preprocess.smart_resize(20, 4020, P)
     assert info.value.code == "aspect_ratio_too_extreme"
     assert "4020x20" in info.value.message and "201.0:1" in info.value.message and "200:1" in info.value.message

@@ -5,7 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from service.procs.arena import ALIGN, Arena, ArenaFull, ArenaReader, leaked_segments, segment_name
+from service.errors import Overloaded
+from service.procs.arena import ALIGN, Arena, ArenaReader, leaked_segments, segment_name
+from tests.support.errors import raises_code
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
@@ -29,7 +31,7 @@ def test_cells_are_aligned_reused_and_merged(arena):
     arena.free(c, 3 * ALIGN)
     assert arena.used == 0
     assert arena.alloc(64 * ALIGN) == 0  # the free neighbours merged back into one whole arena
-    with pytest.raises(ArenaFull, match="no free"):
+    with raises_code(Overloaded, "overloaded", match="no free"):
         arena.alloc(1)
     arena.free(0, 64 * ALIGN)
     with pytest.raises(AssertionError, match="double free"):

@@ -14,13 +14,14 @@ from PIL import Image
 
 from service.media.params import ImageLimits, PreprocessParams
 from service.config import Settings
-from service.errors import CorruptImage, ImageTooComplex, Overloaded, Unavailable, http_status
+from service.errors import http_status, ImageError, Overloaded, Unavailable, VideoError
 from service.media.images import prepare_image, read_header
 from service.metrics import Metrics
 from service.procs import decoders
 from service.procs.arena import Arena, segment_name
 from service.procs.decoders import ArenaDecoder
 from tests import imagedata as data
+from tests.support.errors import raises_code
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
@@ -48,7 +49,7 @@ def test_an_api_process_decodes_into_its_arena_cell_and_gives_the_cell_back_if_t
         broken[dht + 5 : dht + 13] = bytes(b ^ 0xFF for b in broken[dht + 5 : dht + 13])
         header = read_header(bytes(broken), limits)
         assert header.plain_jpeg  # so its cell is taken before simplejpeg (and then PIL) refuse it
-        with pytest.raises(CorruptImage):
+        with raises_code(ImageError, "corrupt_image"):
             decode(bytes(broken), header)
         assert arena.used == 0
         # no cell for it (1.2 MB in a 1 MB arena): 429, and nothing taken
@@ -89,7 +90,7 @@ def test_a_new_decode_pool_is_on_the_stall_clock_only_once_a_worker_of_it_answer
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_an_api_process_decodes_a_video_into_one_cell_and_one_bigger_than_its_arena_is_a_413():
-    from service.errors import TruncatedVideo, VideoTooLarge
+    from service.errors import ImageError, Overloaded, Unavailable, VideoError
     from service.media.params import VideoParams
     from service.media.video import read_header as video_header
     from service.media.video_preprocess import prepare_video
@@ -116,10 +117,10 @@ def test_an_api_process_decodes_a_video_into_one_cell_and_one_bigger_than_its_ar
         decoder.release(decoded)
         assert arena.used == 0
         mkv = vd.clip("mpeg4", "matroska")
-        with pytest.raises(TruncatedVideo):  # failed after it took its cell: the cell is given back
+        with raises_code(VideoError, "truncated_video"):  # failed after it took its cell: the cell is given back
             decode(mkv[: len(mkv) // 2])
         assert arena.used == 0
-        with pytest.raises(VideoTooLarge, match="more than this process's pixel arena holds"):
+        with raises_code(VideoError, "video_too_large", match="more than this process's pixel arena holds"):
             decode(clip, VideoParams(min_pixels=6 * 512 * 512, max_pixels=6 * 1024 * 1024))
         assert arena.used == 0
     finally:
@@ -158,7 +159,7 @@ def test_a_decode_past_its_cpu_budget_ends_with_its_process_and_the_images_besid
         first_pool = decoder.pool
         bomb = asyncio.create_task(decoder._in_pool(_spin, 120.0, cpu_s=0.3))
         victim = asyncio.create_task(decoder._in_pool(_nap, 3.0, cpu_s=0.3))  # in flight when the bomb ends
-        with pytest.raises(ImageTooComplex) as e:
+        with raises_code(ImageError, "image_too_complex") as e:
             await asyncio.wait_for(bomb, 90)
         assert "over 0.3 s of CPU" in e.value.message and http_status(e.value) == 422
         assert await asyncio.wait_for(victim, 90) == "decoded"
@@ -185,7 +186,7 @@ def test_a_fast_path_decode_that_cannot_be_stopped_is_ended_at_its_budget():
     params = PreprocessParams(max_pixels=4096 * 4096)  # (no resize after the decode)
 
     async def main():
-        with pytest.raises(ImageTooComplex, match="of CPU"):
+        with raises_code(ImageError, "image_too_complex", match="of CPU"):
             await asyncio.wait_for(decoder.decode(big, read_header(big, limits), params), 90)
         assert await asyncio.wait_for(decoder._in_pool(_nap, 0.0), 90) == "decoded"  # a new pool serves
 
@@ -212,7 +213,7 @@ def test_both_decoders_refuse_a_scan_bomb_at_once_and_stop_one_under_the_cap_at_
                                           data.scan_bomb(photo, 2000), 0.5 + 4.0)):
                 decoder.limits = limits
                 start = time.monotonic()
-                with pytest.raises(ImageTooComplex):
+                with raises_code(ImageError, "image_too_complex"):
                     asyncio.run(asyncio.wait_for(decoder.decode(bomb, read_header(bomb, limits), params), 90))
                 assert time.monotonic() - start < within, (type(decoder).__name__, time.monotonic() - start)
         assert arena_decoder.arena.used == 0

@@ -8,7 +8,7 @@ import pytest
 from service import errors
 from service.media.params import VideoParams, PreprocessParams
 from service.engine.client import EngineRouter
-from service.errors import EngineMismatch
+from service.errors import BackendError, ImageError, KeyConflict, Overloaded, Unavailable
 from service.engine.messages import (
     Cell,
     Claim,
@@ -23,11 +23,12 @@ from service.engine.messages import (
 from service.procs.ipc import FROM_ENGINE, MAX_FRAME, TO_ENGINE
 from service.store.format import StoredItem
 from service.store.keys import shard_of
+from tests.support.errors import raises_code
 
 
 def test_errors_keep_their_class_and_retry_hint():
     for e in (errors.KeyConflict("in the store"), errors.Overloaded("queue full", retry_after_s=3),
-              errors.StoreFull("full", retry_after_s=7), errors.NotAnImage("not an image")):
+              errors.Unavailable("full", retry_after_s=7, code="store_full"), errors.ImageError("not an image", code="not_an_image")):
         back = errors.from_code(e.code, e.message, getattr(e, "retry_after_s", None))
         assert type(back) is type(e) and back.message == e.message and back.code == e.code
         assert getattr(back, "retry_after_s", None) == getattr(e, "retry_after_s", None)
@@ -92,5 +93,5 @@ def test_router_sends_a_key_to_its_shard_and_a_cancel_to_the_engine_that_issued_
     assert st.first.pid == 100 and st.ready and st.store_error == "engine 2: disk full" and st.failed is None
     assert [s.pid for s in st.engines] == [100, 101, 102]
     router.clients[1].status = status(_status(101, "m|p|bfloat16"))
-    with pytest.raises(EngineMismatch, match="engine 1 keys or preprocesses images differently"):
+    with raises_code(Unavailable, "engine_mismatch", match="engine 1 keys or preprocesses images differently"):
         asyncio.run(router.status())

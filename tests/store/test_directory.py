@@ -18,12 +18,13 @@ from safetensors.torch import load_file, save
 
 import service.store.files as files_mod
 import service.store.format as format_mod
-from service.errors import StoreFull, StoreOwnershipError
+from service.errors import StoreOwnershipError, Unavailable
 from service.store import lock_root
 from service.store.directory import DirectoryStore
 from service.store.keys import shard_of
 from service.store.format import FILE_NAME, read_embeddings, tensor_bytes
 from tests.store.storedata import MODEL, D, W, ec_for, files_under, make_store, parts_for
+from tests.support.errors import raises_code
 
 def item_nbytes(store: DirectoryStore, n: int) -> int:
     """File size of one n-token float32 item with a one-digit grid, measured by writing one."""
@@ -571,7 +572,7 @@ def test_min_residency_protects_answered_entries_then_lru_resumes(tmp_path):
     store.put("d", ec_for(ord("d"), 4), (1, 2, 8))
     assert store.lru_keys() == ["b", "c", "d"] and store.evictions == 1
     # t = 1030: everything left is young: a put that needs an eviction is refused, nothing written.
-    with pytest.raises(StoreFull) as e:
+    with raises_code(Unavailable, "store_full") as e:
         store.put("e", ec_for(ord("e"), 4), (1, 2, 8))
     assert e.value.retry_after_s == 10 and "store is full" in e.value.message  # b's window ends at 1040
     assert not (root / "e").exists() and store.lru_keys() == ["b", "c", "d"]
@@ -824,8 +825,8 @@ def test_enospc_evicts_and_retries_or_answers_store_full(tmp_path, monkeypatch):
         return real(fd, size)
 
     monkeypatch.setattr(files_mod, "allocate", full_once)
-    # Both entries are young (answered under 10 s ago): nothing may be evicted, so 503 StoreFull.
-    with pytest.raises(StoreFull, match="filesystem") as exc:
+    # Both entries are young (answered under 10 s ago): nothing may be evicted, so 503 store_full.
+    with raises_code(Unavailable, "store_full", match="filesystem") as exc:
         store.put("c", ec_for(2, 4), (1, 4, 4))
     assert exc.value.retry_after_s >= 1 and tmp_files(tmp_path / "s") == [] and store.unwritable is None
     now[0] = 60.0  # residency over: the LRU entry can make room
@@ -881,7 +882,7 @@ def test_shards_index_write_and_lock_only_their_own_keys(tmp_path):
     try:
         with pytest.raises(StoreOwnershipError, match="is writing to the store root"):
             make_store(root, exclusive=True)  # a second, one-engine service on the root: refused
-        from service.errors import StartupError
+        from service.errors import StartupError, Unavailable
         from service.procs.preflight import check_store
 
         with pytest.raises(StartupError, match="is writing to the store root"):
@@ -1007,7 +1008,7 @@ def test_the_store_protocol_finds_at_once_reads_and_evicts(tmp_path):
     assert found.done() and found.result() == item and store.known("k") == item
     assert store.find("nothing").result() is None
     bad = store.find("../escape")
-    assert bad.done() and type(bad.exception()).__name__ == "InvalidKey"
+    assert bad.done() and bad.exception().code == "invalid_key"
     got = store.read("k")
     assert torch.equal(torch.cat([got.main, *got.deepstack], 1), ec)
     assert store.stats().entries == 1 and store.stats().bytes_used == item.nbytes and store.health() is None

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.errors import InvalidKey
+from service.errors import RequestError
 from service.store.format import StoredItem
 from service.store.format import (FILE_NAME, StoreFormatError, open_entry, read_ec_cache, read_embeddings, read_open_ec_cache)
 from service.store.keys import validate_key
 from tests.store.storedata import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
+from tests.support.errors import raises_code
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -112,10 +113,10 @@ def test_read_rejects_malformed_files(tmp_path):
 def test_content_keys_are_store_keys_but_never_client_keys(tmp_path):
     content = "sha256+" + "ab" * 32
     assert validate_key(content) == content  # the store holds and serves them
-    with pytest.raises(InvalidKey):
+    with raises_code(RequestError, "invalid_key"):
         validate_key(content, content_keys=False)  # a client uuid cannot be one
     for bad in ("sha256+" + "ab" * 31, "sha256+" + "AB" * 32, "sha256-" + "ab" * 32 + "/", "md5+" + "ab" * 16):
-        with pytest.raises(InvalidKey):
+        with raises_code(RequestError, "invalid_key"):
             validate_key(bad)
     store = make_store(tmp_path / "s")
     item = store.put(content, ec_for(1, 4), (1, 2, 8), content_sha256="cd" * 32)
@@ -134,13 +135,13 @@ def test_invalid_keys_rejected_and_nothing_created(tmp_path, key):
     store = make_store(root)
     store.put("ok", ec_for(1, 4), (1, 2, 8))
     before = files_under(tmp_path)
-    with pytest.raises(InvalidKey, match="invalid key"):
+    with raises_code(RequestError, "invalid_key", match="invalid key"):
         validate_key(key)
-    with pytest.raises(InvalidKey):
+    with raises_code(RequestError, "invalid_key"):
         store.put(key, ec_for(2, 4), (1, 2, 8))
-    with pytest.raises(InvalidKey):
+    with raises_code(RequestError, "invalid_key"):
         store.lookup(key)
-    with pytest.raises(InvalidKey):
+    with raises_code(RequestError, "invalid_key"):
         read_embeddings(root, key)
     assert files_under(tmp_path) == before and len(store) == 1
 
@@ -158,8 +159,8 @@ def test_symlinked_key_dir_outside_root_is_refused(tmp_path):
     store = make_store(root)
     (tmp_path / "elsewhere").mkdir()
     (root / "evil").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(InvalidKey, match="outside the store root"):
+    with raises_code(RequestError, "invalid_key", match="outside the store root"):
         store.put("evil", ec_for(1, 4), (1, 2, 8))
-    with pytest.raises(InvalidKey, match="outside the store root"):
+    with raises_code(RequestError, "invalid_key", match="outside the store root"):
         read_embeddings(root, "evil")
     assert list((tmp_path / "elsewhere").iterdir()) == []

@@ -7,9 +7,10 @@ from collections import OrderedDict
 
 import pytest
 
-from service.errors import StoreFull
+from service.errors import Unavailable
 from service.store.format import StoredItem
 from service.store.index import Entry, Index
+from tests.support.errors import raises_code
 
 
 class Clock:
@@ -56,7 +57,7 @@ def test_an_entry_in_its_residency_is_never_evicted_and_a_store_full_of_them_ref
     index = Index(capacity_bytes=200, min_residency_s=30, clock=clock)
     index.put("a", 100, _item("a"))
     index.put("b", 100, _item("b"))
-    with pytest.raises(StoreFull) as full:
+    with raises_code(Unavailable, "store_full") as full:
         index.check_room("c", 100)
     assert full.value.retry_after_s == 30 and "(200 of 200 bytes)" in full.value.message
     index.put("c", 100, _item("c"))  # written anyway (a caller that checked before): nothing may go
@@ -94,7 +95,7 @@ def test_a_room_check_on_a_full_store_visits_only_what_it_would_evict(entries):
     for e in index.entries.values():
         e.keep_until = clock.now + 30
     index.entries.visited = 0
-    with pytest.raises(StoreFull) as full:
+    with raises_code(Unavailable, "store_full") as full:
         index.check_room("new", 1000)
     assert index.entries.visited == 1  # the first entry says the rest are kept too
     assert full.value.retry_after_s == 30 and f"({entries * 1000} of {entries * 1000} bytes)" in full.value.message

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
-from service.errors import StoreUnavailable
+from service.errors import Unavailable
 from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from service.store.mooncake import MooncakeStore, meta_key, value_key
@@ -22,6 +22,7 @@ from service.store.pool import anonymous_mappings, connect
 from service.store.reader import open_reader
 from tests.mooncake_pool import LOOPBACK, Master
 from tests.netns import proc_listeners
+from tests.support.errors import raises_code
 
 OUT_HIDDEN, LEVELS = 8, 3
 WIDTH = OUT_HIDDEN * (1 + LEVELS)
@@ -120,10 +121,10 @@ def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_
     master.stop()
     try:
         assert "does not answer" in store.unwritable and master.url.removeprefix("mooncake://") in store.unwritable
-        with pytest.raises(StoreUnavailable) as e:
+        with raises_code(Unavailable, "store_unavailable") as e:
             store.lookup("before")  # neither hit nor miss: a miss would be encoded for nothing
         assert e.value.retry_after_s == 1 and e.value.code == "store_unavailable"
-        with pytest.raises(StoreUnavailable, match="did not take the entry"):
+        with raises_code(Unavailable, "store_unavailable", match="did not take the entry"):
             store.put("during", ec, (1, 2, 4))
     finally:
         master.start()
@@ -135,8 +136,8 @@ def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_
         try:
             item = store.put("after", ec, (1, 2, 4))
             break
-        except StoreUnavailable as e:  # (not StoreFull: a pool without segments yet is not a full one)
-            assert time.monotonic() < deadline, e
+        except Unavailable as e:  # (not store_full: a pool without segments yet is not a full one)
+            assert e.code == "store_unavailable" and time.monotonic() < deadline, e
             time.sleep(0.5)
     assert store.lookup("after") == item
     assert store.lookup("before") is None  # the old master's metadata went with it: a miss, encoded again
@@ -188,7 +189,7 @@ def test_a_step_goes_in_two_calls_replacing_old_values_and_an_entry_the_pool_ref
     huge = torch.zeros((96 << 20) // (WIDTH * 2), WIDTH, dtype=torch.bfloat16)  # more than any segment holds
     mixed = [("s3", torch.randn(3, WIDTH).to(torch.bfloat16)), ("big", huge), ("s4", torch.randn(9, WIDTH).to(torch.bfloat16))]
     out = step(mixed)
-    assert [type(o).__name__ for o in out] == ["StoredItem", "StoreFull", "StoredItem"], out
+    assert [getattr(o, "code", type(o).__name__) for o in out] == ["StoredItem", "store_full", "StoredItem"], out
     # (Not read back: the master answers a failed allocation by evicting, from anyone's entries.)
     assert writer.lookup("big") is None and client.is_exist(meta_key(writer.namespace, "big")) == 0
     assert writer.written_lately("big") is None and writer.written_lately("s4") == out[2]

@@ -21,16 +21,7 @@ from pydantic import ValidationError
 from service import tracing
 from service.api.schemas import ImagePart, VideoPart
 from service.api.server import BodyLimit, bearer_auth, install_error_handlers
-from service.errors import (
-    BadGateway,
-    BadRequest,
-    DeadlineExceeded,
-    EmbeddingsMissing,
-    ModelLoadError,
-    Overloaded,
-    Relayed,
-    Unauthorized,
-)
+from service.errors import GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.model import LanguageModel
 from service.lm.chat.schemas import ChatRequest
@@ -112,7 +103,7 @@ class Chat:
         try:
             r, _ = await apost(self.http, "/encode", json=body)  # retried once if the connection was stale
         except httpx.HTTPError as e:
-            raise BadGateway(f"the encoder at {self.cfg.encoder_url} could not be reached: {type(e).__name__}: {e}",
+            raise GatewayError(f"the encoder at {self.cfg.encoder_url} could not be reached: {type(e).__name__}: {e}",
                              code="encoder_unavailable") from None
         if r.status_code != 200:
             try:
@@ -121,7 +112,7 @@ class Chat:
             except (ValueError, KeyError, TypeError):
                 code, message = "encoder_error", f"encoder answered {r.status_code}"
             if r.status_code == 401:  # our key, not the client's: the client can do nothing about it
-                raise BadGateway(f"the encoder at {self.cfg.encoder_url} refused this consumer's key ({message}); "
+                raise GatewayError(f"the encoder at {self.cfg.encoder_url} refused this consumer's key ({message}); "
                                  "start the consumer with the encoder's key (--encoder-api-key or "
                                  "QVE_ENCODER_API_KEY)", code="encoder_unauthorized")
             status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
@@ -139,16 +130,16 @@ class Chat:
                 (item,) = await self.encode([part])
                 emb = self._read(item)
             if emb is None:
-                raise EmbeddingsMissing(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
-                                        "hold it: is --store the encoder's store root, and is the store large enough?")
+                raise GatewayError(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
+                                        "hold it: is --store the encoder's store root, and is the store large enough?", code="embeddings_missing")
             sent = "image" if isinstance(part, ImagePart) else "video"
             if item.get("modality", "image") != sent:
-                raise BadGateway(f"the encoder answered {item['key']!r} as an {item.get('modality', 'image')} for a "
+                raise GatewayError(f"the encoder answered {item['key']!r} as an {item.get('modality', 'image')} for a "
                                  f"{sent} part: does it take videos (issue 22)?", code="embeddings_mismatch")
             try:
                 self.lm.check(item["key"], emb, item)
             except StoreFormatError as e:
-                raise BadGateway(f"store entry {item['key']!r}: {e}", code="embeddings_mismatch") from None
+                raise GatewayError(f"store entry {item['key']!r}: {e}", code="embeddings_mismatch") from None
             out.append((item, emb))
         return out
 
@@ -158,11 +149,11 @@ class Chat:
         except KeyError:
             return None
         except StoreFormatError as e:
-            raise BadGateway(str(e), code="embeddings_mismatch") from None
+            raise GatewayError(str(e), code="embeddings_mismatch") from None
 
     async def answer(self, req: ChatRequest, client_gone: Callable[[], Awaitable[bool]]) -> dict:
         """`complete(req)` within the request's deadline, stopped when the client leaves (ClientGone) or the
-        deadline passes (DeadlineExceeded): a generation stops at its next token, and whatever the request
+        deadline passes (`deadline_exceeded`): a generation stops at its next token, and whatever the request
         was waiting for (the encoder, the LM) is cancelled."""
         cancel = Cancel(time.monotonic() + self.cfg.request_timeout_s)
         work = asyncio.ensure_future(self.complete(req, cancel))
@@ -188,17 +179,17 @@ class Chat:
             raise self._late(cancel)
         return work.result()
 
-    def _late(self, cancel: Cancel) -> DeadlineExceeded:
-        return DeadlineExceeded(f"no answer within {self.cfg.request_timeout_s:g} s (--request-timeout-s); the request "
+    def _late(self, cancel: Cancel) -> GatewayError:
+        return GatewayError(f"no answer within {self.cfg.request_timeout_s:g} s (--request-timeout-s); the request "
                                 f"was stopped while {cancel.phase}: ask for fewer max_tokens, or retry when the LM is "
-                                "less busy")
+                                "less busy", code="deadline_exceeded")
 
     async def complete(self, req: ChatRequest, cancel: Cancel) -> dict:
         if req.temperature not in (None, 0, 0.0):
-            raise BadRequest(f"temperature {req.temperature}: only greedy decoding is supported; "
+            raise RequestError(f"temperature {req.temperature}: only greedy decoding is supported; "
                              "send temperature 0 or leave it out")
         if req.max_tokens > self.cfg.max_tokens_limit:
-            raise BadRequest(f"max_tokens {req.max_tokens} is over this server's limit of "
+            raise RequestError(f"max_tokens {req.max_tokens} is over this server's limit of "
                              f"{self.cfg.max_tokens_limit}")
         parts, messages = [], []
         for m in req.messages:
@@ -247,7 +238,7 @@ class Chat:
         for text in texts:
             seen += self.lm.prompt.count_text(text, limit + slack - seen)
             if seen > limit + slack:
-                raise BadRequest(f"the messages' text is over this server's limit of {limit} prompt tokens "
+                raise RequestError(f"the messages' text is over this server's limit of {limit} prompt tokens "
                                  f"(--max-prompt-tokens; {seen} counted before the count stopped); send less text")
         ids = self.lm.prompt.template_ids(messages)
         self._check_prompt(len(ids), placeholders, max_tokens)
@@ -261,10 +252,10 @@ class Chat:
         if tokens > limit:
             what = (f"{tokens - placeholders} tokens of text and chat markup" if media_rows is None else
                     f"{tokens} tokens, {media_rows} of them images and videos")
-            raise BadRequest(f"the prompt is {what}, over this server's limit of {limit} prompt tokens "
+            raise RequestError(f"the prompt is {what}, over this server's limit of {limit} prompt tokens "
                              "(--max-prompt-tokens); send less text, or fewer or smaller images and videos")
         if context is not None and tokens + max_tokens > context:
-            raise BadRequest(f"the prompt's {tokens} tokens and max_tokens {max_tokens} pass the model's context "
+            raise RequestError(f"the prompt's {tokens} tokens and max_tokens {max_tokens} pass the model's context "
                              f"of {context} tokens; ask for fewer")
 
     def _generation(self, input_ids: list[int], media: list[StoredEmbeddings], max_tokens: int, stop) -> list[int]:
@@ -315,7 +306,7 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
 
     def authorize(request: Request) -> None:
         if not authorized(request):
-            raise Unauthorized("this consumer needs an API key: send `Authorization: Bearer <key>`")
+            raise RequestError("this consumer needs an API key: send `Authorization: Bearer <key>`", code="unauthorized")
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
@@ -326,7 +317,7 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise BadRequest(f"invalid request body at '{where}': {first['msg']}") from None
+            raise RequestError(f"invalid request body at '{where}': {first['msg']}") from None
         with chat.admission():
             try:
                 return await chat.answer(req, request.is_disconnected)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.errors import BadGateway, ModelLoadError
+from service.errors import GatewayError, ModelLoadError
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.prompt import PromptBuilder
 from service.store.format import StoredEmbeddings
@@ -97,5 +97,5 @@ class LanguageModel:
         if t * h * w // self.merge**2 != num_tokens:
             problems.append(f"grid_thw {emb.grid_thw} gives {t * h * w // self.merge**2} tokens, answered {num_tokens}")
         if problems:
-            raise BadGateway(f"store entry {key!r} does not fit this language model: " + "; ".join(problems)
+            raise GatewayError(f"store entry {key!r} does not fit this language model: " + "; ".join(problems)
                              + ". Do encoder and LM use the same checkpoint?", code="embeddings_mismatch")

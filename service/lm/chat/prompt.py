@@ -9,7 +9,7 @@ import re
 
 import jinja2
 
-from service.errors import BadRequest, ModelLoadError, clip
+from service.errors import clip, ModelLoadError, RequestError
 from service.store.format import StoredEmbeddings
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class PromptBuilder:
         pieces = re.split(f"({re.escape(self.image_pad)}|{re.escape(self.video_pad)})", text)
         found = [("image" if p == self.image_pad else "video") for p in pieces[1::2]]
         if found != [e.modality for e in media]:
-            raise BadRequest(f"the chat template placed placeholders for {found or 'nothing'}, the request has "
+            raise RequestError(f"the chat template placed placeholders for {found or 'nothing'}, the request has "
                              f"{[e.modality for e in media] or 'no media'}")
         out = [pieces[0]]
         for e, after in zip(media, pieces[2::2]):
@@ -127,7 +127,7 @@ class PromptBuilder:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except jinja2.TemplateError as e:  # a template's raise_exception(): its own words on the messages
-            raise BadRequest(f"the model's chat template refused the messages: {clip(str(e), 200)}") from None
+            raise RequestError(f"the model's chat template refused the messages: {clip(str(e), 200)}") from None
         if self._marked_re is None:
             return self._encode(text)
         # [text, marked token, text, ...]; None for a lone mark (a template's split() can separate a pair):
@@ -142,7 +142,7 @@ class PromptBuilder:
                 continue
             plain = self._encode_plain(piece)
             if self.tokenizer.convert_tokens_to_ids(piece) in plain:
-                raise BadRequest(f"a message's text holds {piece!r}, which this model's tokenizer reads as its "
+                raise RequestError(f"a message's text holds {piece!r}, which this model's tokenizer reads as its "
                                  "control token even as plain text, so it cannot stay text; leave it out (message "
                                  "text never writes chat markup here)")
             ids += plain
@@ -187,12 +187,12 @@ class PromptBuilder:
 
     def expand(self, ids: list[int], media: list[StoredEmbeddings]) -> list[int]:
         """`ids` (template_ids') with each image placeholder repeated once per embedding row and each video
-        placeholder replaced by `video_ids`, in order. BadRequest when the template's placeholders are not
+        placeholder replaced by `video_ids`, in order. `bad_request` when the template's placeholders are not
         the request's media."""
         found = ["image" if i == self.image_token_id else "video" for i in ids
                  if i in (self.image_token_id, self.video_token_id)]
         if found != [e.modality for e in media]:
-            raise BadRequest(f"the chat template placed placeholders for {found or 'nothing'}, the request has "
+            raise RequestError(f"the chat template placed placeholders for {found or 'nothing'}, the request has "
                              f"{[e.modality for e in media] or 'no media'}")
         if not media:
             return ids
