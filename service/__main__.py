@@ -76,7 +76,7 @@ LM_KEY_ENV = {"api_key": "QVE_API_KEY", "encoder_api_key": "QVE_ENCODER_API_KEY"
 
 
 def _add_lm_limits(parser: argparse.ArgumentParser, max_tokens_limit: int, vllm: bool = False) -> None:
-    """The flags `consume` and `route` share: what one request may cost, and the keys (issue 23)."""
+    """The flags `consume` and `route` share: what one request may cost, and the keys."""
     parser.add_argument("--max-tokens-limit", type=_positive(int), default=max_tokens_limit, metavar="N",
                         help="the most tokens one request may ask for (max_tokens" + (
                             " / max_completion_tokens; a request with neither gets this many" if vllm else "") + ")")

@@ -12,8 +12,6 @@ each part needs is derived from it once, as a frozen options object of its own: 
 from __future__ import annotations
 
 import difflib
-import functools
-import inspect
 import os
 import re
 from collections.abc import Mapping
@@ -133,8 +131,7 @@ def _usable_cores() -> int:
 
 def default_api_processes() -> int:
     """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
-    served more than 8 (bench/RESULTS.md, 2026-11-30, the HTTP front end in API processes: 554 vs 507
-    img/s), the rest of the cores going to their decode threads, the engine and the store writers."""
+    served more than 8 (554 against 507 img/s over HTTP), the rest of the cores going to their decode threads, the engine and the store writers."""
     return max(1, min(8, _usable_cores() // 4))
 
 
@@ -190,12 +187,11 @@ def check_otlp_endpoint(v: str | None) -> str | None:
 
 
 class Settings(BaseSettings):
-    """All service settings. Field names are the CLI flags with '-' for '_'. The `# heading` comments in
-    this body group them, in `serve --help` and docs/configuration.md alike (setting_groups)."""
+    """All service settings. Field names are the CLI flags with '-' for '_'; service/flags.py groups them for
+    `serve --help` and docs/configuration.md."""
 
     model_config = SettingsConfigDict(env_prefix="QVE_", extra="forbid")
 
-    # model and device
     model: str = Field("qwen3-vl-2b", description="preset name or local Hugging Face checkpoint directory")
     device: str = Field("auto", description="cpu, cuda, cuda:N, or auto (cuda when available)")
     devices: Annotated[list[str], NoDecode] = Field(
@@ -214,8 +210,7 @@ class Settings(BaseSettings):
     fp8_gemms: Annotated[list[Literal["qkv", "fc1", "fc2"]], NoDecode] = Field(
         default_factory=lambda: ["qkv"], description="with --dtype fp8: which GEMMs of the other blocks run in FP8 "
         "(comma-separated). Default qkv: its quantisation fuses into the layernorm before it; fc1 in FP8 loses "
-        "the GELU in bf16's GEMM epilogue and fc2's quantisation is a pass of its own (H200, 2026-12-03: qkv "
-        "1.08x bf16 at 448px, all three 1.01x)")
+        "the GELU in bf16's GEMM epilogue and fc2's quantisation is a pass of its own")
     seed: int = Field(0, description="seed for preset random weights")
     min_pixels: int | None = Field(None, description="resize every image to at least this many pixels instead of "
                                    "what the checkpoint's preprocessor_config.json says (presets: 65536); the LM "
@@ -224,7 +219,6 @@ class Settings(BaseSettings):
                                    "what the checkpoint's preprocessor_config.json says (presets: 16777216); the LM "
                                    "side must resize alike")
 
-    # store
     store: Path | str = Field(default_factory=default_store_dir, description="where embeddings go: a directory "
                               "(the root, in vLLM's ECExampleConnector layout; LM servers on this machine read "
                               "it), or mooncake://MASTER_HOST:RPC_PORT (Mooncake Store: LM servers on any host of "
@@ -250,7 +244,6 @@ class Settings(BaseSettings):
                                            "preprocessing); set it to the namespace a vLLM deployment computes to "
                                            "share entries with it")
 
-    # HTTP serving
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
     header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
@@ -264,7 +257,6 @@ class Settings(BaseSettings):
     max_connections: int = Field(2048, gt=0, description="open connections plus requests in progress per HTTP "
                                  "process; beyond it new requests get 503 (the process keeps file descriptors to spare)")
 
-    # security: API keys and image URLs
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False,
                                                     description="require `Authorization: Bearer <key>` on /encode "
                                                     "(comma-separated: several keys, e.g. while rotating)")
@@ -275,7 +267,6 @@ class Settings(BaseSettings):
     url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
                                  "for each read)")
 
-    # request limits
     max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     max_request_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
                                      "refused with 413 before it is read when declared, or as soon as it passes")
@@ -301,7 +292,6 @@ class Settings(BaseSettings):
     video_max_decode_s: float = Field(_VIDEO.max_decode_s, gt=0, description="wall time one video's decode may take; longer is "
                                       "stopped and answered 413")
 
-    # batching and admission
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
     max_batch_images: int = Field(64, gt=0, description="most images in one step")
     max_wait_ms: float = Field(5.0, ge=0, description="while the device runs a step, the next step waits at most "
@@ -312,7 +302,6 @@ class Settings(BaseSettings):
                                   "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "
                                   "429. An image alone in the queue is always admitted")
 
-    # processes
     api_processes: int | None = Field(None, ge=0, description="HTTP API processes started by a supervisor beside "
                                       "the engine process(es) (images reach the engines through shared memory); 0 = "
                                       "one process does everything; unset = the default for this machine: on a GPU "
@@ -326,10 +315,9 @@ class Settings(BaseSettings):
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
                                        "processes answer 503 before the supervisor exits with status 1")
 
-    # step loop and GPU
     # 4, not 3: the writer holds one step's output buffer while it commits it, and with two steps on the device
     # (batcher.BACKLOG) a third buffer left the loop waiting for the writer (output_wait 8.7-24.4 ms per step at 1
-    # image per request). H200, 2026-12-03 (bench/RESULTS.md), with --graph-exact-images 64: 673.5 -> 773.8 img/s.
+    # image per request). On an H200 with --graph-exact-images 64: 673.5 -> 773.8 img/s.
     # The fourth slot costs pinned host memory: with the 4B preset's defaults a staging slot is ~0.10 GB (two
     # frames' pixels of a 65536-patch step) and an output buffer ~0.34 GB (16384 tokens x 10240 bf16).
     pool_slots: int = Field(4, ge=2, description="pinned staging slots, and as many output buffers (>= steps in "
@@ -338,8 +326,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(True, description="replay the tower from CUDA graphs (cuda + bfloat16 only)")
     # 64 images of 448x448: a step launched from Python took ~25 ms of the step loop's time under HTTP load (from
     # a graph ~4), so steps of 17..64 such images launched from Python made the loop, not the GPU, the limit at 1
-    # image per request (2026-12-03, bench/RESULTS.md: 591 -> 722 img/s; 134 graphs instead of 98, +3 s start-up).
-    # Then the whole default step (16384 tokens), bench/RESULTS.md: mixed real-world steps beyond the graphs were
+    # image per request (591 -> 722 img/s; 134 graphs instead of 98, +3 s start-up).
+    # Then the whole default step (16384 tokens): mixed real-world steps beyond the graphs were
     # launch-bound too (80 ms of launch for 93 between steps), and the batcher's backlog hold grows steps to the budget.
     # Measured in the mix: launch 3.1 ms per step against 40.4 at 50176, the rate the same (149.9 against 153.7 img/s:
     # the store writer was the limit), start-up 141 graphs in 13.5-15 s against 134 in 11.
@@ -351,8 +339,7 @@ class Settings(BaseSettings):
         "equal images get an unpadded CUDA graph of their own, with batched attention (comma-separated; other steps "
         "pad to the nearest bucket)")
     # 64: equal steps of up to 64 images run batched attention from a graph of their own, 1.164 ms per 448px image
-    # on the device against 1.209-1.256 through the varlen graphs (H200, 2026-12-03, bench/RESULTS.md; the tower
-    # alone 1.150). Start-up captures 237 graphs in 21 s instead of 141 in 13.5.
+    # on the device against 1.209-1.256 through the varlen graphs (H200; the tower alone 1.150). Start-up captures 237 graphs in 21 s instead of 141 in 13.5.
     graph_exact_images: int = Field(64, gt=0, description="the largest step of equal --graph-exact-sides images "
                                     "that gets a graph of its own (1..this many images; larger steps of them pad "
                                     "to the nearest bucket, with varlen attention)")
@@ -365,7 +352,6 @@ class Settings(BaseSettings):
     compile_cache: Path = Field(default_factory=default_compile_cache,
                                 description="persistent torch.compile cache, so a restart does not compile again")
 
-    # logging and tracing
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every "
                                                                    "process of the service")
     otlp_endpoint: str | None = Field(None, description="send OpenTelemetry traces (OTLP/HTTP) to this collector, "
@@ -524,25 +510,6 @@ class Settings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
-
-
-# ---- how the settings are grouped: `serve --help` and docs/configuration.md ----------------------------
-@functools.cache
-def setting_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The settings in source order, under the `# heading` comments that group them in Settings' body:
-    the one place the grouping is written, read by `serve --help` (argument groups) and by
-    service/configdoc.py (sections). A setting above the first heading goes under "Other"."""
-    fields = set(Settings.model_fields)
-    out: list[tuple[str, list[str]]] = [("Other", [])]
-    for line in inspect.getsource(Settings).splitlines():
-        if (m := re.fullmatch(r"    # (\w[\w ,:/()-]*)", line)) is not None:
-            out.append((m.group(1)[0].upper() + m.group(1)[1:], []))  # `# model and device` -> "Model and device"
-        elif (m := re.match(r"    (\w+): ", line)) is not None and m.group(1) in fields:
-            out[-1][1].append(m.group(1))
-    # A setting the scan missed (declared in a base class, say) is listed too, under "Other".
-    listed = {name for _, names in out for name in names}
-    out[0][1].extend(name for name in Settings.model_fields if name not in listed)
-    return tuple((title, tuple(names)) for title, names in out if names)
 
 
 # ---- where a setting comes from: the QVE_ environment ---------------------------------------------

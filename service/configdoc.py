@@ -14,7 +14,8 @@ import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, default_compile_cache, env_name, format_size, is_size, setting_groups
+from service.config import Settings, default_compile_cache, env_name, format_size, is_size
+from service.flags import setting_groups
 from service.store.options import default_store_dir
 
 COMMAND = ".venv/bin/python -m service.configdoc > docs/configuration.md"

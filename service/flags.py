@@ -1,5 +1,5 @@
 """Every Settings field as a command-line flag (`max_batch_tokens` -> `--max-batch-tokens`), in the groups
-of setting_groups(), each help saying the default and the QVE_ variable. `serve` takes these flags, and
+of GROUPS, each help saying the default and the QVE_ variable. `serve` takes these flags, and
 so does the soak, which reads a `serve` command line to learn what the server it starts will run with."""
 
 from __future__ import annotations
@@ -9,7 +9,28 @@ import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, env_name, format_size, is_size, setting_groups
+from service.config import Settings, env_name, format_size, is_size
+
+# The settings' groups, in `serve --help` and docs/configuration.md alike (tests/test_flags.py: each setting is in
+# exactly one).
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ('Model and device', ('model', 'device', 'devices', 'dtype', 'fp8_bf16_blocks', 'fp8_gemms', 'seed', 'min_pixels', 'max_pixels',)),
+    ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace',)),
+    ('HTTP serving', ('host', 'port', 'header_timeout_s', 'body_timeout_s', 'keep_alive_s', 'max_connections',)),
+    ('Security: API keys and image URLs', ('api_key', 'api_key_metrics', 'allowed_url_hosts', 'allow_private_url_addresses', 'url_timeout_s',)),
+    ('Request limits', ('max_images_per_request', 'max_request_bytes', 'max_image_bytes', 'max_input_pixels', 'max_jpeg_scans', 'decode_timeout_s', 'video_max_bytes', 'video_max_duration_s', 'video_max_frames', 'video_max_frame_pixels', 'video_max_decode_s',)),
+    ('Batching and admission', ('max_batch_tokens', 'max_batch_images', 'max_wait_ms', 'max_queue_images', 'max_queue_tokens',)),
+    ('Processes', ('api_processes', 'decode_workers', 'arena_bytes', 'engine_exit_grace_s',)),
+    ('Step loop and GPU', ('pool_slots', 'warmup', 'cuda_graphs', 'graph_max_patches', 'graph_exact_sides', 'graph_exact_images', 'compile', 'attention', 'compile_cache',)),
+    ('Logging and tracing', ('log_level', 'otlp_endpoint',)),
+)
+
+
+def setting_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """GROUPS, and under "Other" any setting none of them names (the tests catch that)."""
+    named = {name for _, names in GROUPS for name in names}
+    other = tuple(name for name in Settings.model_fields if name not in named)
+    return GROUPS + ((("Other", other),) if other else ())
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:

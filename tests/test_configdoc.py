@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from service import configdoc
-from service.config import Settings, env_name, setting_groups
+from service.config import Settings, env_name
+from service.flags import setting_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from service.__main__ import PASS_THROUGH, build_parser, main
-from service.config import Settings, env_name, setting_groups
+from service.config import Settings, env_name
+from service.flags import setting_groups
 from service.store.options import default_store_dir
 from service.procs.preflight import cuda_device_count
 from tests.live import reported_url

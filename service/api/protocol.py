@@ -66,7 +66,7 @@ class HeaderTimeout:
         """At the connection limit (--max-connections), close the connections that have waited longest for
         a request head, so that this one is served: a connection that sends nothing holds a file
         descriptor and a place, not work. 2,500 idle connections made every new request 503 until the
-        head timer closed them, 20 s later (issue 23's finding). Busy connections (a request being read
+        head timer closed them, 20 s later. Busy connections (a request being read
         or answered) are never closed for it: beyond them, a new request still gets 503.
         NOTE: nginx reuses idle keep-alive connections so when it runs out of connections."""
         limit = self.limit_concurrency

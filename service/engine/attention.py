@@ -13,9 +13,9 @@ Two things are decided per step, on the host, from host integers (never a device
     VARLEN    FA3 varlen, FA4 varlen, FA2 (torch's varlen_attn)
     LOOP      SDPA, once per segment
 
-Why measured, not fixed: on an H200 (issue 24's probes, 16 heads x 64) cuDNN ran 273-288 TFLOP/s for 64
+Why measured, not fixed: on an H200 (16 heads x 64) cuDNN ran 273-288 TFLOP/s for 64
 segments of 784 patches against FA3 dense's 240, while for 4 segments of 8,160 FA3 dense ran 530 against
-cuDNN's 411; varlen FA3 beat FA2 at every length probed (215-490 against 203-300). On an H100 (2026-12-05)
+cuDNN's 411; varlen FA3 beat FA2 at every length probed (215-490 against 203-300). On an H100
 FA4 ran segments of 1,600 patches and more 0.4-8% faster than FA3, and of 784 1-3% slower. The winner
 changes with the segment length and with the build of each library, so the engine times every backend it
 can run at a ladder of lengths (measure_plan, about 3 s with FA3 and FA4) and each step takes the winner at
@@ -329,12 +329,12 @@ def gpu_ms(fn, calls: int = 8, reps: int = 3) -> float:
     cuDNN's 0.03). In the service the host is ahead of the device: small steps replay graphs without any
     Python, and a large compiled step queues its blocks while the device runs the first ones. Timed one call
     at a time, FA3 led FA4 by 5-21% at 784 and 4,096 patches, yet the whole tower forced to FA4 ran 1-2%
-    faster than forced to FA3; queued, FA4 leads from 1,600 patches up (bench/RESULTS.md, 2026-12-05).
+    faster than forced to FA3; queued, FA4 leads from 1,600 patches up.
 
     The busy-wait starts short and is checked, not guessed: a repetition whose start event had already fired
     once its calls were queued (the device caught up with the host) is dropped and run again behind a wait
     four times as long. A fixed ~10 ms wait before each repetition was a third of the start-up plan's time
-    (2.10 s against 1.35 with the checked wait on an H100, the same choices; bench/RESULTS.md, 2026-12-06)."""
+    (2.10 s against 1.35 with the checked wait on an H100, the same choices)."""
     per = []
     cycles = SLEEP_CYCLES
     with torch.inference_mode():

@@ -48,8 +48,8 @@ from service.errors import Overloaded, Unavailable
 # Steps in flight (running, or launched and waiting behind the running one) at which a batch past max_wait
 # is held instead of closed, and re-checked every BACKLOG_POLL_S (the writer's wake() comes only after
 # it has caught up). Why: under load at 1 image per request, closing on max_wait queued steps of ~26
-# 448px images behind each other on the device, which ran them at 740 img/s against 860 at 64
-# (2026-12-03, bench/RESULTS.md). Measured with the hold: steps of 31.8 images instead of 25.5, the
+# 448px images behind each other on the device, which ran them at 740 img/s against 860 at 64 (an
+# H200). Measured with the hold: steps of 31.8 images instead of 25.5, the
 # throughput the same (727.9 against 725.6 img/s), because the store's writes were then the limit.
 BACKLOG = 2
 BACKLOG_POLL_S = 0.001
@@ -70,7 +70,7 @@ class _Future(Future):
     request left a reference cycle of about 40 objects (its tickets, work item, pixels' views, futures and
     their Conditions) that only a full collection frees. Under load at 1 image per request an H200
     engine's full collections found 70-165k objects each, 78-87% of them this garbage, and stopped
-    every thread of the process for 63-165 ms (bench/RESULTS.md, 2026-12-04, "the engine's garbage").
+    every thread of the process for 63-165 ms.
     Without the cycles, reference counting frees a request's objects as it ends."""
 
     def _invoke_callbacks(self) -> None:  # (stable since 3.2: set_result, set_exception and cancel call it)

@@ -19,7 +19,7 @@ most ~6% of a step: padding to 1024-patch buckets measured 20-30% slower than ex
 Equal steps: k images of one common size (the --graph-exact-sides, k = 1..--graph-exact-images) also get a graph with
 batched attention (one [k, heads, L, dim] call, no cu_seqlens). Measured inside CUDA graphs on an
 H200, 784 patches per image: varlen flash 20.9 us per block at k=1 and 111 us at k=8, batched cuDNN
-14.1 and 73.6 us (2026-11-30; the probe and its logs are in git history). A step of the same patch count whose
+14.1 and 73.6 us. A step of the same patch count whose
 images differ in size takes the varlen graph of that bucket.
 """
 
@@ -55,9 +55,8 @@ def graph_buckets(max_patches: int, limit: int, smallest: int = 256) -> list[int
 def equal_steps(max_bucket: int, exact: tuple[int, ...] = (), exact_images: int = 64) -> list[tuple[int, int]]:
     """(images, patches per image) of the equal steps that get a batched-attention graph: 1..exact_images
     images of each common size (`exact`: their patch counts), up to the largest bucket. The steps light
-    traffic makes most often (a few equal images) then run unpadded. (Before 2026-11-30's graphs-staging
-    runs these sizes got varlen graphs of their own; a step of unequal images that sums to one of them now
-    pads to the next bucket instead, and start-up captures 28 graphs fewer.)"""
+    traffic makes most often (a few equal images) then run unpadded. (A step of unequal images that sums to
+    one of these sizes pads to the next bucket: varlen graphs of these sizes as well would cost 28 more at start.)"""
     return sorted({(k, p) for p in exact if p > 0 for k in range(1, exact_images + 1) if p * k <= max_bucket})
 
 

@@ -241,7 +241,7 @@ FP8_GEMMS = ("qkv", "fc1", "fc2")  # the block GEMMs that can run in FP8 (proj c
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8: x [M, K] -> (float8_e4m3fn [M, K], float32 [M, 1]) with x ~= q * scale. Each row's
     largest magnitude maps to FP8_MAX. Under torch.compile this fuses into the op that made x (the
-    layernorm, the GELU): a stand-alone pass costs as much as the FP8 GEMM saves (issue 24's probes)."""
+    layernorm, the GELU): a stand-alone pass costs as much as the FP8 GEMM saves (probed on an H200)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
@@ -278,7 +278,7 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
               seq_lens: tuple[int, ...] | None, w: _BlockWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, r) -> (x', r'): the block's input is x + r, its output x' + r'. The MLP's residual add is
         left to the next block, where it fuses into that block's first layernorm: a block ending on it
-        made it a pass of its own over the rows, 2.7 of the tower's ~75 ms at 448px x 64 (2026-12-03). The
+        made it a pass of its own over the rows, 2.7 of the tower's ~75 ms at 448px x 64. The
         tower's wall time moved less: 1.004x at 448px x 64, 1.020x at 1024px x 16 (with _step_tables)."""
         n, hidden = x.shape
         # Tells torch.compile the rows' upper bound, so its generated kernels can index with 32-bit
@@ -300,7 +300,7 @@ def _make_block_fn(num_heads: int, head_dim: int, eps: float, max_rows: int):
         qkv = qkv.view(n, 3, num_heads, head_dim)
         o = attend(q, k, qkv[:, 2], Attn(kind, backend, cu_seqlens, max_seqlen, batch, seq_lens), scale)  # [N, H, D]
         # proj stays bf16: its input comes out of the attention kernel, so its quantisation cannot fuse
-        # into an op before it, and alone it costs what the FP8 GEMM saves (issue 24's probes).
+        # into an op before it, and alone it costs what the FP8 GEMM saves (probed on an H200).
         x = x + F.linear(o.reshape(n, hidden), w.proj_w, w.proj_b)
         h = F.layer_norm(x, (hidden,), w.norm2_w, w.norm2_b, eps)
         if w.fc1_s is not None:
@@ -498,7 +498,7 @@ def _step_tables(pos_weight: torch.Tensor, interp_idx: torch.Tensor, interp_w: t
                  inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's per-row tables: the interpolated position embedding [N, hidden] in `dtype` (summed over its
     four taps in float32), and the rotary cos and signed sin [N, D] float32. Compiled (VisionTower.compile),
-    the gather, products and sum are one kernel (0.54 ms of a 448px x 64 step; eagerly 1.4 ms in three, 2026-12-03)."""
+    the gather, products and sum are one kernel (0.54 ms of a 448px x 64 step; eagerly 1.4 ms in three)."""
     pos = (F.embedding(interp_idx, pos_weight) * interp_w[:, :, None]).sum(1)  # [N, hidden] float32
     freqs = pos_hw[..., None].float() * inv_freq  # [N, 2, D/4]
     half = freqs.flatten(1)  # [N, D/2]: row freqs then column freqs

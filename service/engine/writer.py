@@ -45,8 +45,8 @@ class Writer:
         self._parts: dict[str, torch.Tensor | None] = {}
         # Reservations start when a step is published, on threads of their own: under load the writer is
         # still committing the step before, and a step's reservations waiting for it made the writer the
-        # limit (2026-12-03, 448px at 1 image per request: reserve 11.6 + commit 15.1 ms per step of 24
-        # images, one after the other, against 33 ms between steps; bench/RESULTS.md).
+        # limit (448px at 1 image per request on an H200: reserve 11.6 + commit 15.1 ms per step of 24
+        # images, one after the other, against 33 ms between steps).
         self._reserve_threads = max(1, threads // 2)
         self._reserve_pool = concurrent.futures.ThreadPoolExecutor(self._reserve_threads,
                                                                    thread_name_prefix="store-reserve")

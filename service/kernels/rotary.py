@@ -5,7 +5,7 @@ once, and writes the rotated q and k in model dtype; the math is float32, like t
 
     out = x * cos + rotate_half(x) * sin  ==  x * cos + cat(x2, x1) * [-sin_half, sin_half]
 
-Why a hand-written kernel: Inductor's fused version of this (bench/RESULTS.md, issue 6) ran at
+Why a hand-written kernel: Inductor's fused version of this (measured on an H200) ran at
 ~1.4 TB/s on an H200, 10.7 ms of an 84 ms batch-64 forward, for ~0.44 GB moved per block. Here each
 row's cos/sin is loaded once for its 2*H head vectors and every access is a contiguous row.
 

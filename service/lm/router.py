@@ -10,10 +10,10 @@ Two ways to forward an image (`--image-parts`):
   * `embeds` (vLLM >= 0.33, reported, not run here): a metadata-only `image_embeds` part, only
     `image_grid_thw` (a base64 `torch.save` of the [t, h, w] tensor, as vLLM decodes embeds) plus
     `"uuid": key`, so no pixels travel to the LM tier.
-A video (`video_url` part, issue 22) is encoded the same way and forwarded as sent plus `"uuid": key`,
+A video (`video_url` part) is encoded the same way and forwarded as sent plus `"uuid": key`,
 in either mode: vLLM's processor decodes it for its grid and frame timestamps (docs/vllm.md says which
 vLLM settings make its frame sampling the encoder's), the encoder cache supplies the embeddings.
-Only what this router knows is forwarded (issue 23: `n=1000`, `max_tokens=1e9` and `tools` reached vLLM as
+Only what this router knows is forwarded (`n=1000`, `max_tokens=1e9` and `tools` reached vLLM as
 they came): the request fields in FIELDS, each checked (`n` 1, `max_tokens` / `max_completion_tokens` at
 most --max-tokens-limit, and that limit sent when a request gives neither), messages of `role`, `content`
 and `name`, and the content parts in PART_KEYS with their keys; anything else is a 400 that names it.
@@ -345,7 +345,7 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
                 if item.get("modality", "image") != sent:
                     return error_response(GatewayError(
                         f"the encoder answered media part {i} ({sent}) as an {item.get('modality', 'image')}: "
-                        "does it take videos (issue 22)?", code="embeddings_mismatch"))
+                        "does it take videos?", code="embeddings_mismatch"))
         try:
             r = await app.state.vllm.post("/v1/chat/completions", json=vllm_request(chat, items, cfg.image_parts),
                                           headers=tracing.outgoing())

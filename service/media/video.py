@@ -1,4 +1,4 @@
-"""Video input (issue 22), the decoding half: a container's header read before any frame is decoded, the
+"""Video input, the decoding half: a container's header read before any frame is decoded, the
 frames Qwen3-VL's video processor samples, and only those decoded and kept.
 
     read_header(data, limits)            -> VideoHeader   codec, size, frame rate, frames, duration; every

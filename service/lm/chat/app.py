@@ -135,7 +135,7 @@ class Chat:
             sent = "image" if isinstance(part, ImagePart) else "video"
             if item.get("modality", "image") != sent:
                 raise GatewayError(f"the encoder answered {item['key']!r} as an {item.get('modality', 'image')} for a "
-                                 f"{sent} part: does it take videos (issue 22)?", code="embeddings_mismatch")
+                                 f"{sent} part: does it take videos?", code="embeddings_mismatch")
             try:
                 self.lm.check(item["key"], emb, item)
             except StoreFormatError as e:
