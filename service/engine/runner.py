@@ -104,26 +104,50 @@ class Runner:
 
     def __init__(self, model: LoadedModel, options: RunnerOptions):
         """Loads nothing and reads no environment: `model` is loaded, `options` derived from Settings
-        (Settings.runner_options). Compiles and captures CUDA graphs now, where the tower is fast (an
-        entry point calls use_compile_cache first)."""
+        (Settings.runner_options). Its start-up, in named steps: size the steps, allocate every buffer,
+        and where the tower is fast plan the attention kernels, compile and capture CUDA graphs (an entry
+        point calls use_compile_cache first). `startup`: the seconds of each, for the log and /ready."""
         self.model = model
-        spec, params = model.spec, model.params
         self.device = model.device
         self.cuda = self.device.type == "cuda"
+        self.startup: dict[str, float] = {}
+        fast = fast_tower(model)
+        self._size(options, fast)
+        self._allocate(options)
+        if fast:
+            self._timed("attention_s", self._plan_attention, options.attention)
+        if fast and options.compile:
+            self._timed("compile_s", self._compile)
+        self.graphs = self._timed("graph_capture_s", self._capture) if self.buckets else None
+        if self.graphs is not None:
+            self.startup["graphs"] = len(self.graphs)
+        self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
+        self._inject_faults(options.faults)
+
+    # ---- start-up, step by step ---------------------------------------------------------------------
+    def _timed(self, phase: str, step, *args):
+        t0 = time.perf_counter()
+        out = step(*args)
+        self.startup[phase] = round(time.perf_counter() - t0, 2)
+        return out
+
+    def _size(self, options: RunnerOptions, fast: bool) -> None:
+        """What a step may hold (patches, images, video groups), its buffers' capacity, and the CUDA graphs'
+        buckets and equal steps."""
+        spec, params = self.model.spec, self.model.params
         merge2 = spec.merge_size**2
         pp = spec.patch_size**2
         # A step holds up to the token budget, or one image above it (such an image runs alone), or one
         # temporal group of the largest video frame (a longer video is split across steps by the loop).
         self.max_patches = max(options.max_batch_tokens * merge2, params.max_pixels // pp,
-                               max_group_patches(model.video))
+                               max_group_patches(self.model.video))
         self.max_images = options.max_batch_images
         if self.max_patches > tower_module.max_block_rows(spec):
             raise ValueError(f"a step of {self.max_patches} patches is more than the tower can index "
                              f"({tower_module.max_block_rows(spec)}); lower --max-batch-tokens or --max-pixels")
-        fast = fast_tower(model)
-        smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
+        self.smallest = params.min_pixels // pp  # patches of the smallest image preprocessing produces
         exact = tuple(num_patches(grid_for(side, side, params)) for side in options.graph_exact_sides)
-        self.buckets = graph_buckets(self.max_patches, options.graph_max_patches, smallest) if (
+        self.buckets = graph_buckets(self.max_patches, options.graph_max_patches, self.smallest) if (
             fast and options.cuda_graphs) else None
         self.equal_steps = equal_steps(self.buckets[-1], exact, options.graph_exact_images) if self.buckets else []
         # cu_seqlens has room for every image plus the padding segments of the widest bucket gap.
@@ -135,56 +159,55 @@ class Runner:
         self.max_groups = self.max_patches // merge2
         self.capacity = StepSize(pixel_bytes=2 * self.max_patches * pp * 3, images=self.max_images + 2 * self.max_groups,
                                  patches=self.max_patches, cu_seqlens=self.cu_length + self.max_groups)
+
+    def _allocate(self, options: RunnerOptions) -> None:
+        """Every buffer a step uses, once: the pinned staging pool and, on a GPU, its device mirrors, the patch
+        rows, the streams and the output ring."""
+        model, spec = self.model, self.model.spec
         self.pool = StagingPool(self.capacity, options.pool_slots, self.device)
         # numpy views of every slot's buffers, made once: staging is plain memcpy into them.
         self._np = [self.pool.slot(i).buffers.numpy() for i in range(options.pool_slots)]
-        self.lut_np = normalize_lut(params)  # [3, 256] float32, exact per-level values
+        self.lut_np = normalize_lut(model.params)  # [3, 256] float32, exact per-level values
         self.lut = torch.from_numpy(self.lut_np).to(self.device)
         self.video_lut = torch.from_numpy(video_lut(model.video)).to(self.device)  # [3, 256] float32: not the image's
-        if self.cuda:
-            from service.kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
+        if not self.cuda:
+            return
+        from service.kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
 
-            self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
-            # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
-            # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
-            self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
-            self._h2d = [_copy_table(self.pool.slot(i).buffers, self.dev) for i in range(options.pool_slots)]
-            self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
-            # The second frame of each video row (TowerBatch.frame1): allocated once, at the step's size.
-            self.frame1 = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
-            self.compute_stream = torch.cuda.Stream(self.device)
-            self.copy_stream = torch.cuda.Stream(self.device)
-            # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
-            self.outputs = OutputRing(options.pool_slots, self.max_patches // merge2, spec.out_width, model.dtype,
-                                      self.device)
-            # Launched steps whose device work may still run (loop thread only; see steps_in_flight).
-            self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
-        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the log and /ready
-        t0 = time.perf_counter()
-        if fast:
-            model.tower.attention_plan = attention.plan_for(options.attention, self.device, model.dtype, spec.num_heads,
-                                                            spec.head_dim)
-            self.startup["attention_s"] = round(time.perf_counter() - t0, 2)
-            log.info("attention: %s (%s; FA3 %s; FA4 %s)", model.tower.attention_plan.describe(),
-                     "measured" if options.attention == "auto" else f"--attention {options.attention}",
-                     attention.fa3_status(), attention.fa4_status())
-            t0 = time.perf_counter()
-        if fast and options.compile:
-            if not model.tower.compiled:  # several engines may share one loaded model (tests)
-                model.tower.compile()
-            self._warm_compiled(smallest, batch_of_one=bool(self.equal_steps))
-            self.startup["compile_s"] = round(time.perf_counter() - t0, 2)
-        self.graphs = None
-        if self.buckets:
-            t0 = time.perf_counter()
-            d = self.dev
-            self.graphs = TowerGraphs(model.tower, StaticInputs(self.patches, d.pos_hw, d.interp_idx, d.interp_w,
-                                                                d.cu_seqlens[: self.cu_length]),
-                                      self.buckets, self.compute_stream, smallest, self.equal_steps)
-            self.startup["graph_capture_s"] = round(time.perf_counter() - t0, 2)
-            self.startup["graphs"] = len(self.graphs)
-        self.test_stall_cycles = 0  # tests only: a device sleep queued before each step's H2D copies
-        self._inject_faults(options.faults)
+        self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
+        # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
+        # Zeros, not empty: a graph's padding rows read them, and must index the position table validly.
+        self.dev = StepBuffers.allocate(self.capacity, self.device, zeros=True)
+        self._h2d = [_copy_table(self.pool.slot(i).buffers, self.dev) for i in range(options.pool_slots)]
+        self.patches = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+        # The second frame of each video row (TowerBatch.frame1): allocated once, at the step's size.
+        self.frame1 = torch.zeros(self.max_patches, spec.frame_patch_dim, dtype=model.dtype, device=self.device)
+        self.compute_stream = torch.cuda.Stream(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        # Output ring: as many pinned buffers as slots; the writer gives each back when stored.
+        self.outputs = OutputRing(options.pool_slots, self.max_patches // spec.merge_size**2, spec.out_width,
+                                  model.dtype, self.device)
+        # Launched steps whose device work may still run (loop thread only; see steps_in_flight).
+        self._in_flight: collections.deque[torch.cuda.Event] = collections.deque(maxlen=self.outputs.depth)
+
+    def _plan_attention(self, forced: str) -> None:
+        """Each step's attention kernel: measured on this GPU (`auto`), or the one --attention forces."""
+        model, spec = self.model, self.model.spec
+        model.tower.attention_plan = attention.plan_for(forced, self.device, model.dtype, spec.num_heads, spec.head_dim)
+        log.info("attention: %s (%s; FA3 %s; FA4 %s)", model.tower.attention_plan.describe(),
+                 "measured" if forced == "auto" else f"--attention {forced}", attention.fa3_status(),
+                 attention.fa4_status())
+
+    def _compile(self) -> None:
+        if not self.model.tower.compiled:  # several engines may share one loaded model (tests)
+            self.model.tower.compile()
+        self._warm_compiled(self.smallest, batch_of_one=bool(self.equal_steps))
+
+    def _capture(self) -> TowerGraphs:
+        d = self.dev
+        return TowerGraphs(self.model.tower, StaticInputs(self.patches, d.pos_hw, d.interp_idx, d.interp_w,
+                                                          d.cu_seqlens[: self.cu_length]),
+                           self.buckets, self.compute_stream, self.smallest, self.equal_steps)
 
     def _inject_faults(self, faults: FaultInjection) -> None:
         """The test-only faults of the soak's control run (see FaultInjection). Never in service."""
