@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "kernels")]
 from bench.bench_tower import cuda_time  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.graphs import GraphKey, padded_cu_seqlens  # noqa: E402

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # this checkout\'s service and kernels
 
 from bench.bench_frontend import (cpu_snapshot, cpu_used, engine_counters, gpu_busy, gpu_busy_pct,  # noqa: E402
                                   per_step, profile, stop, store_parent, summarize, wait_ready)

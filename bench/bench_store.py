@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # this checkout\'s service and kernels
 
 TOKENS, OUT_HIDDEN, LEVELS = 196, 2560, 3  # the 4B preset: 2560 x (1 + 3) = 10,240 columns
 

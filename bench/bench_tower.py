@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # this checkout\'s service and kernels
 
 from service.engine.batcher import BatchLimits, Batcher  # noqa: E402
 from service.config import Settings  # noqa: E402

@@ -1,4 +1,4 @@
-"""Check and time service/kernels/preprocess.py on a GPU. Standalone: needs torch (CUDA) and cupy.
+"""Check and time kernels/qve_kernels/patchify.py on a GPU. Standalone: needs torch (CUDA) and cupy.
 
     python bench/check_kernels.py --out DIR [--reps 200] [--warmup 20]
 
@@ -28,11 +28,11 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "kernels")]  # run from anywhere without installing
 
 import torch  # noqa: E402
 
-from service.kernels.preprocess import patchify_cuda  # noqa: E402
+from qve_kernels.patchify import patchify_cuda  # noqa: E402
 
 P, M = 16, 2
 

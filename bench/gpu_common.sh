@@ -52,11 +52,13 @@ _mooncake_libs() {  # LD_LIBRARY_PATH for the libraries Mooncake links that this
 gpu_setup() {
   local out=$1 d
   mkdir -p "$out"
+  # The tree is not installed here: its kernels package (kernels/qve_kernels) is found through the path.
+  export PYTHONPATH=$PWD/kernels
   for d in .whl .fa3 .fa4 .wav .mc; do
     if ls "$d"/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
         >> "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; return 1; }
-      export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+      export PYTHONPATH=$PWD/kernels:/tmp/site PATH=/tmp/site/bin:$PATH
     fi
   done
   if [ -f .fa4a/cutlass_ir.so.xz ]; then
@@ -66,7 +68,7 @@ gpu_setup() {
     _unxz .fa4/libcute_dsl_runtime.so.xz /tmp/site/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so || return 1
     cp /tmp/fa4lib/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so /tmp/site/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/ \
       || echo "FA4: /tmp/fa4lib holds no CuTe DSL module: send .fa4a/ first (gpu_setup with it carried)" >&2
-    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # its .pth is not read under --target
+    export PYTHONPATH=$PWD/kernels:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # its .pth is not read under --target
   fi
   if [ -f /tmp/site/mooncake/store.so ] && ls .mc/*.deb >/dev/null 2>&1; then
     _mooncake_libs "$out" || return 1

@@ -188,7 +188,10 @@ def test_dockerfile_copies_what_the_package_needs_and_dockerignore_keeps_it():
         args = [a for a in c.split() if not a.startswith("--")]
         copied.update(a.rstrip("/") for a in args[:-1])
     needed = {"pyproject.toml"}
-    needed |= {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    find = project["tool"]["setuptools"]["packages"]["find"]
+    for name in (p.rstrip("*") for p in find["include"]):  # a package at the root, or the folder `where` holding it
+        (where,) = [w for w in find.get("where", ["."]) if (ROOT / w / name).is_dir()]
+        needed.add(name if where == "." else where)
     if "readme" in project["project"]:
         needed.add(project["project"]["readme"])
     assert needed <= copied, f"the Dockerfile does not COPY {sorted(needed - copied)}"

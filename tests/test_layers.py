@@ -7,7 +7,7 @@
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
     settings        service.config (Settings and the options derived from it), service.flags, service.metrics
     media    store  (each with its own parameter and option types, which Settings builds)
-    base     service.errors, service.presets, service.tracing; service.kernels
+    base     service.errors, service.presets, service.tracing; qve_kernels
 
 A module may import its own package, any package of a lower layer, and nothing else: not a package of a
 higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"base", "service.kernels"},
+    {"base", "qve_kernels"},
     {"service.media", "service.store"},
     {"settings"},
     {"service.engine"},
@@ -37,9 +37,12 @@ CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.d
 
 
 def _modules() -> dict[str, Path]:
+    """service's modules, and the kernels package's (kernels/qve_kernels, imported as qve_kernels)."""
     found = {}
-    for path in (ROOT / "service").rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    paths = [(ROOT, p) for p in (ROOT / "service").rglob("*.py")]
+    paths += [(ROOT / "kernels", p) for p in (ROOT / "kernels" / "qve_kernels").rglob("*.py")]
+    for top, path in paths:
+        parts = list(path.relative_to(top).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
@@ -77,6 +80,8 @@ def _group(module: str) -> str:
         return "settings"
     if module in CLI:
         return "cli"
+    if module.split(".")[0] == "qve_kernels":
+        return "qve_kernels"
     group = ".".join(module.split(".")[:2])
     assert any(group in layer for layer in LAYERS), f"{module}: a module of service/ in no layer (add it to LAYERS)"
     return group

@@ -172,7 +172,7 @@ class Runner:
         self.video_lut = torch.from_numpy(video_lut(model.video)).to(self.device)  # [3, 256] float32: not the image's
         if not self.cuda:
             return
-        from service.kernels.preprocess import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
+        from qve_kernels.patchify import copy_async, patchify_cuda  # CuPy is only needed (and imported) on GPU
 
         self._patchify_cuda, self._copy_async = patchify_cuda, copy_async
         # Device mirrors of the slot buffers and the patch rows: allocated once, sliced per step.
@@ -412,7 +412,7 @@ class Runner:
 
 def _copy_table(src: StepBuffers[torch.Tensor], dst: StepBuffers[torch.Tensor]) -> list[tuple[int, int, int]]:
     """(dst pointer, src pointer, bytes per row) of each buffer, in field order: made once per slot, so
-    a step's copies are plain integer arithmetic (see service.kernels.preprocess.copy_async for why raw copies)."""
+    a step's copies are plain integer arithmetic (see qve_kernels.patchify.copy_async for why raw copies)."""
     return [(d.data_ptr(), s.data_ptr(), s[:1].nbytes) for s, d in zip(src.values(), dst.values())]
 
 

@@ -13,7 +13,7 @@ step loop:
     `frame1`. Otherwise a group is an image of grid (1, h, w): the same positions, and attention
     within the group only (see segments);
   * rotary is applied to q and k together, straight from the qkv projection, in float32 math with
-    model-dtype in/out: one Triton kernel on CUDA (service/kernels/rotary.py; the eager chain was a third of
+    model-dtype in/out: one Triton kernel on CUDA (kernels/qve_kernels/rotary.py; the eager chain was a third of
     the tower's time on an H200), the plain torch formula on the CPU;
   * attention is chosen per step on the host, from host integers (no device sync): its layout (one
     batched call when every image has the same length, the packed batch otherwise on CUDA, a
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.kernels import rotary as rotary_kernel
+from qve_kernels import rotary as rotary_kernel
 from service.engine.attention import (AttentionKind, AttentionPlan, Attn, Backend, attend,  # noqa: F401 (re-exported)
                                       varlen_available)
 

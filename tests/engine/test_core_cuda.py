@@ -9,7 +9,7 @@ import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
 
-from service.kernels.preprocess import cupy_available
+from qve_kernels.patchify import cupy_available
 from service.config import Settings
 from service.engine.core import Engine
 from service.media.images import prepare_image

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.kernels.preprocess import cupy_available
+from qve_kernels.patchify import cupy_available
 from service.config import Settings
 from service.engine.core import Engine
 from service.engine.graphs import GraphKey

@@ -1,10 +1,10 @@
-"""The fused Triton rotary (service/kernels/rotary.py) against the tower's plain-torch rotary: eagerly, under
+"""The fused Triton rotary (kernels/qve_kernels/rotary.py) against the tower's plain-torch rotary: eagerly, under
 torch.compile with dynamic shapes, and bad inputs. CUDA-only (skipped without a GPU and Triton)."""
 
 import pytest
 import torch
 
-from service.kernels import rotary
+from qve_kernels import rotary
 from service.engine.tower import _rotary
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and rotary.available()), reason="needs CUDA and Triton")

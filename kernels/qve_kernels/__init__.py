@@ -1,5 +1,5 @@
 """GPU kernels: CuPy (patchify) and Triton (rotary). Importing needs no GPU, CuPy or Triton; a kernel compiles on its first launch."""
 
-from service.kernels.preprocess import check_image_table, cupy_available, patchify_cuda
+from qve_kernels.patchify import check_image_table, cupy_available, patchify_cuda
 
 __all__ = ["check_image_table", "cupy_available", "patchify_cuda"]

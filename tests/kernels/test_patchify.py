@@ -1,4 +1,4 @@
-"""service.kernels.preprocess: the GPU patchify kernel against a tiny independent torch reference.
+"""qve_kernels.patchify: the GPU patchify kernel against a tiny independent torch reference.
 
 The kernel tests need CUDA and CuPy and are skipped without them; the launcher's table checks, the
 CPU import, and the reference's layout (against transformers' own processor) run anywhere.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.kernels.preprocess import check_image_table, cupy_available, patch_rows, patchify_cuda
+from qve_kernels.patchify import check_image_table, cupy_available, patch_rows, patchify_cuda
 
 P, M = 16, 2
 HAVE_GPU = torch.cuda.is_available() and cupy_available()
