@@ -80,12 +80,14 @@ $(DEV_STAMP): $(SERVE_STAMP) pyproject.toml
 	$(COMPILE)
 	touch $@
 
+# In parallel, one worker per core (pytest-xdist); a worker that runs out of tests takes some of another's.
+PARALLEL ?= -n auto --dist worksteal
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(PARALLEL) $(ARGS)
 
 # The inner loop: everything but the long system tests (pyproject.toml's `slow` marker says which).
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow" $(ARGS)
 
 run: $(SERVE_STAMP)
 	@echo "==> serving; flags go in ARGS=\"...\" (every flag, its default and its QVE_ variable: make run ARGS=--help)"
@@ -103,7 +105,7 @@ demo: $(SERVE_STAMP)
 loadtest: $(LOADTEST_STAMP)
 	$(PY) -m service loadtest --url $(URL) $(ARGS)
 
-# The soak CI runs (tests/test_soak.py), with its report in $(OUT).
+# The soak CI runs (tests/system/test_soak.py), with its report in $(OUT).
 OUT ?= soak-out
 soak: $(DEV_STAMP)
 	$(PY) -m service soak --serve "--model tiny --device cpu --store-capacity-bytes 2000000 --store-min-residency-s 1 \
@@ -115,9 +117,9 @@ lint: $(DEV_STAMP)
 docker-build:
 	docker build -f docker/Dockerfile -t qwen3vl-encoder:local .
 
-# The CPU stacks in a real Docker engine (tests/test_compose.py says what it needs, and why it skips).
+# The CPU stacks in a real Docker engine (tests/system/test_compose.py says what it needs, and why it skips).
 compose-test: $(DEV_STAMP)
-	QVE_COMPOSE_TEST=1 $(PY) -m pytest -q -rs -s tests/test_compose.py $(ARGS)
+	QVE_COMPOSE_TEST=1 $(PY) -m pytest -q -rs -s tests/system/test_compose.py $(ARGS)
 
 clean:
 	rm -rf .pytest_cache build dist *.egg-info

@@ -158,7 +158,7 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
 def _tree(root: int) -> list[int]:
     """root and every process below it (from /proc: each one's parent)."""
     sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # this checkout\'s service and kernels
-    from tests.proctree import descendants
+    from tests.support.proctree import descendants
 
     return [root, *descendants(root)]
 
@@ -350,11 +350,11 @@ def stop(proc: subprocess.Popen, timeout_s: float = 120) -> None:
 
 
 def mooncake_master(args, name: str):
-    """A fresh mooncake_master on loopback for one server (tests/mooncake_pool.py's), its log in --out."""
+    """A fresh mooncake_master on loopback for one server (tests/support/mooncake_pool.py's), its log in --out."""
     import importlib.util
 
     sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # this checkout\'s service and kernels
-    from tests.mooncake_pool import LOOPBACK, Master
+    from tests.support.mooncake_pool import LOOPBACK, Master
 
     # (the binary ships inside the wheel's package; the console script beside it may not be on PATH)
     spec = importlib.util.find_spec("mooncake")

@@ -60,7 +60,7 @@ def main() -> int:
     from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions
     from service.store.directory import DirectoryStore
     from service.store.mooncake import MooncakeStore
-    from tests.mooncake_pool import LOOPBACK, Master
+    from tests.support.mooncake_pool import LOOPBACK, Master
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)

@@ -38,7 +38,7 @@ P, M = 16, 2
 
 
 # ---- reference and inputs: the GPU tests' own oracle (independent of the service's CPU patchify) ----------
-from tests.kernels.test_preprocess import make_batch, make_lut, reference  # noqa: E402
+from tests.unit.kernels.test_patchify import make_batch, make_lut, reference  # noqa: E402
 
 
 

@@ -23,9 +23,9 @@
 # unpacks into /tmp/fa4lib (kept between calls; the checkout's untracked folders are not): first
 # `. bench/gpu_common.sh && gpu_setup /tmp/o` with .fa4a carried, then the run with .whl .fa3 .fa4.
 
-GPU_TESTS="tests/engine/test_core_cuda.py tests/engine/test_tower_cuda.py tests/engine/test_attention_cuda.py
-  tests/engine/test_attention.py tests/engine/test_tower.py tests/engine/test_pool.py tests/engine/test_runner.py
-  tests/engine/test_graphs.py tests/kernels tests/media/test_images.py tests/store"
+GPU_TESTS="tests/unit/engine/test_core_cuda.py tests/unit/engine/test_tower_cuda.py tests/unit/engine/test_attention_cuda.py
+  tests/unit/engine/test_attention.py tests/unit/engine/test_tower.py tests/unit/engine/test_pool.py tests/unit/engine/test_runner.py
+  tests/unit/engine/test_graphs.py tests/unit/kernels tests/unit/media/test_images.py tests/unit/store"
 
 _unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
 

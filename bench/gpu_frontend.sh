@@ -14,7 +14,7 @@
 #
 #   MIX="defaults:;fp8:--dtype fp8" MIX_REQUESTS=2000 FE_MORE="--idle-requests 300" bash bench/gpu_frontend.sh OUT
 #       # bench/RESULTS.md's HTTP lines and the real-world mix (carry .whl and .fa3)
-#   TOWER=0 TESTS=tests/store FE_ARGS="--modes 4,4 --stores directory,mooncake --images 4096" bash bench/gpu_frontend.sh OUT
+#   TOWER=0 TESTS=tests/unit/store FE_ARGS="--modes 4,4 --stores directory,mooncake --images 4096" bash bench/gpu_frontend.sh OUT
 #       # Mooncake against the directory, 1 and 8 images per request, alternated (carry .mc too)
 #   TOWER=0 FRONTEND=0 TESTS=all AB_TREE=.baseline bash bench/gpu_frontend.sh OUT
 #       # the GPU tests, then the front end of an earlier commit against this one, alternated

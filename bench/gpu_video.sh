@@ -15,7 +15,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . bench/gpu_common.sh
 gpu_setup "$OUT" || exit 1
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-240} gpu_tests "$OUT" "tests/engine/test_core_cuda.py tests/engine/test_tower_cuda.py
-  tests/engine/test_runner.py tests/engine/test_pool.py tests/kernels"
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-240} gpu_tests "$OUT" "tests/unit/engine/test_core_cuda.py tests/unit/engine/test_tower_cuda.py
+  tests/unit/engine/test_runner.py tests/unit/engine/test_pool.py tests/unit/kernels"
 timeout 420 python3 bench/bench_video.py --out "$OUT" "$@" > "$OUT/bench_video.log" 2>&1
 tail -14 "$OUT/bench_video.log"

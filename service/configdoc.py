@@ -3,7 +3,7 @@ default and its description. From the repository root:
 
     .venv/bin/python -m service.configdoc > docs/configuration.md
 
-tests/test_configdoc.py fails when the committed page differs from what this writes, so a setting added
+tests/unit/test_configdoc.py fails when the committed page differs from what this writes, so a setting added
 or changed without the page regenerated is caught. Imports only service.config (pydantic; no torch).
 """
 

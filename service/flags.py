@@ -11,7 +11,7 @@ from pathlib import Path
 
 from service.config import Settings, env_name, format_size, is_size
 
-# The settings' groups, in `serve --help` and docs/configuration.md alike (tests/test_flags.py: each setting is in
+# The settings' groups, in `serve --help` and docs/configuration.md alike (tests/unit/test_flags.py: each setting is in
 # exactly one).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('Model and device', ('model', 'device', 'devices', 'dtype', 'fp8_bf16_blocks', 'fp8_gemms', 'seed', 'min_pixels', 'max_pixels',)),

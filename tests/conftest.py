@@ -1,3 +1,4 @@
+import fcntl
 import io
 import os
 import shutil
@@ -12,9 +13,9 @@ import torch
 from PIL import Image, ImageOps
 from transformers import Qwen3VLForConditionalGeneration
 
-from tests import imagedata as data
-from tests.checkpoints import PilProcessor, make_full_checkpoint
-from tests.processes import IMAGES
+from tests.support import imagedata as data
+from tests.support.checkpoints import PilProcessor, make_full_checkpoint
+from tests.support.processes import IMAGES
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # Processes the tests start, directly or through the service: servers, decode workers, the forkserver.
@@ -62,11 +63,17 @@ def mooncake_master_binary() -> Path:
     if the install fails without one), once per session."""
     why = _mooncake_import_error()
     if "libibverbs" in why and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "libibverbs1", "ibverbs-providers"]
-        if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900)
-            subprocess.run(install, env=env, capture_output=True, timeout=900)
+        # One install at a time: the suite's workers (pytest-xdist) may all get here at once, and apt-get
+        # refuses to run beside itself.
+        with open("/tmp/qve-tests-apt.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _mooncake_import_error():
+                env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+                install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "libibverbs1",
+                           "ibverbs-providers"]
+                if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
+                    subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900)
+                    subprocess.run(install, env=env, capture_output=True, timeout=900)
         why = _mooncake_import_error()
     if why:
         pytest.skip(f"Mooncake's client does not import here ({why}): pip install 'qwen3vl-encoder-service[mooncake]'"
@@ -147,9 +154,11 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started outlives them (a leak the next run or CI inherits).
-    Waits a little first: a server told to stop may take a moment to exit."""
+    Waits a little first: a server told to stop may take a moment to exit. Checked by the run's main
+    process only: while one worker (pytest-xdist) finishes, the others' servers still run; once every
+    worker has exited, what one leaked is an orphan, no longer a descendant of the main process."""
     since = getattr(session.config, "_qve_start_ticks", None)
-    if since is None:
+    if since is None or hasattr(session.config, "workerinput"):
         return
     deadline = time.monotonic() + 20
     while (left := _leftovers(since)) and time.monotonic() < deadline:
@@ -157,3 +166,20 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print("\nprocesses started by the tests are still running:\n  " + "\n  ".join(left), file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The kinds of tests, by where they live and what they need (pyproject.toml declares the markers):
+#   tests/unit/    one module of service/ (or kernels/), mirroring its path; tests/system/: the product as a
+#                  whole (real processes, the packaging, containers); tests/support/: helpers, no tests
+#   gpu            needs a CUDA GPU (skipped without one): the kernels' tests and the *_cuda.py files
+#   docker         needs a Docker engine (the compose stacks)
+_GPU_FILES = ("tests/unit/kernels/",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.path)).resolve().relative_to(Path(_ROOT)).as_posix()
+        if path.startswith("tests/system/"):
+            item.add_marker(pytest.mark.system)
+        if path.startswith(_GPU_FILES) or path.endswith("_cuda.py"):
+            item.add_marker(pytest.mark.gpu)

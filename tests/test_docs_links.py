@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# A path into the repository as the pages write it: `service/engine/pool.py`, tests/lm/test_chat.py, ...
+# A path into the repository as the pages write it: `service/engine/pool.py`, tests/unit/lm/test_chat.py, ...
 REPO_PATH = re.compile(r"(?<![\w./-])((?:service|tests|bench|docs|docker|kernels|\.ci)/[\w./-]*[\w/])")
 
 

@@ -1,5 +1,5 @@
 """The tests' own layout: no module under tests/ imports a test module (tests/**/test_*.py). What tests share
-lives in helper modules (tests/live.py, tests/processes.py, tests/imagedata.py, tests/store/storedata.py,
+lives in helper modules (tests/support/: live.py, processes.py, imagedata.py, storedata.py,
 ...) or conftest.py fixtures: a test module imported by another runs its module-level code and fixtures
 twice, ties the two files' edits together, and its tests can be collected under the importer's name."""
 

@@ -1,4 +1,4 @@
-"""tests/media/fixtures/make_video_frames.py and make_video_reference.py, the video reference's two halves:
+"""tests/support/fixtures/make_video_frames.py and make_video_reference.py, the video reference's two halves:
 the second runs where there is no PyAV and none of this project's dependencies (a GPU machine with transformers and
 torchvision), so it may import only the standard library, numpy, torch, transformers and torchvision, and
 our modules only what needs numpy, torch and PIL; run here with every other package refused, its half
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "media" / "fixtures"
+FIXTURES = ROOT / "tests" / "support" / "fixtures"
 REF = FIXTURES / "make_video_reference.py"
 
 # The top-level names of every dependency this project declares, and PyAV and the test tools, but for the
@@ -124,4 +124,4 @@ def test_the_reference_half_without_torchvision_says_what_it_needs(frames_dir, t
     empty = tmp_path / "empty"
     empty.mkdir()
     done = _run_ref(str(empty), str(tmp_path / "ref.json"), "--ours-only")
-    assert done.returncode == 2 and "run tests/media/fixtures/make_video_frames.py" in done.stderr, done.stderr
+    assert done.returncode == 2 and "run tests/support/fixtures/make_video_frames.py" in done.stderr, done.stderr

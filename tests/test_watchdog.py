@@ -1,4 +1,4 @@
-"""tests/watchdog.py on a pytest run of its own: a test whose main thread pytest-timeout cannot reach (SIGALRM
+"""tests/support/watchdog.py on a pytest run of its own: a test whose main thread pytest-timeout cannot reach (SIGALRM
 blocked) is reported and its processes killed; one that still does not end ends the run."""
 
 import subprocess
@@ -32,7 +32,7 @@ def run_pytest(tmp_path: Path, source: str) -> tuple[subprocess.CompletedProcess
     (tmp_path / "test_it.py").write_text(source)
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 1\n")
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.watchdog",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.support.watchdog",
                            "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "QVE_WATCHDOG_GRACE_S": "2"})
@@ -70,7 +70,7 @@ def test_after_it_runs():
 
 
 def test_a_test_that_leaves_the_process_under_a_real_time_policy_fails_and_the_policy_is_put_back(tmp_path):
-    # SVT-AV1's encoder, run as root, did this (tests/videodata.py), and servers started later inherited it.
+    # SVT-AV1's encoder, run as root, did this (tests/support/videodata.py), and servers started later inherited it.
     import os
 
     import pytest

@@ -28,7 +28,7 @@ MAX_HEAD_BYTES = 65536
 # h11's cap on what it buffers (uvicorn's h11_max_incomplete_event_size): above the most the parser can
 # hold when HeaderTimeout counts, the cap plus one read. NOTE: one read can be 256 KiB (asyncio's socket
 # reads); at 2 x MAX_HEAD_BYTES a fresh-clone run on a loaded machine got one read large enough that h11
-# answered 400 before the cap's 431 (tests/api/test_protocol.py feeds such a read).
+# answered 400 before the cap's 431 (tests/unit/api/test_protocol.py feeds such a read).
 H11_MAX_INCOMPLETE_BYTES = MAX_HEAD_BYTES + 1024 * 1024
 LINGER_S = 0.5  # how long a connection refused with 431 is still read (and dropped) before it closes
 
@@ -194,7 +194,7 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
     Also makes `over_limit` the protocol's answer beyond the concurrency limit. uvicorn picks that app
     inside its head parser by the module-level name `service_unavailable` (uvicorn 0.2x-0.54), so the
     name is rebound in the protocol's module: every server of this process answers so, which is what
-    the service wants (tests/api/test_protocol.py fails if uvicorn stops looking it up there)."""
+    the service wants (tests/unit/api/test_protocol.py fails if uvicorn stops looking it up there)."""
     if base is None:
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base

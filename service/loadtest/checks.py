@@ -85,7 +85,7 @@ def replay(root: Path, item: dict):
 class Reference:
     """Float32 embeddings of an image from the service's own tower on the CPU: the same weights as the
     server (a preset's seed, or the checkpoint directory), eager arithmetic that the tests hold to
-    transformers' within 1e-5 (tests/engine/test_core.py, tests/test_server.py)."""
+    transformers' within 1e-5 (tests/unit/engine/test_core.py, tests/system/test_server.py)."""
 
     def __init__(self, model: str, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None,
                  device: str = "cpu"):

@@ -27,8 +27,8 @@ Checks. `--replay-every N` reads every Nth answered image back from the store th
 (vLLM's ECExampleConnector reads `<store root>/<key>/encoder_cache.safetensors`; here with the
 project's reader, service.store.format.read_embeddings) and checks it against the answer: shape, grid_thw,
 deepstack levels, dtype, finite values. `--verify` also compares those embeddings with float32 ones
-computed here, on the CPU, by the service's own tower on the same weights (tests/engine/test_core.py and
-tests/test_server.py hold that tower to transformers within 1e-5), as a relative L2 error.
+computed here, on the CPU, by the service's own tower on the same weights (tests/unit/engine/test_core.py and
+tests/system/test_server.py hold that tower to transformers within 1e-5), as a relative L2 error.
 
 Before any load, GET /ready must answer 200 (one clear line and exit status 2 otherwise). The run stops
 after --requests requests or --duration-s seconds, whichever comes first (requests in flight then are

@@ -67,7 +67,7 @@ class Sampler(threading.Thread):
 
 def windows(samples: list[list[float]], column: int) -> dict:
     """An early window (20-40% of the run: after warm-up) and a late one (the last 20%) of one column:
-    each one's median and max, so growth over the run can be judged (see tests/test_soak.py)."""
+    each one's median and max, so growth over the run can be judged (see tests/system/test_soak.py)."""
     if len(samples) < 5:
         return {"early_median": None, "early_max": None, "late_median": None, "late_max": None, "samples": len(samples)}
     n = len(samples)

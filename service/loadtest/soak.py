@@ -278,7 +278,7 @@ def checks(r: dict, args) -> dict[str, bool]:
     rss, fds = r["resources"]["rss_mib"], r["resources"]["fds"]
     if rss["early_median"] is not None and args.duration_s is not None:
         # A soak by time says whether memory and descriptors stay flat: the late window's median RSS within 10%
-        # of the early one's (the allocator's sawtooth, tests/test_soak.py), the late max of descriptors within 8.
+        # of the early one's (the allocator's sawtooth, tests/system/test_soak.py), the late max of descriptors within 8.
         c["RSS flat"] = rss["late_median"] <= 1.10 * rss["early_median"]
         c["fds flat"] = fds["late_max"] <= fds["early_max"] + 8
     if readers is not None:

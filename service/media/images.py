@@ -239,7 +239,7 @@ def _decode_plain_jpeg(data: bytes, size: tuple[int, int], params: PreprocessPar
     Why: PIL's decode plus its packing of RGBX into RGB bytes (Image.tobytes) cost ~1.5 ms of a 448px
     JPEG's ~2 ms in an API process, much of it holding the GIL; simplejpeg decodes straight into a numpy
     array with the same libjpeg-turbo settings as PIL (islow DCT, fancy upsampling), bit-identical on
-    the corpus in tests/media/test_images.py (4:4:4, 4:2:2, 4:2:0, baseline and progressive, real photos).
+    the corpus in tests/unit/media/test_images.py (4:4:4, 4:2:2, 4:2:0, baseline and progressive, real photos).
     Plain means (read_header): PIL's header parser calls it a JPEG (not an MPO) with YCbCr / RGB pixels
     (mode RGB) and no EXIF orientation to apply. Grayscale, CMYK, rotated and MPO files, and anything
     simplejpeg refuses (corrupt or truncated data: its strict mode errs on libjpeg's warnings), go through

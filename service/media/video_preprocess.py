@@ -52,7 +52,7 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
     NOTE: torchvision hands interpolate contiguous NCHW frames; these go in as NHWC memory (channels
     last) and come out so, without two copies: torch's uint8 kernel gives the same bytes for either
-    layout (tests/media/test_video.py checks it on real frames).
+    layout (tests/unit/media/test_video.py checks it on real frames).
     """
     import torch  # NOTE: local: only the processes that resize video import torch for it
     import torch.nn.functional as F

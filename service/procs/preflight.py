@@ -11,7 +11,7 @@ second and one line instead of a model load and a traceback:
               by others, not locked by another service
 
 Each failure is a StartupError whose message is the line the CLI prints. None of them imports torch
-(tests/procs/test_preflight.py checks it): a failed check exits in about half a second (tests/test_main.py
+(tests/unit/procs/test_preflight.py checks it): a failed check exits in about half a second (tests/unit/test_main.py
 prints it), and a supervisor starts its engine process without waiting seconds on an import it does
 not need.
 """

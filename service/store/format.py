@@ -257,7 +257,7 @@ def _encode_header(dtype_code: str, shape: tuple[int, ...], data_nbytes: int, me
 
     The one liberty: safetensors 0.8 emits the `__metadata__` entries in Rust HashMap order, which is
     randomized per call (its own output is not reproducible); we emit them in `metadata`'s order. Given
-    the same order the bytes are identical (tests/store/test_directory.py checks it), and no reader depends on it.
+    the same order the bytes are identical (tests/unit/store/test_directory.py checks it), and no reader depends on it.
     """
     for k, v in metadata.items():
         if type(k) is not str or type(v) is not str:  # safetensors raises too; json would write a number
