@@ -138,10 +138,11 @@ STALL_CYCLES = 20_000_000  # ~10 ms at the H200's ~2 GHz: far longer than the ho
 def _stalled_run(settings, model, imgs, root, fence: bool):
     from service.engine.batcher import Batcher
     from service.engine.job import EncodeJob
-    from service.engine.host import build_store
+    from service.engine.host import model_identity
+    from service.store import open_store
 
     s = settings.model_copy(update={"store": root})
-    store, batcher = build_store(s.store_options(), model), Batcher(s.batch_limits())
+    store, batcher = open_store(s.store_options(), model_identity(model)), Batcher(s.batch_limits())
     engine = _new_engine(model, s, store, batcher)
     engine.runner.pool.fence = fence
     engine.runner.test_stall_cycles = STALL_CYCLES
