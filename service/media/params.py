@@ -11,8 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class _Patches:
+    """What the patch geometry of a parameter set (its patch_size, merge_size, temporal_patch_size) gives."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+
+    @property
+    def factor(self) -> int:
+        """Sides are resized to multiples of this: a merged token's side in pixels."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one patch row: 3 channels x temporal patch x patch x patch."""
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
 @dataclass(frozen=True)
-class PreprocessParams:
+class PreprocessParams(_Patches):
     """How an image becomes patches: Qwen3-VL's preprocessor_config.json values (never Qwen2-VL's)."""
 
     min_pixels: int = 65536  # size.shortest_edge
@@ -24,14 +42,6 @@ class PreprocessParams:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
     resample: int = 3  # PIL.Image.BICUBIC
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ class VideoLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class VideoParams:
+class VideoParams(_Patches):
     """A checkpoint's video_preprocessor_config.json: every value the pipeline uses, with the defaults of
     transformers' Qwen3VLVideoProcessor (its class attributes, the same in transformers 5.17 and 5.24)."""
 
@@ -88,14 +98,6 @@ class VideoParams:
     # (None there: off, with a warning that a later version makes it the default).
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 768  # the cap's tokens a frame
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @classmethod
     def from_config(cls, raw: dict) -> VideoParams:

@@ -1,25 +1,12 @@
 """The process tree from /proc: what the process tests and the watchdog plugin (tests/support/watchdog.py) share.
-No imports beyond the standard library: the watchdog loads before every test run."""
+Nothing heavy is imported (the watchdog loads before every test run): `descendants` is the soak's own walk of
+the tree (service/loadtest/resources.py, the standard library alone)."""
 
-import os
 from pathlib import Path
 
+from service.loadtest.resources import descendants
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
+__all__ = ["alive", "descendants", "state"]
 
 
 def state(pid: int) -> str | None:
