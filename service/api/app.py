@@ -117,11 +117,13 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                 inputs = await parse_inputs(rt, request)
                 phases.mark("parse")
                 answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
-                status = 200 if answers is not None else 499
                 if answers is None:  # client gone: nobody to answer
+                    status = 499
                     return PlainTextResponse("client disconnected", status_code=499)
+                answer = EncodeResponse(items=[_item(a) for a in answers])
                 response.headers["Server-Timing"] = phases.header()
-                return EncodeResponse(items=[_item(a) for a in answers])
+                status = 200  # (only now: an answer that fails while it is built is a 500, and counted as one)
+                return answer
             except ServiceError as e:
                 status = http_status(e)
                 if isinstance(e, Overloaded):

@@ -66,7 +66,8 @@ def error_response(err: ServiceError) -> Response:
 
 def install_error_handlers(app) -> None:
     """Every error `app` (a FastAPI app of this project) answers in the one error shape: its ServiceErrors,
-    and routing's own (404, 405, ...) instead of FastAPI's {"detail": ...}."""
+    routing's own (404, 405, ...) instead of FastAPI's {"detail": ...}, and anything else (a bug) as 500
+    `internal_error` instead of starlette's plain-text 500."""
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         if err.status_code == 404:
@@ -83,6 +84,13 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request, err: ServiceError):
         return error_response(err)
+
+    # NOTE: starlette runs an `Exception` handler in its outermost middleware and raises the error again after
+    # the answer is sent, so uvicorn still logs its traceback: the log has the bug, the client the JSON shape.
+    @app.exception_handler(Exception)
+    async def _unexpected(request, err: Exception):
+        return error_response(errors.BackendError("the server failed unexpectedly (a bug): its log has the error; "
+                                                  "retry, and report it if it persists", code="internal_error"))
 
 
 class BodyLimit:

@@ -162,7 +162,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         try:
             import av  # noqa: F401
         except ImportError:
-            p.error("videos need PyAV (pip install av, or the project's `video` extra)")
+            p.error("videos need PyAV, a dependency of this project: reinstall it (make install-serve, or pip install -e .)")
 
 
 def main(argv: list[str] | None = None) -> int:

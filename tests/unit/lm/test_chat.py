@@ -276,7 +276,7 @@ def test_chat_with_a_video_from_the_store_equals_monolithic_generation(tmp_path,
     video_grid_thw, its prompt expanded by Qwen3VLProcessor's own code: so the prompt (timestamps, one
     vision block per temporal group), the rotary positions (get_rope_index's video split) and the deepstack
     rows at the video positions all agree."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     blob = vd.clip(codec, container)
     video = video_inputs(blob)
     images = [data.photo("chelsea.png", max_side=400)] if with_image else []
@@ -320,7 +320,7 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
     processing_qwen3_vl.py (replace_video_token; transformers 5.0 to 5.24 replace the bare `<|video_pad|>`,
     so the template's vision markers stay around the whole video; 5.25 on replace the three, as Qwen3-VL's
     own processor did: the consumer asks the installed one, processor_drops_video_wrapper)."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     video = video_inputs(vd.clip())  # 24 frames at 8 fps: indices [0, 5, 9, 14, 18, 23], 3 temporal groups
     assert video.frames_indices == [0, 5, 9, 14, 18, 23] and video.grid_thw == (3, 8, 12)
     root = tmp_path / "store"
@@ -347,7 +347,7 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
 def test_a_video_entry_that_does_not_fit_is_a_502_not_a_wrong_prompt(tmp_path, tiny_checkpoint, lm):
     """An encoder that answers a video part as an image (no video support yet), and a video entry whose
     timestamps do not match its temporal groups, are refused before any prompt is built."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     blob = vd.clip()
     video = video_inputs(blob)
     root = tmp_path / "store"

@@ -811,7 +811,7 @@ class _VideoEncoder(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def video_stub():
-    pytest.importorskip("av", reason="PyAV makes and reads the clips (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV makes and reads the clips (a base dependency)")
     handler = type("Handler", (_VideoEncoder,), {"bodies": []})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
