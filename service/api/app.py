@@ -115,6 +115,9 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                 authorize(request)
                 await rt.require_ready()  # before the body is read (or any URL fetched)
                 inputs = await parse_inputs(rt, request)
+                if inputs is None:  # client gone while a URL was fetched
+                    status = 499
+                    return PlainTextResponse("client disconnected", status_code=499)
                 phases.mark("parse")
                 answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
                 if answers is None:  # client gone: nobody to answer

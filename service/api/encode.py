@@ -291,7 +291,7 @@ def _named(inp: Input, i: int, p: ServiceError) -> ServiceError:
     return at_index(p, i)
 
 
-async def _watch(client_gone: ClientGone, first_after_s: float = 0.0) -> None:
+async def watch_client(client_gone: ClientGone, first_after_s: float = 0.0) -> None:
     """Returns once the client has gone (polled every 50 ms, the first time after `first_after_s`)."""
     await asyncio.sleep(first_after_s)
     while not await client_gone():
@@ -324,7 +324,7 @@ async def _done_or_disconnect(client_gone: ClientGone, tasks: list[asyncio.Task]
     if not pending:
         return True
     # The first poll after 50 ms: a decode done by then (most are) costs no check of the connection.
-    watcher = asyncio.create_task(_watch(client_gone, first_after_s=0.05))
+    watcher = asyncio.create_task(watch_client(client_gone, first_after_s=0.05))
     try:
         while pending:
             done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -342,7 +342,7 @@ async def _done_or_disconnect(client_gone: ClientGone, tasks: list[asyncio.Task]
 async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Future]) -> bool:
     """Wait for all futures; False if the client went away first."""
     gathered = asyncio.gather(*futures)
-    watcher = asyncio.create_task(_watch(client_gone))
+    watcher = asyncio.create_task(watch_client(client_gone))
     try:
         done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -37,14 +37,19 @@ def server_options(settings: Settings) -> dict:
 class Server(uvicorn.Server):
     """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
     ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first).
-    `on_stopped` runs once the graceful shutdown is done. NOTE: not after `run()`: uvicorn raises the
-    signal that stopped it again when `serve` ends, and the process dies of it there."""
+    `on_stopping` runs as the graceful shutdown begins, before it waits for open requests: what must not
+    hold the drain ends there (the encoder's URL fetches). `on_stopped` runs once the graceful shutdown is
+    done. NOTE: not after `run()`: uvicorn raises the signal that stopped it again when `serve` ends, and
+    the process dies of it there."""
 
-    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None):
+    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None,
+                 on_stopping: Callable[[], None] | None = None):
         super().__init__(config)
-        self.ignore_sigint, self.on_stopped = ignore_sigint, on_stopped
+        self.ignore_sigint, self.on_stopped, self.on_stopping = ignore_sigint, on_stopped, on_stopping
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_stopping is not None:
+            self.on_stopping()
         await super().shutdown(sockets=sockets)
         if self.on_stopped is not None:
             self.on_stopped()
