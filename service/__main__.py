@@ -257,7 +257,6 @@ def _main(argv: list[str] | None) -> int:
               "one and runs the whole pipeline on it", file=sys.stderr)
         return 2
     if command == "consume" and str(args["store"]).startswith("mooncake://"):
-        from service.errors import StartupError
         from service.procs.preflight import check_mooncake
 
         try:
@@ -271,15 +270,23 @@ def _main(argv: list[str] | None) -> int:
         if (code := _lm_tracing(command, args.pop("otlp_endpoint"))) is not None:
             return code
         keys = _lm_keys(args, list(LM_KEY_ENV) if command == "route" else ["api_key", "encoder_api_key"])
-        host, port = args.pop("host"), args.pop("port")
+        from service.procs.preflight import bind
+
+        try:
+            # The port before the LM loads and before torch is imported (seconds), as `serve` binds it: a port
+            # in use costs one line, and clients that connect during the load wait in the backlog.
+            sock = bind(args.pop("host"), args.pop("port"))
+        except StartupError as e:
+            print(f"cannot start: {e}", file=sys.stderr)
+            return 2
         if command == "route":
             from service.lm.router import RouterConfig, serve as serve_router
 
-            return serve_router(RouterConfig(**args, **keys), host, port, log_level)
+            return serve_router(RouterConfig(**args, **keys), sock, log_level)
         from service.lm.chat.app import serve
         from service.lm.chat.config import ChatConfig
 
-        return serve(ChatConfig(**args, **keys), host, port, log_level)
+        return serve(ChatConfig(**args, **keys), sock, log_level)
     return _serve(args)
 
 

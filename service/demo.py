@@ -22,9 +22,8 @@ from pathlib import Path
 
 from service.quickstart import EXAMPLE_IMAGE
 
-# What each server says once it listens (port 0: the port it got): the encoder's own line, uvicorn's.
-_LISTENING = {"encoder": re.compile(r"listening on (http://[\d.]+:\d+)"),
-              "consumer": re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")}
+# What each server says once its socket is bound (port 0: the port it got), before its model loads.
+_LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
 class _Server:
@@ -44,7 +43,7 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the {self.name} exited (status {self.proc.returncode}):\n{self._tail()}")
-            if self.url is None and (m := _LISTENING[self.name].search(self.log.read_text())):
+            if self.url is None and (m := _LISTENING.search(self.log.read_text())):
                 self.url = m[1]
             if self.url is not None:
                 with contextlib.suppress(httpx.TransportError):

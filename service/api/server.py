@@ -1,7 +1,8 @@
 """uvicorn serving this app (a single-process service, or each API process): its options, a server that
 says in one line which signal stops it, and what every server of this project (the encoder, the LM
-consumer, the router) shares: the HTTP answer to a ServiceError (`error_response`), the request-body
-limit (`BodyLimit`) and the bearer-key check (`bearer_auth`)."""
+consumer, the router) shares: the HTTP answer to a ServiceError (`error_response`) and to any other error
+(`install_error_handlers`), the request-body limit (`BodyLimit`), the bearer-key check (`bearer_auth`),
+and serving on a socket the CLI bound first (`serve_app`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
 from collections.abc import Callable, Iterable
 
 import uvicorn
@@ -61,6 +63,19 @@ class Server(uvicorn.Server):
             log.info("%s: stopping; open requests finish first%s", signal.Signals(sig).name,
                      " (Ctrl-C again to stop at once)" if sig == signal.SIGINT else "")
         super().handle_exit(sig, frame)
+
+
+def bound_url(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket (the port the kernel gave a --port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def serve_app(app, sock: socket.socket, log_level: str) -> int:
+    """Serve `app` (the LM consumer's, the router's) on `sock`, bound by the CLI before anything loaded, with
+    the one-line signal log of `Server`."""
+    Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    return 0
 
 
 def error_response(err: ServiceError) -> Response:

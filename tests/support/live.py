@@ -214,10 +214,9 @@ def app_server(app, log_level: str = "warning"):
 
 
 # The line each server command logs once its socket is bound, with the port the kernel gave it:
-# `serve` in one process ("listening on http://HOST:PORT; ..."), its supervisor ("supervisor PID:
-# http://HOST:PORT, ..."), `consume` and `route` (uvicorn's "Uvicorn running on http://HOST:PORT (...)",
-# which names the bound port since uvicorn 0.21; the project needs >= 0.29).
-BOUND = re.compile(r"(?:listening on|supervisor \d+:|Uvicorn running on) http://([^\s:/]+):(\d+)")
+# `serve` in one process, `consume` and `route` ("listening on http://HOST:PORT..."), a supervisor
+# ("supervisor PID: http://HOST:PORT, ...").
+BOUND = re.compile(r"(?:listening on|supervisor \d+:) http://([^\s:/]+):(\d+)")
 
 
 def reported_url(log: Path) -> str | None:

@@ -180,15 +180,23 @@ def test_consume_and_route_take_limits_from_flags_and_keys_from_flags_or_variabl
 
     (tmp_path / "config.json").write_text("{}")  # (the CLI checks only that it is there before it imports)
     built = []
-    monkeypatch.setattr(chat_app, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
-    monkeypatch.setattr(router, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
+
+    def served(cfg, sock, log_level) -> int:  # (the CLI bound the port before it built the config)
+        assert sock.getsockname()[1] > 0
+        sock.close()
+        built.append(cfg)
+        return 0
+
+    monkeypatch.setattr(chat_app, "serve", served)
+    monkeypatch.setattr(router, "serve", served)
     monkeypatch.setenv("QVE_API_KEY", "env-a, env-b")
     monkeypatch.setenv("QVE_ENCODER_API_KEY", "env-enc")
     monkeypatch.setenv("QVE_VLLM_API_KEY", "env-vllm")
     assert main(["consume", "--model", str(tmp_path), "--max-request-bytes", "1.5MB", "--max-prompt-tokens", "100",
-                 "--max-waiting", "2", "--request-timeout-s", "9.5"]) == 0
-    assert main(["consume", "--model", str(tmp_path), "--api-key", "flag-key", "--encoder-api-key", "flag-enc"]) == 0
-    assert main(["route", "--max-tokens-limit", "64", "--max-request-bytes", "2MiB"]) == 0
+                 "--max-waiting", "2", "--request-timeout-s", "9.5", "--port", "0"]) == 0
+    assert main(["consume", "--model", str(tmp_path), "--api-key", "flag-key", "--encoder-api-key", "flag-enc",
+                 "--port", "0"]) == 0
+    assert main(["route", "--max-tokens-limit", "64", "--max-request-bytes", "2MiB", "--port", "0"]) == 0
     env_cfg, flag_cfg, route_cfg = built
     assert (env_cfg.max_request_bytes, env_cfg.max_prompt_tokens, env_cfg.max_waiting, env_cfg.request_timeout_s) == (
         1_500_000, 100, 2, 9.5)
@@ -271,6 +279,19 @@ def test_port_in_use_fails_before_the_model_loads(tmp_path, listener):
                        "listening there; stop it or choose another --port", torch_imported=False)
     assert not (tmp_path / "store").exists()  # checked after the port: nothing was created
     print(f"port in use: exit 2 after {took:.1f} s")
+
+
+@pytest.mark.parametrize("command", ["consume", "route"])
+def test_consume_and_route_find_their_port_in_use_before_loading_anything(tmp_path, listener, command):
+    """They loaded the LM (consume) or imported torch (route) first, then printed uvicorn's raw error."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")  # (not a loadable model: nothing may try to load it)
+    extra = ["--model", str(ckpt), "--store", str(tmp_path / "store")] if command == "consume" else []
+    r, took = run_cli(command, *extra, "--port", str(listener))
+    assert_failed_fast(r, f"cannot listen on 127.0.0.1:{listener}: Address already in use: another process is "
+                       "listening there; stop it or choose another --port", torch_imported=False)
+    print(f"{command}, port in use: exit 2 after {took:.1f} s")
 
 
 def test_missing_model_fails_before_anything_heavy_is_imported(tmp_path):

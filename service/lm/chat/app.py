@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from service import tracing
 from service.api.schemas import ImagePart, VideoPart
-from service.api.server import BodyLimit, bearer_auth, install_error_handlers
+from service.api.server import BodyLimit, bearer_auth, bound_url, install_error_handlers, serve_app
 from service.errors import GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.model import LanguageModel
@@ -348,13 +349,13 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
     return app
 
 
-def serve(cfg: ChatConfig, host: str, port: int, log_level: str = "info") -> int:
-    import uvicorn
-
+def serve(cfg: ChatConfig, sock: socket.socket, log_level: str = "info") -> int:
+    """`consume`: load the LM, then serve on `sock` (bound by the CLI first: a port in use fails at once)."""
+    log.info("listening on %s; loading the language model from %s (requests wait until it is loaded)",
+             bound_url(sock), cfg.model)
     try:
         lm = LanguageModel(cfg)
     except ModelLoadError as e:
         print(f"cannot load the language model: {e}", flush=True)
         return 2
-    uvicorn.run(create_chat_app(cfg, lm), host=host, port=port, log_level=log_level)
-    return 0
+    return serve_app(create_chat_app(cfg, lm), sock, log_level)
