@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "mooncake://MASTER_HOST:RPC_PORT (the encoder's pool)")
     consume.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
                          help="with a mooncake:// store: the address the pool's hosts reach this one at")
+    consume.add_argument("--encoder-model", default="auto", metavar="ID",
+                         help="the encoder model whose embeddings this LM reads, as the encoder's /ready names it "
+                         "(`model`); a store entry of any other is refused (502 embeddings_mismatch). auto: the vision "
+                         "tower of --model itself, as `serve --model` names it; any: no check (a tower that is not "
+                         "the checkpoint's own, named wrongly, answers garbage)")
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                          help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")

@@ -643,3 +643,35 @@ def test_a_message_the_chat_template_refuses_is_a_400(lm, monkeypatch):
     monkeypatch.setattr(lm.tokenizer, "chat_template", strict + lm.tokenizer.chat_template)
     r = _run(create_chat_app(_config(), lm), TEXT)
     assert r.status_code == 400 and "the first message must be system" in r.json()["error"]["message"], r.text
+
+
+# ---- whose embeddings: the encoder's model against the LM's checkpoint ---------------------------------
+@pytest.mark.slow  # a real consumer process
+def test_entries_of_another_tower_are_refused_and_random_weights_are_warned_at_start(tmp_path, tiny_checkpoint):
+    """An encoder on a random preset behind a consumer of a real checkpoint gave garbage answers with matching
+    shapes (the tiny preset is the tiny checkpoint's architecture). The consumer warns at start that its
+    encoder serves random weights of another model, and refuses its entries naming both models."""
+    from service.config import Settings
+    from service.engine.loader import checkpoint_model_id, load_model
+    from tests.support.live import live_server
+
+    settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", decode_workers=1, max_wait_ms=20)
+    with live_server(settings, load_model(settings)) as (url, app):
+        ready = httpx.get(url + "/ready").json()
+        assert ready["random_weights"] is True and ready["model"] == "preset:tiny:seed0"
+        consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", url, "--store",
+                                   str(tmp_path / "store")], tmp_path / "lm.log")
+        try:
+            ours = checkpoint_model_id(tiny_checkpoint)
+            log = consumer.log.read_text()
+            assert f"the encoder at {url} serves preset:tiny:seed0 with RANDOM weights" in log, log
+            assert f"not the vision tower this language model reads ({ours})" in log, log
+            r = httpx.post(consumer.url + "/v1/chat/completions", timeout=120, json={
+                "messages": _messages([data.photo("astronaut.png", max_side=200)], "describe the image"), "max_tokens": 2})
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["code"] == "embeddings_mismatch" and "preset:tiny:seed0" in err["message"], err
+            assert ours in err["message"] and "--encoder-model" in err["message"], err
+        finally:
+            assert consumer.stop()
+
