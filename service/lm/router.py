@@ -136,7 +136,7 @@ def _of(test: Callable[[object], bool], what: str):
     return lambda v, cfg: None if test(v) else what
 
 
-_BOOL = _of(lambda v: isinstance(v, bool), "true or false")
+_BOOL = _of(lambda v: v is None or isinstance(v, bool), "true, false or null")  # vLLM's `bool | None` fields
 _NUMBER = _of(_number, "a number")
 _INTEGER = _of(_integer, "an integer")
 _OBJECT = _of(lambda v: isinstance(v, dict), "an object")

@@ -675,3 +675,23 @@ def test_entries_of_another_tower_are_refused_and_random_weights_are_warned_at_s
         finally:
             assert consumer.stop()
 
+
+def test_return_token_ids_is_true_false_or_null_and_nothing_else(lm, tmp_path):
+    """`null` was a 400 while "yes" and 1 were taken as true (pydantic's lax booleans); vLLM's field is a
+    bool or null, and so is ours: null is false."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+    with app_server(app) as url:
+        def post(value) -> httpx.Response:
+            return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "describe the image"}], "max_tokens": 2, "return_token_ids": value})
+
+        for value in (None, False):
+            r = post(value)
+            assert r.status_code == 200, (value, r.text)
+            assert "prompt_token_ids" not in r.json() and "token_ids" not in r.json()["choices"][0], value
+        r = post(True)
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] and r.json()["choices"][0]["token_ids"], r.text
+        for value in ("yes", "true", 1, 0, "false"):
+            r = post(value)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (value, r.text)
+            assert "return_token_ids" in r.json()["error"]["message"] and "boolean" in r.json()["error"]["message"]
