@@ -69,9 +69,25 @@ def _metric(text: str, sample: str) -> float:
     return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " ")), 0.0)
 
 
+class _Stopped(SystemExit):
+    """SIGTERM or SIGHUP: the demo's own clean-up runs (its servers stopped, its folder removed), then it exits
+    as the signal would have ended it."""
+
+
+def _stop_on_signal(signum: int, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # (a second signal must not cut the clean-up short)
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(128 + signum)
+
+
 def demo(workdir: Path | None = None, keep: bool = False, timeout_s: float = 300.0,
          question: str = "describe the image", max_tokens: int = 12) -> int:
-    """Exit status: 0 answered, 1 a step failed (its message and the server's last log lines printed)."""
+    """Exit status: 0 answered, 1 a step failed (its message and the server's last log lines printed); stopped
+    by SIGTERM or SIGHUP, 128 + the signal, after the same clean-up as any other end."""
+    # NOTE: a signal's default action would end the process here without its `finally`: the servers (each in
+    # a session of its own, so that a terminal's Ctrl-C is the demo's to handle) and the folder would stay.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
     import httpx
 
     from transformers.utils import logging as hf_logging
