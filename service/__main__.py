@@ -156,12 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from service.quickstart import EXAMPLE_IMAGE
 
-    try_ = sub.add_parser("try", help="post an image to a running server; print the answer and where the "
-                          "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    try_ = sub.add_parser("try", help="post an image or a video to a running server; print the answer and where "
+                          "the embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
                       "QVE_PORT describe, as `serve` reads them")
-    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
-                      help="the image to post (JPEG, PNG, WebP, ...)")
+    media = try_.add_mutually_exclusive_group()
+    media.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
+                       help="the image to post (JPEG, PNG, WebP, ...); a file whose bytes are a video container's "
+                       "(MP4, MOV, WebM, MKV, AVI) is posted as a video")
+    media.add_argument("--video", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                       help="the video to post (any container and codec the server decodes) (default: none)")
     try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
                       help="how long to wait for a server still starting")
 

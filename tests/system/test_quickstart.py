@@ -39,6 +39,23 @@ def test_try_names_a_missing_image(tmp_path):
     assert r.stderr.splitlines() == [f"error: cannot read {tmp_path / 'dog.jpg'}: No such file or directory"]
 
 
+@pytest.mark.parametrize("flag", ["--video", "--image"], ids=["--video", "a video given as --image"])
+def test_try_posts_a_video(tiny_server, tmp_path, flag):
+    """`try` took images only: a newcomer's clip could not be tried. `--video FILE` posts it as a video_url
+    part, and so does `--image` with a file whose bytes are a video container's."""
+    from tests.support import videodata
+
+    server, store = tiny_server
+    clip = tmp_path / "clip.bin"  # (no suffix to go by: the bytes say what it is)
+    clip.write_bytes(videodata.clip(frames=8, fps=4, width=64, height=48))
+    r = subprocess.run([sys.executable, "-m", "service", "try", "--url", server.url, flag, str(clip)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    fields = parse_try(r.stdout)
+    assert fields["modality"] == "video" and re.fullmatch(r"\d+ frames sampled, at \d+(\.\d+)? fps", fields["frames"]), fields
+    assert read_embeddings(store, fields["key"]).modality == "video"
+
+
 # ---- the README --------------------------------------------------------------------------------------
 def readme_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
