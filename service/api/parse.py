@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from service.api.encode import ClientGone, Input, watch_client
 from service.api.runtime import Runtime
-from service.api.schemas import EncodeRequest, VideoPart
+from service.api.schemas import EncodeRequest, VideoPart, describe_invalid
 from service.errors import at_index, ImageError, RequestError, ServiceError, Unavailable, VideoError
 
 
@@ -79,15 +79,16 @@ def _base64_fault(payload: str) -> str:
     return "'=' padding before its end"
 
 
-def _url_host(url: str, index: int) -> tuple[str, int]:
+def _url_host(url: str, index: int, video: bool = False) -> tuple[str, int]:
     """(host, port) of an http(s) URL, or `bad_request` for one that does not parse."""
+    field = "video_url" if video else "image_url"
     try:
         parts = urlsplit(url)
         host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
-        raise RequestError(f"images[{index}].image_url.url is not a valid URL: {e}") from None
+        raise RequestError(f"images[{index}].{field}.url is not a valid URL: {e}") from None
     if not host or any(c.isspace() or ord(c) < 32 for c in url):
-        raise RequestError(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
+        raise RequestError(f"images[{index}].{field}.url is not a valid URL (no host, or whitespace or control "
                          "characters in it)")
     return host, port
 
@@ -128,7 +129,7 @@ class _Budget:
 async def _fetch_url(rt: Runtime, url: str, index: int, video: bool, budget: _Budget,
                      client_gone: ClientGone) -> bytes | None:
     """The URL's bytes, within its bounds (the module's docstring); None if the client left meanwhile."""
-    host, port = _url_host(url, index)
+    host, port = _url_host(url, index, video)
     if host not in rt.settings.allowed_url_hosts:
         raise at_index(ImageError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
                                        f"the host to --allowed-url-hosts", code="image_fetch_failed"), index)
@@ -206,9 +207,10 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
             video = name == "video"
             limit = s.video_max_bytes if video else s.max_image_bytes
             data = await f.read(limit + 1)
+            where = f"{name} part {i}"  # (by its field and its place among the file parts: `index`)
             if len(data) > limit:
-                raise _too_large(video, f"images[{i}] is over the limit of {limit} bytes", i)
-            inputs.append(Input(data, uuids[i] if uuids else None, video=video))
+                raise _too_large(video, f"{where} is over the limit of {limit} bytes", i)
+            inputs.append(Input(data, uuids[i] if uuids else None, video=video, name=where))
         return inputs
     if ctype not in ("application/json", ""):
         raise RequestError(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
@@ -216,9 +218,7 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+        raise RequestError(describe_invalid(e)) from None
     if len(req.images) > s.max_images_per_request:
         raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
     inputs = []

@@ -21,7 +21,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from service import tracing
-from service.api.schemas import ImagePart, VideoPart
+from service.api.schemas import ImagePart, VideoPart, describe_invalid
 from service.api.server import BodyLimit, bearer_auth, bound_url, install_error_handlers, serve_app
 from service.engine.loader import checkpoint_model_id, same_tower
 from service.errors import GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
@@ -329,9 +329,7 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
         try:
             req = ChatRequest.model_validate_json(body)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise RequestError(f"invalid request body at '{where}': {first['msg']}") from None
+            raise RequestError(describe_invalid(e)) from None
         with chat.admission():
             try:
                 return await chat.answer(req, request.is_disconnected)

@@ -104,3 +104,34 @@ def test_a_fetch_stops_when_its_client_leaves(tmp_path, tiny_model):
             wait_for(lambda: drip.cut == 1 and drip.active == 0, timeout=10, what="the fetch to be cut off")
             wait_for(lambda: metric(httpx.get(url + "/metrics").text, "qve_requests_total", 'status="499"') == 1,
                      timeout=10, what="the request counted as 499")
+
+
+# ---- what an error calls a part -----------------------------------------------------------------------
+def test_errors_name_a_part_as_the_request_does(tmp_path, tiny_model):
+    """A part missing its image_url object was reported at 'images.0.image_url.image_url' (pydantic's path,
+    its union tag included); a multipart video part was called images[0]."""
+    png = data_png()
+    with live_server(_url_settings(tmp_path), tiny_model) as (url, app):
+        def message(**kw) -> str:
+            r = httpx.post(url + "/encode", timeout=30, **kw)
+            assert 400 <= r.status_code < 500, r.text
+            return r.json()["error"]["message"]
+
+        said = message(json={"images": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "image_url"}]})
+        assert said.startswith("invalid request body at 'images[1].image_url': Field required"), said
+        said = message(json={"images": [{"type": "video_url", "video_url": {}}]})
+        assert said.startswith("invalid request body at 'images[0].video_url.url': Field required"), said
+        said = message(files=[("image", ("a.png", png, "image/png")), ("video", ("b.mp4", b"not a video", "video/mp4"))])
+        assert said.startswith("video part 1: "), said
+        said = message(files=[("video", ("b.mp4", b"", "video/mp4"))])
+        assert said.startswith("video part 0 is empty"), said
+        said = message(files=[("image", ("a.png", b"not an image", "image/png"))])
+        assert said.startswith("image part 0: "), said
+        said = message(json={"images": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]})
+        assert said.startswith("images[0]: "), said  # (JSON: the part's path in the body)
+
+
+def data_png() -> bytes:
+    from tests.support import imagedata
+
+    return imagedata.encode(imagedata.textured_rgb(64, 48, seed=3), "PNG")

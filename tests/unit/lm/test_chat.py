@@ -695,3 +695,12 @@ def test_return_token_ids_is_true_false_or_null_and_nothing_else(lm, tmp_path):
             r = post(value)
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (value, r.text)
             assert "return_token_ids" in r.json()["error"]["message"] and "boolean" in r.json()["error"]["message"]
+
+
+def test_a_body_that_does_not_validate_is_named_where_a_client_wrote_it(lm, tmp_path):
+    """pydantic's path said 'messages.0.content.str' (the first of the union's members it tried)."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+    r = _run(app, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("invalid request body at 'messages[0].content[0].image_url': "
+                                                   "Field required"), r.text
