@@ -22,6 +22,7 @@ from pathlib import Path
 
 from service.quickstart import EXAMPLE_IMAGE
 
+CHECKPOINT = "tiny-qwen3vl"  # the checkpoint's folder in the work directory (`demo --workdir DIR` keeps it)
 # What each server says once its socket is bound (port 0: the port it got), before its model loads.
 _LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
@@ -98,7 +99,7 @@ def demo(workdir: Path | None = None, keep: bool = False, timeout_s: float = 300
     t0 = time.monotonic()
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="qve-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt, store = work / "tiny-qwen3vl", work / "store"
+    ckpt, store = work / CHECKPOINT, work / "store"
     servers: list[_Server] = []
 
     def say(text: str) -> None:

@@ -118,6 +118,19 @@ def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
     assert re.search(r"--host HOST\s+bind address .*\s+\(default: 127.0.0.1\)", consume)
 
 
+@pytest.mark.parametrize("name", ["consume", "route", "demo"])
+def test_the_lm_side_and_demo_say_what_they_do_and_group_their_flags(name):
+    """Their --help had no description and one flat list of flags."""
+    command = build_parser()._subparsers._group_actions[0].choices[name]
+    assert command.description and len(command.description) > 60, command.description
+    groups = {g.title: [a for a in g._group_actions if a.dest != "help"] for g in command._action_groups}
+    named = {title: actions for title, actions in groups.items() if title not in ("positional arguments", "options")}
+    assert len(named) >= 2 and all(named.values()), list(groups)
+    assert [a.dest for a in groups.get("options", [])] == []  # every flag but --help is in a named group
+    text = command.format_help()
+    assert all(f"\n{title}:\n" in text for title in named), text
+
+
 def test_loadtest_and_soak_hand_their_arguments_to_their_own_parsers(capsys):
     from service.loadtest import cli, soak
 
@@ -512,3 +525,13 @@ def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_firs
     assert group_left(proc.pid) == []
     assert answers[-1]["status"] == 200
     assert all(a["status"] == 503 and a["phase"] in ("loading", "warming") for a in answers[:-1]), answers
+
+
+def test_no_help_carries_benchmark_figures():
+    """`--fp8-gemms`'s help quoted a run (a GPU, a date, 1.08x): figures go in bench/RESULTS.md, where they
+    have their baseline; a flag's help says what it does and why."""
+    figures = re.compile(r"img/s|clips/s|\bH[12]00\b|\b\d+(\.\d+)?x\b|\b20\d\d-\d\d-\d\d\b")
+    commands = build_parser()._subparsers._group_actions[0].choices
+    found = [(name, a.option_strings, a.help) for name, command in commands.items() for a in command._actions
+             if a.help and figures.search(a.help)]
+    assert found == []
