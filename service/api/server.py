@@ -36,8 +36,42 @@ def server_options(settings: Settings) -> dict:
             "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_BYTES}  # (protocol.py's cap answers first)
 
 
+# Paths that probes and start-up waits poll (`try`, the load test, orchestrators' readiness and liveness
+# probes): their access-log line is written only when its status changes (ProbeLogFilter).
+PROBE_PATHS = ("/health", "/ready")
+
+
+class ProbeLogFilter(logging.Filter):
+    """Drops uvicorn's access-log line of a probe whose status is the one last logged for its path: a wait
+    polling /ready twice a second wrote ~30 lines while a server started, and a liveness probe writes one
+    every few seconds for ever. The first answer, and every change (starting to ready, ready to failing), stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client, method, path with its query, HTTP version, status)
+        if not (isinstance(args, tuple) and len(args) == 5 and args[1] in ("GET", "HEAD")):
+            return True
+        path, status = str(args[2]).split("?", 1)[0], args[4]
+        if path not in PROBE_PATHS:
+            return True
+        last, self._last[path] = self._last.get(path), status
+        return last != status
+
+
+def quiet_probes() -> None:
+    """ProbeLogFilter on uvicorn's access log, once per process (uvicorn.Config has configured its logging)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeLogFilter) for f in access.filters):
+        access.addFilter(ProbeLogFilter())
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
+    """uvicorn's server, saying in one line which signal stops it, with probes' access lines quieted
+    (ProbeLogFilter). With `ignore_sigint` a SIGINT is
     ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first).
     `on_stopping` runs as the graceful shutdown begins, before it waits for open requests: what must not
     hold the drain ends there (the encoder's URL fetches). `on_stopped` runs once the graceful shutdown is
@@ -47,6 +81,7 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None,
                  on_stopping: Callable[[], None] | None = None):
         super().__init__(config)
+        quiet_probes()
         self.ignore_sigint, self.on_stopped, self.on_stopping = ignore_sigint, on_stopped, on_stopping
 
     async def shutdown(self, sockets=None) -> None:
