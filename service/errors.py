@@ -135,8 +135,9 @@ class VideoError(MediaError):
         "corrupt_video": Code(422, "a video whose frames do not decode"),
         "truncated_video": Code(422, "a file cut short (its container's sizes run past its end), or fewer frames "
                                      "decode than its header promised for the sampled ones"),
-        "video_too_large": Code(413, "encoded bytes, frame size or the sampled clip's pixels over a limit"),
-        "video_too_long": Code(413, "duration, frame count or decode time over a limit"),
+        "video_too_large": Code(413, "encoded bytes, a frame's size, or the sampled clip's pixels or resized bytes (a "
+                                     "request's, a process's) over a limit"),
+        "video_too_long": Code(413, "duration, frame count, or decode time (wall or CPU) over a limit"),
     }
 
 

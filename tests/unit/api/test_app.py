@@ -741,6 +741,34 @@ def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_eq
         assert as_image.status_code == 422 and as_image.json()["error"]["code"] == "not_an_image"
 
 
+def test_videos_over_the_request_or_process_byte_budget_are_413_naming_the_limit_and_its_flag(tmp_path, tiny_model):
+    """The budgets count each video's resized frames (VideoPlan.nbytes) from its header, before any frame is
+    decoded: this clip resizes to 6 frames of 192x128, 442,368 bytes."""
+    from service.media.params import VideoParams
+    from service.media.video import read_header
+    from service.media.video_preprocess import plan_video
+    from tests.support import videodata as vd
+
+    clip, other = vd.clip(), vd.clip(frames=25)  # (other bytes, the same sampling and size)
+    nbytes = plan_video(read_header(clip, Settings().video_limits), VideoParams()).nbytes
+    assert nbytes == 6 * 128 * 192 * 3 == plan_video(read_header(other, Settings().video_limits), VideoParams()).nbytes
+    settings = _settings(tmp_path, video_max_request_bytes=nbytes * 3 // 2)
+    with live_server(settings, tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [_video_part(clip), _video_part(clip)]}, timeout=60)
+        assert r.status_code == 200, r.text  # one key twice: decoded once, counted once
+        r = httpx.post(url + "/encode", json={"images": [json_body(_png(1))["images"][0], _video_part(clip),
+                                                         _video_part(other)]}, timeout=60)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["index"]) == (413, "video_too_large", 2), r.text
+        assert f"{2 * nbytes} bytes once resized; the limit is {nbytes * 3 // 2} a request (--video-max-request-bytes)" in err["message"]
+    with live_server(_settings(tmp_path / "b", video_max_process_bytes=nbytes - 1), tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [_video_part(clip)]}, timeout=60)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["index"]) == (413, "video_too_large", 0), r.text
+        assert f"is {nbytes} bytes once resized (6 frames of 192x128); the limit is {nbytes - 1}" in err["message"]
+        assert "--video-max-process-bytes" in err["message"]
+
+
 def test_a_rotated_video_is_encoded_upright(tmp_path, tiny_model):
     """A display matrix of 90 degrees (a phone held upright): the grid is the upright clip's, as vLLM's loader
     makes it (tests/unit/lm/test_vllm_connector_video.py), not the stored frames' [3, 8, 12]."""
