@@ -125,14 +125,15 @@ def _named_device(d: str) -> bool:
     return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), or all of them where that cannot be read."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def default_api_processes() -> int:
     """A quarter of the cores this process may use, 1-8: on an H200 host with 16 cores 4 API processes
     served more than 8 (554 against 507 img/s over HTTP), the rest of the cores going to their decode threads, the engine and the store writers."""
-    return max(1, min(8, _usable_cores() // 4))
+    return max(1, min(8, usable_cores() // 4))
 
 
 # ---- sizes: `4GiB`, `512MiB`, `1.5GB` or plain bytes, for every byte-count setting ---------------------
@@ -289,9 +290,20 @@ class Settings(BaseSettings):
     video_max_frames: int = Field(_VIDEO.max_frames, gt=0, description="most frames a video's stream may have by its header "
                                   "(what a decode walks through); more is a 413, before any frame is decoded")
     video_max_frame_pixels: int = Field(_VIDEO.max_frame_pixels, gt=0, description="largest width x height of a video's frames by "
-                                        "its header; larger is a 413, before any frame is decoded")
+                                        "its header, a 413 before any frame is decoded; and of every frame as it is "
+                                        "decoded, sampled or not (a stream may change its size)")
     video_max_decode_s: float = Field(_VIDEO.max_decode_s, gt=0, description="wall time one video's decode may take; longer is "
-                                      "stopped and answered 413")
+                                      "stopped and answered 413 (in a single-process service a decode that cannot be "
+                                      "stopped has its process ended after this much CPU time on each core, and 5 s more)")
+    video_max_request_bytes: Bytes = Field(_VIDEO.max_request_bytes, gt=0, description="most bytes one request's videos "
+                                           "may be once resized (uint8 frames after sampling, computed from their headers "
+                                           "before any frame is decoded); more is a 413. Qwen3-VL's released video config "
+                                           "resizes any clip to at most 72 MiB (a 20-minute 1080p clip at its default "
+                                           "sampling to 63 MiB): the default admits three")
+    video_max_process_bytes: Bytes = Field(_VIDEO.max_process_bytes, gt=0, description="most bytes the videos one "
+                                           "process decodes at once may be once resized; a video that alone is more is a "
+                                           "413 before it is decoded, others wait for room. The default holds seven of "
+                                           "the largest clips of Qwen3-VL's released video config")
 
     max_batch_tokens: int = Field(16384, gt=0, description="step token budget (output tokens; 4 patches each)")
     max_batch_images: int = Field(64, gt=0, description="most images in one step")
@@ -311,6 +323,12 @@ class Settings(BaseSettings):
     decode_workers: int = Field(0, ge=0, description="image decoders per serving process: worker processes in a "
                                 "single-process service, threads in each API process; 0 = this process's share of the "
                                 "cores (all of them, or divided among the API processes), 2-8")
+    video_decode_workers: int = Field(0, ge=0, description="most videos one serving process decodes at once (the "
+                                      "others wait); 0 = half its decode workers. At most all of them but one, so that "
+                                      "images always have a decoder beside long videos")
+    decode_stall_s: float = Field(30.0, gt=0, description="a single-process service's decode pool in which no decode "
+                                  "finishes and no video decodes a frame for this long is taken for stuck: its processes "
+                                  "are killed, a new pool started, and the decodes waiting on it answered 503")
     arena_bytes: Bytes = Field(256 * 1024**2, gt=0, description="shared-memory pixel arena of each API process "
                                "(decoded images waiting for the engine); full -> 429")
     engine_exit_grace_s: float = Field(2.0, ge=0, description="after the engine process dies, how long the API "
@@ -459,7 +477,13 @@ class Settings(BaseSettings):
         when there are any (each decodes in its own threads), at least 2 and at most 8."""
         if self.decode_workers:
             return self.decode_workers
-        return min(8, max(2, _usable_cores() // max(1, self.api_process_count())))
+        return min(8, max(2, usable_cores() // max(1, self.api_process_count())))
+
+    def video_decode_slots(self) -> int:
+        """Videos decoded at once in a serving process: --video-decode-workers, or half its decode workers; at
+        most all of them but one (long videos on every decoder made images wait for them), at least 1."""
+        workers = self.decode_worker_count()
+        return max(1, min(self.video_decode_workers or workers // 2, workers - 1))
 
     @property
     def image_limits(self) -> ImageLimits:
@@ -470,7 +494,8 @@ class Settings(BaseSettings):
     def video_limits(self) -> VideoLimits:
         return VideoLimits(max_bytes=self.video_max_bytes, max_duration_s=self.video_max_duration_s,
                            max_frames=self.video_max_frames, max_frame_pixels=self.video_max_frame_pixels,
-                           max_decode_s=self.video_max_decode_s)
+                           max_decode_s=self.video_max_decode_s, max_request_bytes=self.video_max_request_bytes,
+                           max_process_bytes=self.video_max_process_bytes)
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,

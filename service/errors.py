@@ -129,13 +129,15 @@ class ImageError(MediaError):
 
 class VideoError(MediaError):
     CODES = {
-        "invalid_video": Code(422, "a video that cannot be used"),
+        "invalid_video": Code(422, "a video that cannot be used (a display matrix that is not a quarter turn)"),
         "not_a_video": Code(422, "not a container PyAV opens, or one without a video stream"),
         "unsupported_codec": Code(415, "a video codec that is not supported"),
         "corrupt_video": Code(422, "a video whose frames do not decode"),
-        "truncated_video": Code(422, "fewer frames decode than the container's header promised for the sampled ones"),
-        "video_too_large": Code(413, "encoded bytes, frame size or the sampled clip's pixels over a limit"),
-        "video_too_long": Code(413, "duration, frame count or decode time over a limit"),
+        "truncated_video": Code(422, "a file cut short (its container's sizes run past its end), or fewer frames "
+                                     "decode than its header promised for the sampled ones"),
+        "video_too_large": Code(413, "encoded bytes, a frame's size, or the sampled clip's pixels or resized bytes (a "
+                                     "request's, a process's) over a limit"),
+        "video_too_long": Code(413, "duration, frame count, or decode time (wall or CPU) over a limit"),
     }
 
 

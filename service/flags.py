@@ -18,9 +18,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace',)),
     ('HTTP serving', ('host', 'port', 'header_timeout_s', 'body_timeout_s', 'keep_alive_s', 'max_connections',)),
     ('Security: API keys and image URLs', ('api_key', 'api_key_metrics', 'allowed_url_hosts', 'allow_private_url_addresses', 'url_timeout_s',)),
-    ('Request limits', ('max_images_per_request', 'max_request_bytes', 'max_image_bytes', 'max_input_pixels', 'max_jpeg_scans', 'decode_timeout_s', 'video_max_bytes', 'video_max_duration_s', 'video_max_frames', 'video_max_frame_pixels', 'video_max_decode_s',)),
+    ('Request limits', ('max_images_per_request', 'max_request_bytes', 'max_image_bytes', 'max_input_pixels', 'max_jpeg_scans', 'decode_timeout_s', 'video_max_bytes', 'video_max_duration_s', 'video_max_frames', 'video_max_frame_pixels', 'video_max_decode_s', 'video_max_request_bytes', 'video_max_process_bytes',)),
     ('Batching and admission', ('max_batch_tokens', 'max_batch_images', 'max_wait_ms', 'max_queue_images', 'max_queue_tokens',)),
-    ('Processes', ('api_processes', 'decode_workers', 'arena_bytes', 'engine_exit_grace_s',)),
+    ('Processes', ('api_processes', 'decode_workers', 'video_decode_workers', 'decode_stall_s', 'arena_bytes', 'engine_exit_grace_s',)),
     ('Step loop and GPU', ('pool_slots', 'warmup', 'cuda_graphs', 'graph_max_patches', 'graph_exact_sides', 'graph_exact_images', 'compile', 'attention', 'compile_cache',)),
     ('Logging and tracing', ('log_level', 'otlp_endpoint',)),
 )

@@ -94,6 +94,7 @@ class _Keyed(NamedTuple):
     sha256: str  # of the image's bytes
     header: ImageHeader | media_video.VideoHeader  # read once, here; the decode reuses it
     tokens: int  # output tokens by its header (1 when an image's header is unusable: the decode says why)
+    video_bytes: int = 0  # a video: its resized frames' bytes by its header (VideoPlan.nbytes)
 
 
 async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
@@ -263,10 +264,18 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
     inline = not any(inp.video for inp in inputs) and sum(len(inp.data) for inp in inputs) <= INLINE_KEY_BYTES
     keyed = work() if inline else await asyncio.to_thread(work)
     bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
+    video_bytes, budget = 0, rt.settings.video_max_request_bytes
     for i, k in enumerate(keyed):
+        first = k.key not in bound  # (a key twice in one request is decoded once)
         if bound.setdefault(k.key, k.sha256) != k.sha256:
             raise at_index(KeyConflict(f"{inputs[i].called(i)}: uuid {k.key!r} is also given to other image bytes earlier in "
                                        "this request; one uuid names one image"), i)
+        if first and k.video_bytes:
+            video_bytes += k.video_bytes
+            if video_bytes > budget:
+                raise at_index(VideoError(f"images[{i}]: the request's videos up to this one are {video_bytes} bytes once "
+                                          f"resized; the limit is {budget} a request (--video-max-request-bytes): send "
+                                          "fewer, shorter or smaller videos in one request", code="video_too_large"), i)
     return keyed
 
 
@@ -282,9 +291,15 @@ def _video_keyed(i: int, inp: Input, digest: bytes, salt: bytes, params: media_v
             raise VideoError(f"the video becomes {plan.tokens} tokens ({len(plan.indices)} frames sampled, grid "
                                 f"{list(plan.grid_thw)}), more than the queue ever holds ({queue_tokens}, "
                                 "--max-queue-tokens); send a shorter clip", code="video_too_large")
+        for limit, flag, where in ((limits.max_process_bytes, "--video-max-process-bytes", "a process decodes at once"),
+                                   (limits.max_request_bytes, "--video-max-request-bytes", "a request")):
+            if plan.nbytes > limit:
+                raise VideoError(f"the video is {plan.nbytes} bytes once resized ({plan.frames} frames of "
+                                 f"{plan.width}x{plan.height}); the limit is {limit} for the videos {where} ({flag}): "
+                                 "send a shorter or smaller clip", code="video_too_large")
     except VideoError as e:
         raise _named(inp, i, e) from None
-    return _Keyed(key, digest.hex(), header, plan.tokens)
+    return _Keyed(key, digest.hex(), header, plan.tokens, plan.nbytes)
 
 
 def _named(inp: Input, i: int, p: ServiceError) -> ServiceError:

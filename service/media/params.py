@@ -66,14 +66,20 @@ class ImageLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class VideoLimits:
-    """Checked from a video's header before any frame is decoded (media/video.read_header), except the
-    decode deadline."""
+    """Checked from a video's header before any frame is decoded (media/video.read_header; the byte budgets
+    where the request is keyed and where a process decodes), except the decode deadline."""
 
     max_bytes: int = 64 * 1024**2  # the encoded file (a JSON body is also bounded by --max-request-bytes)
     max_duration_s: float = 20 * 60.0  # by the header, before anything is decoded
     max_frames: int = 60 * 60 * 30  # frames in the stream (what a decode walks through), by the header
-    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K)
+    max_frame_pixels: int = 3840 * 2160  # one frame's width x height (4K), the header's and every decoded frame's
     max_decode_s: float = 60.0  # wall time of one video's decode
+    # The resized frames (uint8 after sampling and the clip size, padded to whole temporal groups), counted from
+    # the header before any frame is decoded: what a decode holds besides a frame or two at full size. Qwen3-VL's
+    # released video config (the whole clip within 25,165,824 pixels) resizes any clip to at most 72 MiB; a
+    # 20-minute 1080p clip at its default sampling (768 frames of 224x128) to 63 MiB.
+    max_request_bytes: int = 256 * 1024**2  # one request's videos: three of the largest such clips
+    max_process_bytes: int = 512 * 1024**2  # the videos one process decodes at once: seven of them
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,8 @@
 
 The reference is `transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor` (its
 torchvision backend, transformers 5.17 to 5.24) on decoded frames, as it runs by default: on the CPU.
-After sampling (media/video.py) it does, on the whole clip at once:
+After sampling (media/video.py) it does, on the whole clip at once (here on each frame as it is decoded,
+which gives the same bytes: torch's resize treats the frames of a batch one by one):
 
     resize to one (h, w) (`clip_size`): torchvision's resize, bicubic, antialiased, on the uint8 frames
     a FUSED rescale + normalize, in float32: (x - M) / S, M = mean * (1 / rescale_factor), S likewise of std
@@ -10,7 +11,7 @@ After sampling (media/video.py) it does, on the whole clip at once:
     columns (c, t, py, px)
 
     plan_video(header, params)           -> VideoPlan                  indices, size, grid, tokens: from the header alone
-    prepare_video(data, header, ...)     -> PreparedVideo              decode + resize: a decode worker's whole job
+    prepare_video(data, header, ...)     -> PreparedVideo              decode + resize, frame by frame: a decode worker's whole job
     resize_frames(frames, h, w)          -> uint8 [n, h, w, 3]         (decode side)
     video_lut(params)                    -> float32 [3, 256]           the fused rescale + normalize per level
     patchify_video(frames, lut, params)  -> float32 [grid_t*gh*gw, 3*t*p*p]
@@ -32,7 +33,7 @@ import numpy as np
 from service.errors import VideoError
 from service.media.params import VideoLimits, VideoParams
 from service.media.preprocess import patch_rows
-from service.media.video import VideoHeader, clip_size, decode_frames, sample_indices, timestamps
+from service.media.video import VideoHeader, clip_size, sample_indices, sampled_frames, timestamps
 
 if typing.TYPE_CHECKING:
     import torch
@@ -131,6 +132,14 @@ class VideoPlan:
     width: int
     grid_thw: tuple[int, int, int]  # (temporal groups, height / patch, width / patch)
     tokens: int  # output tokens: grid patches / merge**2
+    frames: int  # resized frames: the sampled ones, an odd count padded to whole temporal groups
+
+    @property
+    def nbytes(self) -> int:
+        """The resized clip's bytes (uint8 [frames, height, width, 3]): what its decode holds, besides the
+        frame being resized, and what the video budgets (--video-max-request-bytes, --video-max-process-bytes)
+        count before any frame is decoded."""
+        return self.frames * self.height * self.width * 3
 
 
 def plan_video(header: VideoHeader, params: VideoParams) -> VideoPlan:
@@ -146,7 +155,8 @@ def plan_video(header: VideoHeader, params: VideoParams) -> VideoPlan:
                             "the limit is 200", code="video_too_large")
     h, w = clip_size(len(indices), header.height, header.width, params)
     grid = video_grid(len(indices), h, w, params)
-    return VideoPlan(tuple(indices), h, w, grid, grid[0] * grid[1] * grid[2] // params.merge_size**2)
+    return VideoPlan(tuple(indices), h, w, grid, grid[0] * grid[1] * grid[2] // params.merge_size**2,
+                     grid[0] * params.temporal_patch_size)
 
 
 @dataclass(frozen=True)
@@ -175,18 +185,20 @@ class PreparedVideo:
 
 
 def prepare_video(data: bytes, header: VideoHeader, params: VideoParams, limits: VideoLimits,
-                  out=None) -> PreparedVideo:
-    """Decode the sampled frames and resize them (the decode worker's whole job for a video): uint8 frames,
-    padded to whole temporal patches. `out(nbytes)`, if given, returns a writable uint8 buffer of that size
-    for the frames (an arena cell); the result's frames are then a view of it."""
+                  out=None, progress=None) -> PreparedVideo:
+    """Decode the sampled frames and resize each as it is decoded (the decode worker's whole job for a video):
+    uint8 frames, padded to whole temporal patches. Besides the resized clip it holds one frame at full size
+    (and FFmpeg's own frames), never the sampled frames all at once: 100 sampled 4K frames are 2.5 GB.
+    `out(nbytes)`, if given, returns a writable uint8 buffer of that size for the frames (an arena cell),
+    asked for before the first frame is decoded; the result's frames are then a view of it. `progress()` is
+    called for every frame decoded (video.sampled_frames)."""
     plan = plan_video(header, params)
-    frames = resize_frames(decode_frames(data, header, list(plan.indices), limits), plan.height, plan.width)
-    n = plan.grid_thw[0] * params.temporal_patch_size
-    shape = (n, plan.height, plan.width, 3)
-    target = (np.empty(shape, np.uint8) if out is None
-              else np.frombuffer(out(int(np.prod(shape))), np.uint8).reshape(shape))
-    target[: len(frames)] = frames
-    target[len(frames):] = frames[-1]  # patchify_video's padding: the last frame repeated
+    shape = (plan.frames, plan.height, plan.width, 3)
+    target = np.empty(shape, np.uint8) if out is None else np.frombuffer(out(plan.nbytes), np.uint8).reshape(shape)
+    n = len(plan.indices)
+    for k, frame in enumerate(sampled_frames(data, header, list(plan.indices), limits, progress)):
+        target[k] = resize_frames(frame[None], plan.height, plan.width)[0]
+    target[n:] = target[n - 1]  # patchify_video's padding: the last frame repeated
     t, gh, gw = plan.grid_thw
     return PreparedVideo(target, plan.grid_thw, t * gh * gw, plan.tokens, plan.indices, header.fps,
                          tuple(timestamps(list(plan.indices), header.fps, params.temporal_patch_size)))

@@ -40,7 +40,8 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     async def make_runtime() -> Runtime:
         metrics = Metrics()
         decoder = ArenaDecoder(Arena(arena_name, settings.arena_bytes), settings.decode_worker_count(),
-                               settings.image_limits, metrics, video_limits=settings.video_limits)
+                               settings.image_limits, metrics, video_limits=settings.video_limits,
+                               video_slots=settings.video_decode_slots())
         engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
         runtime = Runtime(settings, decoder, engines, metrics)
         settle_heap()  # (procs/child.py: this process's start-up objects out of the collector's way)

@@ -7,23 +7,31 @@
     of this process's shared-memory arena, which the engine process reads in place.
 
 A video is decoded the same way (media/video_preprocess.prepare_video: PyAV decode of the sampled frames,
-the resize): off the event loop, its uint8 frames [2 * groups, h, w, 3] one array or one arena cell. A
-video's clip is bounded by its processor's max_pixels (a few MB); one bigger than the whole arena can never
-be placed and is a 413 (`video_too_large`), not a 429.
+each resized as it comes): off the event loop, its uint8 frames [2 * groups, h, w, 3] one array or one arena
+cell. A video's clip is bounded by its processor's max_pixels (a few MB); one bigger than the whole arena can
+never be placed and is a 413 (`video_too_large`), not a 429. Videos pass a VideoGate first: at most
+--video-decode-workers of them decode at once, fewer than there are decoders, so images always have one
+(two long videos on a pool of two made every image wait for one of them to end), and the resized frames of
+those decoding stay within --video-max-process-bytes.
 
 An image's decode time is bounded where it runs (media/images.py: a JPEG's scans are capped, and PIL's
 decode is stopped between chunks past --decode-timeout-s). What cannot be stopped there (simplejpeg, WebP,
 libtiff, the resize) is ended in a decode process by the kernel, once the process has spent the timeout and
 DECODE_KILL_GRACE_S of CPU on the image (a CPU-time timer: a legitimate decode on a busy machine is not
 killed for waiting on a core); that image is answered 422 and the images that shared its pool are decoded
-again on the new one, not answered 503. Decode threads cannot be killed: an API process has only the
-bounds inside the decode.
+again on the new one, not answered 503. A video has a CPU budget too: --video-max-decode-s on each core its
+decoder's threads may use, and DECODE_KILL_GRACE_S (the deadline inside the decode, checked at every frame,
+answers first). Its decode reports every frame it decodes, and the stall watch counts that as progress: a
+long video is not a stuck pool. Decode threads cannot be killed: an API process has only the bounds inside
+the decode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -33,21 +41,23 @@ import weakref
 from collections.abc import Callable
 
 from service.api.runtime import Decoded
+from service.config import Settings, usable_cores
 from service.media.params import ImageLimits, PreprocessParams, VideoLimits, VideoParams
 from service.engine.messages import Cell, Geometry, VideoInfo
 from service.errors import ImageError, Overloaded, Unavailable, VideoError
 from service.media.images import ImageHeader, PreparedImage, loaded_pid, prepare_image, warmup_png
 from service.media.video import VideoHeader
-from service.media.video_preprocess import PreparedVideo, prepare_video
+from service.media.video_preprocess import PreparedVideo, plan_video, prepare_video
 from service.metrics import Metrics
 from service.procs.arena import Arena
 from service.procs.child import exit_with
 
 log = logging.getLogger(__name__)
 
-# A decode waiting this long with no decode of its pool finishing meanwhile means the pool is stuck
-# (PoolDecoder.decode). The largest admitted image decodes in about a second on one core.
-DECODE_STALL_S = 30.0
+# A decode waiting this long with no decode of its pool finishing and no video of it decoding a frame meanwhile
+# means the pool is stuck (PoolDecoder.decode; --decode-stall-s). The largest admitted image decodes in about a
+# second on one core, and a video's frames come one every few tens of milliseconds.
+DECODE_STALL_S = Settings.model_fields["decode_stall_s"].default
 # A new pool is on that clock only once a worker of it has answered (starting one through the forkserver
 # took seconds on a loaded 2-core machine); one that has not answered by this time is stuck too.
 POOL_START_LIMIT_S = 120.0
@@ -62,13 +72,22 @@ RESUBMITS = 3
 # In a decode process: its pool's job slots, the pid of the process running each job that has a CPU budget
 # (0: none). The pool's owner reads it once a process was ended, to learn whose image it was (_within_budget).
 _slot_pids = None
+# ... and the frames each slot's video decodes have decoded so far (_progress; one writer a slot: its job's
+# process). The pool's owner reads them for the stall watch (PoolDecoder._note_progress).
+_slot_beats = None
+_job_slot = 0  # the slot of the job this decode process runs
 
 
-def _init_worker(parent: int, slot_pids) -> None:
+def _init_worker(parent: int, slot_pids, slot_beats) -> None:
     """A decode process's initializer: exit with the service (exit_with); the pool's job slots."""
-    global _slot_pids
+    global _slot_pids, _slot_beats
     exit_with(parent)
-    _slot_pids = slot_pids
+    _slot_pids, _slot_beats = slot_pids, slot_beats
+
+
+def _progress() -> None:
+    """In a decode process: its job decoded a frame (video.sampled_frames calls it for every frame)."""
+    _slot_beats[_job_slot] += 1
 
 
 def _within_budget(slot: int, cpu_s: float | None, fn, *args):
@@ -76,6 +95,8 @@ def _within_budget(slot: int, cpu_s: float | None, fn, *args):
     it has spent `cpu_s` seconds of CPU time on it: wherever it is, a C decoder that cannot be stopped
     included. A timer of CPU time, not wall time: a decode waiting for a core on a busy machine is not ended.
     The job's slot holds this process's pid meanwhile, so that its pool's owner knows whose image it was."""
+    global _job_slot
+    _job_slot = slot
     if cpu_s is None:
         return fn(*args)
     _slot_pids[slot] = os.getpid()
@@ -107,6 +128,43 @@ def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
     return Geometry(height=h, width=w, grid_thw=prep.grid_thw, tokens=prep.num_tokens)
 
 
+class VideoGate:
+    """At most `slots` video decodes at once in one process, whose resized frames (VideoPlan.nbytes) total at
+    most `max_bytes`: a video waits for both. Images never wait here; with videos on fewer decoders than there
+    are, a long video cannot take the decoder an image needs."""
+
+    def __init__(self, slots: int, max_bytes: int):
+        assert slots >= 1, f"{slots} video decode slots: this is a bug"
+        self.slots, self.max_bytes = slots, max_bytes
+        self.running, self.held = 0, 0  # videos decoding now, and their resized frames' bytes
+        self._waiters: list[asyncio.Future] = []
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int):
+        """A video decode's place, held while the block runs. A video that alone is more than `max_bytes` (the
+        request's keys refuse it first) is a 413."""
+        if nbytes > self.max_bytes:
+            raise VideoError(f"the video is {nbytes} bytes once resized; the limit is {self.max_bytes} for the videos "
+                             "a process decodes at once (--video-max-process-bytes)", code="video_too_large")
+        while self.running >= self.slots or self.held + nbytes > self.max_bytes:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        self.running += 1
+        self.held += nbytes
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self.held -= nbytes
+            for waiter in self._waiters:  # (each looks again; those that fit go, the others wait on)
+                if not waiter.done():
+                    waiter.set_result(None)
+
+
 class _PoolBroke(Exception):
     """A decode's pool broke (a worker process ended) while it ran or when it was handed over."""
 
@@ -120,13 +178,18 @@ class PoolDecoder:
 
     def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S,
                  clock: Callable[[], float] = time.monotonic, video_limits: VideoLimits = VideoLimits(),
-                 kill_grace_s: float = DECODE_KILL_GRACE_S):
+                 kill_grace_s: float = DECODE_KILL_GRACE_S, video_slots: int = 1):
         """`clock` times the stall watch (tests inject a fake one). An image's decode process is ended after
-        limits.decode_timeout_s + kill_grace_s of CPU on it."""
+        limits.decode_timeout_s + kill_grace_s of CPU on it, a video's after video_cpu_s(). At most
+        `video_slots` videos decode at once (Settings.video_decode_slots)."""
         self.workers, self.limits, self.stall_s, self._clock = workers, limits, stall_s, clock
         self.video_limits, self.kill_grace_s = video_limits, kill_grace_s
-        self._decode_done = clock()  # when a decode last finished (a pool that finishes none is stuck)
+        self.videos = VideoGate(video_slots, video_limits.max_process_bytes)
+        # When a decode last finished or a video decoded a frame (a pool that does neither is stuck).
+        self._progress_at = clock()
         self._slot_pids = weakref.WeakKeyDictionary()  # pool -> its job slots' pids (_within_budget)
+        self._slot_beats = weakref.WeakKeyDictionary()  # pool -> its job slots' frames decoded (_progress)
+        self._beats_seen = weakref.WeakKeyDictionary()  # pool -> their sum when the stall watch last looked
         self._verdicts = weakref.WeakKeyDictionary()  # broken pool -> future of the slots its CPU budgets ended
         # At most `workers` decodes in a pool at a time, each in a job slot of its own: a decode handed to the
         # pool starts at once (the stall clock's waiting time is a decode's), and a slot names it.
@@ -143,9 +206,10 @@ class PoolDecoder:
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         context = multiprocessing.get_context(method)
         slot_pids = context.Array("l", self.workers, lock=False)  # (shared memory: each slot has one writer)
+        slot_beats = context.Array("Q", self.workers, lock=False)
         pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                                      initargs=(os.getpid(), slot_pids))
-        self._slot_pids[pool] = slot_pids
+                                                      initargs=(os.getpid(), slot_pids, slot_beats))
+        self._slot_pids[pool], self._slot_beats[pool], self._beats_seen[pool] = slot_pids, slot_beats, 0
         # The pool is up once a worker has answered: until then its decodes are not on the stall clock.
         self._started = (pool, self._clock(), pool.submit(loaded_pid))
         self._up_at: float | None = None
@@ -162,7 +226,15 @@ class PoolDecoder:
             return now - created > POOL_START_LIMIT_S
         else:
             up = self._up_at
-        return now - max(waiting_since, self._decode_done, up) > self.stall_s
+        return now - max(waiting_since, self._progress_at, up) > self.stall_s
+
+    def _note_progress(self, pool) -> None:
+        """A video of `pool` that decoded a frame since the last look is progress: the stall clock starts again
+        (a video that takes minutes is a long video, not a stuck pool)."""
+        beats = self._slot_beats.get(pool)
+        if beats is not None and (total := sum(beats)) != self._beats_seen.get(pool):
+            self._beats_seen[pool] = total
+            self._progress_at = self._clock()
 
     async def start(self, params: PreprocessParams, warm_video: bool = False) -> None:
         """Start every worker now (imports, forkserver) rather than on the first requests; `warm_video`: the
@@ -192,9 +264,20 @@ class PoolDecoder:
         return Decoded(_geometry(prep), prep.pixels)
 
     async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
-        """prepare_video in a decode worker, watched as `decode` is."""
-        prep = await self._in_pool(prepare_video, data, header, params, self.video_limits)
+        """prepare_video in a decode worker once the video gate lets it, watched as `decode` is: every frame it
+        decodes is progress for the stall watch, and past video_cpu_s() of CPU its process is ended (413
+        `video_too_long`; the decodes beside it go again on the new pool)."""
+        async with self.videos.hold(plan_video(header, params).nbytes):
+            prep = await self._in_pool(functools.partial(prepare_video, progress=_progress), data, header, params,
+                                       self.video_limits, cpu_s=self.video_cpu_s(), video=True)
         return Decoded(_geometry(prep), prep.frames)
+
+    def video_cpu_s(self) -> float:
+        """A video decode's CPU budget: --video-max-decode-s on each core (FFmpeg's decoder threads use them
+        all, so CPU time runs up to that many times faster than the wall clock) and kill_grace_s. A decode
+        is never ended before its wall-time deadline, which it checks at every frame; this ends one that
+        stops checking (a frame that never finishes decoding)."""
+        return self.video_limits.max_decode_s * usable_cores() + self.kill_grace_s
 
     def _slots(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -202,9 +285,10 @@ class PoolDecoder:
             self._sem, self._sem_loop, self._free_slots = asyncio.Semaphore(self.workers), loop, list(range(self.workers))
         return self._sem
 
-    async def _in_pool(self, fn, *args, cpu_s: float | None = None):
+    async def _in_pool(self, fn, *args, cpu_s: float | None = None, video: bool = False):
         """fn(*args) in a decode worker, in a job slot of its own (`cpu_s`: its process's CPU budget, see
-        _within_budget); a dead or stuck pool replaced (see `decode`)."""
+        _within_budget; `video`: a video's, for the error its budget gives); a dead or stuck pool replaced
+        (see `decode`)."""
         async with self._slots():
             slot = self._free_slots.pop()
             try:
@@ -213,6 +297,13 @@ class PoolDecoder:
                         return await self._attempt(slot, cpu_s, fn, args)
                     except _PoolBroke as broke:
                         ended = await self._verdict(broke.pool)
+                        if slot in ended and video:
+                            raise VideoError(
+                                f"decoding the video took over {cpu_s:g} s of CPU, past its limit "
+                                f"(--video-max-decode-s {self.video_limits.max_decode_s:g} on each of "
+                                f"{usable_cores()} cores) in a part of its decode that cannot be interrupted, so "
+                                "its process was stopped; send a shorter or smaller video",
+                                code="video_too_long") from None
                         if slot in ended:
                             raise ImageError(
                                 f"decoding the image took over {cpu_s:g} s of CPU, past its limit "
@@ -238,6 +329,7 @@ class PoolDecoder:
         try:  # (a pool already broken raises here, at submit)
             fut = asyncio.get_running_loop().run_in_executor(pool, _within_budget, slot, cpu_s, fn, *args)
             while not (await asyncio.wait({fut}, timeout=1.0))[0]:
+                self._note_progress(pool)
                 if self._stalled(pool, waiting_since) or pool is not self.pool:
                     fut.cancel()
                     if self.pool is pool:
@@ -247,9 +339,9 @@ class PoolDecoder:
                         for worker in list(pool._processes.values()):  # (private, stable since 3.2)
                             worker.kill()
                         pool.shutdown(wait=False, cancel_futures=True)
-                    raise Unavailable("the image decode workers stopped answering; they have been replaced: retry",
+                    raise Unavailable("the decode workers stopped answering; they have been replaced: retry",
                                       retry_after_s=1)
-            self._decode_done = self._clock()  # any outcome, a refused image too: the pool is alive
+            self._progress_at = self._clock()  # any outcome, a refused image too: the pool is alive
             return fut.result()
         except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
             raise _PoolBroke(pool) from None
@@ -294,8 +386,10 @@ class ArenaDecoder:
     """Decode threads for an API process; the pixels land in a cell of this process's arena."""
 
     def __init__(self, arena: Arena, workers: int, limits: ImageLimits, metrics: Metrics,
-                 video_limits: VideoLimits = VideoLimits()):
+                 video_limits: VideoLimits = VideoLimits(), video_slots: int = 1):
+        """At most `video_slots` of the `workers` threads decode videos at once (Settings.video_decode_slots)."""
         self.arena, self.limits, self.metrics, self.video_limits = arena, limits, metrics, video_limits
+        self.videos = VideoGate(video_slots, video_limits.max_process_bytes)
         # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
         # several such processes; PIL releases the GIL while it decodes and resizes.
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="decode")
@@ -338,7 +432,8 @@ class ArenaDecoder:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
     async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
+        async with self.videos.hold(plan_video(header, params).nbytes):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
     def release(self, decoded: Decoded) -> None:
         """Pixels that never reached an engine (an unneeded early decode, a submit that failed to leave)."""

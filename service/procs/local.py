@@ -28,7 +28,8 @@ async def local_runtime(settings: Settings, model: LoadedModel, settle: bool = F
     host = await asyncio.to_thread(build_host, model, settings.engine_options(faults))
     threading.Thread(target=host.warm_up, args=((lambda: settle_heap(host.metrics)) if settle else None,),
                      name="warmup", daemon=True).start()
-    decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, video_limits=settings.video_limits)
+    decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, stall_s=settings.decode_stall_s,
+                          video_limits=settings.video_limits, video_slots=settings.video_decode_slots())
     return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
 
 

@@ -32,9 +32,11 @@ def frame_window(photo: np.ndarray, i: int, width: int, height: int, frames: int
 
 @functools.cache
 def clip(codec: str = "libx264", container: str = "mp4", *, frames: int = 24, fps: int = 8, width: int = 160,
-         height: int = 120, photo: str = "astronaut.png", pts_gap_s: float = 0.0) -> bytes:
+         height: int = 120, photo: str = "astronaut.png", pts_gap_s: float = 0.0, rotation: int | None = None) -> bytes:
     """A pan over `photo` as a `codec` video in a `container` file. `pts_gap_s`: the last frame that
-    much later (a header that claims a long video with few frames in it)."""
+    much later (a header that claims a long video with few frames in it). `rotation`: a display matrix
+    that turns the picture that many degrees counterclockwise, as a phone held upright writes one (the
+    frames themselves stay as encoded)."""
     import av
 
     src = source(photo)
@@ -52,6 +54,8 @@ def clip(codec: str = "libx264", container: str = "mp4", *, frames: int = 24, fp
             stream.time_base = Fraction(1, fps)
             if codec == "libx264":
                 stream.options = {"preset": "ultrafast", "crf": "18"}
+            if rotation is not None:
+                stream.set_display_rotation(rotation)
             for i in range(frames):
                 frame = av.VideoFrame.from_ndarray(frame_window(src, i, width, height, frames), format="rgb24")
                 frame.pts = i + (int(pts_gap_s * fps) if pts_gap_s and i == frames - 1 else 0)
@@ -78,4 +82,86 @@ def audio_only() -> bytes:
             frame.sample_rate, frame.pts = 48000, start
             out.mux(stream.encode(frame))
         out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+@functools.cache
+def still_clip(width: int = 3840, height: int = 2160, frames: int = 100, fps: int = 1) -> bytes:
+    """A nearly still picture (a grey ramp, a small block moving down its left edge) as H.264 in MP4: a few
+    hundred bytes a frame, whatever the frame size, so a small file that decodes into big frames (4K x 100
+    frames: about 66 KB, 2.5 GB of RGB frames). At 1 fps every frame is one the processor samples (2 fps)."""
+    import av
+
+    buf = io.BytesIO()
+    yuv = np.full((height * 3 // 2, width), 128, np.uint8)  # yuv420p planes: no RGB conversion per frame
+    yuv[:height] = np.linspace(16, 235, width).astype(np.uint8)[None, :]
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = Fraction(1, fps)
+        stream.options = {"preset": "ultrafast", "crf": "30"}
+        for i in range(frames):
+            y = (i * 16) % (height - 16)
+            yuv[y : y + 16, :64] = 255 - i % 200
+            frame = av.VideoFrame.from_ndarray(yuv, format="yuv420p")
+            frame.pts = i
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+@functools.cache
+def two_streams(first: int = 24, second: int = 48, fps: int = 8) -> bytes:
+    """MPEG-4 Part 2 in Matroska with two video streams: a 160x120 pan of `first` frames, then a 320x240 one
+    of `second` frames (the container's duration is the longer stream's)."""
+    import av
+
+    src = source()
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        streams = []
+        for w, h in ((160, 120), (320, 240)):
+            s = out.add_stream("mpeg4", rate=fps)
+            s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+            streams.append(s)
+        for i in range(max(first, second)):
+            for s, n in zip(streams, (first, second)):
+                if i < n:
+                    frame = av.VideoFrame.from_ndarray(frame_window(src, i, s.width, s.height, n), format="rgb24")
+                    frame.pts = i
+                    out.mux(s.encode(frame))
+        for s in streams:
+            out.mux(s.encode(None))
+    return buf.getvalue()
+
+
+def size_change(sizes: tuple[tuple[int, int], ...], fps: int = 8) -> bytes:
+    """H.264 in MPEG-TS whose frame size changes mid-stream: frame i is sizes[i] (width, height), each run of
+    one size encoded on its own (a keyframe with its own parameter sets, as a spliced broadcast has). The
+    header tells the first frame's size."""
+    import av
+
+    src = source()
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mpegts") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height = sizes[0]
+        stream.pix_fmt = "yuv420p"
+        i = 0
+        while i < len(sizes):
+            w, h = sizes[i]
+            enc = av.CodecContext.create("libx264", "w")
+            enc.width, enc.height, enc.pix_fmt = w, h, "yuv420p"
+            enc.time_base, enc.framerate = Fraction(1, fps), Fraction(fps)
+            enc.options = {"preset": "ultrafast", "crf": "18", "bframes": "0"}
+            while i < len(sizes) and sizes[i] == (w, h):
+                frame = av.VideoFrame.from_ndarray(frame_window(src, i, w, h, len(sizes)), format="rgb24")
+                frame.pts = i
+                for packet in enc.encode(frame):
+                    packet.stream = stream
+                    out.mux(packet)
+                i += 1
+            for packet in enc.encode(None):
+                packet.stream = stream
+                out.mux(packet)
     return buf.getvalue()

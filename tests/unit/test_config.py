@@ -171,7 +171,7 @@ def test_api_processes_default_fits_the_machine(monkeypatch):
 
 # ---- sizes: `4GiB`, `1.5GB` or bytes ------------------------------------------------------------------
 SIZE_SETTINGS = ["store_capacity_bytes", "mooncake_segment_bytes", "max_request_bytes", "max_image_bytes", "video_max_bytes",
-                 "arena_bytes"]
+                 "video_max_request_bytes", "video_max_process_bytes", "arena_bytes"]
 
 
 def test_every_byte_count_setting_is_a_size():
@@ -227,3 +227,16 @@ def test_sizes_are_shown_in_the_largest_exact_unit_and_read_back_alike():
     for name in SIZE_SETTINGS:
         default = Settings.model_fields[name].default
         assert parse_size(format_size(default)) == default, name
+
+
+def test_videos_decode_on_fewer_workers_than_there_are_and_their_budgets_reach_the_limits():
+    assert [Settings(decode_workers=n).video_decode_slots() for n in (1, 2, 3, 8)] == [1, 1, 1, 4]
+    assert Settings(decode_workers=8, video_decode_workers=2).video_decode_slots() == 2
+    assert Settings(decode_workers=8, video_decode_workers=8).video_decode_slots() == 7  # images keep one
+    limits = Settings(video_max_request_bytes="3MiB", video_max_process_bytes="5MiB").video_limits
+    assert (limits.max_request_bytes, limits.max_process_bytes) == (3 << 20, 5 << 20)
+    # The defaults hold three (a request's) and seven (a process's) of the largest clip Qwen3-VL's released video
+    # config makes: 25,165,824 pixels in all, 3 bytes each.
+    largest = 3 * 25165824
+    limits = Settings().video_limits
+    assert limits.max_request_bytes >= 3 * largest and limits.max_process_bytes >= 7 * largest

@@ -741,6 +741,48 @@ def test_videos_beside_images_in_json_and_multipart_answer_their_sampling_and_eq
         assert as_image.status_code == 422 and as_image.json()["error"]["code"] == "not_an_image"
 
 
+def test_videos_over_the_request_or_process_byte_budget_are_413_naming_the_limit_and_its_flag(tmp_path, tiny_model):
+    """The budgets count each video's resized frames (VideoPlan.nbytes) from its header, before any frame is
+    decoded: this clip resizes to 6 frames of 192x128, 442,368 bytes."""
+    from service.media.params import VideoParams
+    from service.media.video import read_header
+    from service.media.video_preprocess import plan_video
+    from tests.support import videodata as vd
+
+    clip, other = vd.clip(), vd.clip(frames=25)  # (other bytes, the same sampling and size)
+    nbytes = plan_video(read_header(clip, Settings().video_limits), VideoParams()).nbytes
+    assert nbytes == 6 * 128 * 192 * 3 == plan_video(read_header(other, Settings().video_limits), VideoParams()).nbytes
+    settings = _settings(tmp_path, video_max_request_bytes=nbytes * 3 // 2)
+    with live_server(settings, tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [_video_part(clip), _video_part(clip)]}, timeout=60)
+        assert r.status_code == 200, r.text  # one key twice: decoded once, counted once
+        r = httpx.post(url + "/encode", json={"images": [json_body(_png(1))["images"][0], _video_part(clip),
+                                                         _video_part(other)]}, timeout=60)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["index"]) == (413, "video_too_large", 2), r.text
+        assert f"{2 * nbytes} bytes once resized; the limit is {nbytes * 3 // 2} a request (--video-max-request-bytes)" in err["message"]
+    with live_server(_settings(tmp_path / "b", video_max_process_bytes=nbytes - 1), tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [_video_part(clip)]}, timeout=60)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["index"]) == (413, "video_too_large", 0), r.text
+        assert f"is {nbytes} bytes once resized (6 frames of 192x128); the limit is {nbytes - 1}" in err["message"]
+        assert "--video-max-process-bytes" in err["message"]
+
+
+def test_a_rotated_video_is_encoded_upright(tmp_path, tiny_model):
+    """A display matrix of 90 degrees (a phone held upright): the grid is the upright clip's, as vLLM's loader
+    makes it (tests/unit/lm/test_vllm_connector_video.py), not the stored frames' [3, 8, 12]."""
+    from tests.support import videodata as vd
+
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        r = httpx.post(url + "/encode", json={"images": [_video_part(vd.clip(rotation=90)), _video_part(vd.clip())]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        turned, plain = r.json()["items"]
+        assert turned["grid_thw"] == [3, 12, 8] and plain["grid_thw"] == [3, 8, 12]
+        assert turned["num_tokens"] == plain["num_tokens"] == 72
+
+
 def test_a_video_key_covers_the_video_settings():
     from service.store.keys import content_key, video_salt
     from service.media.params import VideoParams
@@ -763,6 +805,7 @@ def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside
         "garbage": (b"\x1a\x45\xdf\xa3" + b"\x00\x01" * 1000, 422, "not_a_video"),
         "corrupt frames": (bytes(corrupt), 422, "corrupt_video"),
         "truncated": (mkv[: len(mkv) // 2], 422, "truncated_video"),
+        "truncated mp4": (vd.clip()[:-2000], 422, "truncated_video"),
         "audio only": (vd.audio_only(), 422, "not_a_video"),
         "unsupported codec": (vd.clip("ffv1", "matroska"), 415, "unsupported_codec"),
         "two hours by its header": (vd.clip(frames=2, pts_gap_s=7200), 413, "video_too_long"),
@@ -771,7 +814,7 @@ def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside
         "more tokens than the queue holds": (vd.clip(frames=120), 413, "video_too_large"),
     }
     words = {"audio only": "only audio", "unsupported codec": "'ffv1' is not supported", "two hours by its header":
-             "the limit is 1200 s", "8K frames": "7680x4320", "truncated": "ends after",
+             "the limit is 1200 s", "8K frames": "7680x4320", "truncated": "ends after", "truncated mp4": "cut short",
              "more tokens than the queue holds": "more than the queue ever holds (200", "one frame": "at least 2",
              "corrupt frames": "cannot be decoded at frame"}
     with live_server(_settings(tmp_path, max_wait_ms=300, max_queue_tokens=200), tiny_model) as (url, app):

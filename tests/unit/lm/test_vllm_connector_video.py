@@ -13,10 +13,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from service.media.params import VideoLimits, VideoParams
-from service.media.video import read_header, sample_indices, timestamps
+from service.media.video import clip_size, decode_frames, read_header, sample_indices, timestamps
+from service.media.video_preprocess import plan_video, video_grid
 
 av = pytest.importorskip("av", reason="PyAV makes the clips (a base dependency)")
 
@@ -95,3 +97,52 @@ def test_what_breaks_the_agreement(vllm_loaded):
     assert all(g != o for g, o in zip(generic, ours))
     one_fps = [_encoder(*clip, VideoParams(fps=1.0))[1] for clip in CLIPS]
     assert [got["indices"] for got in vllm_loaded["defaults"]] != one_fps
+
+
+VLLM_ROTATED = r"""
+import base64, json, sys
+import numpy as np
+from tests.support import videodata as vd
+from vllm.multimodal.media.connector import MediaConnector
+
+connector = MediaConnector(media_io_kwargs=json.loads(sys.argv[2]))
+out = {}
+for degrees in json.loads(sys.argv[1]):
+    url = "data:video/mp4;base64," + base64.b64encode(vd.clip(rotation=degrees)).decode()
+    frames, meta = connector.fetch_video(url, video_processor="Qwen3VLVideoProcessor").media
+    out[str(degrees)] = frames
+    out[f"{degrees}-indices"] = np.array(meta["frames_indices"])
+np.savez(sys.argv[3], **out)
+"""
+
+
+def test_a_rotated_video_is_turned_as_vllms_loader_turns_it(tmp_path):
+    """A phone's portrait clip (landscape frames, a display matrix of 90 degrees) was encoded as stored, grid
+    [3, 8, 12], where vLLM's loader (OpenCV) turns its frames upright, [3, 12, 8]: the same token count and
+    transposed positions. Now the encoder's frames are vLLM's, and so the grid, for each quarter turn."""
+    from tests.support import videodata as vd
+    from tests.support.vllm_env import vllm_video_env
+
+    turns = [90, -90, 180, 0]
+    out = tmp_path / "vllm.npz"
+    done = subprocess.run([sys.executable, "-c", VLLM_ROTATED, json.dumps(turns), json.dumps(PRESCRIBED), str(out)],
+                          env=vllm_video_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = np.load(out)
+    params = VideoParams()
+    for degrees in turns:
+        blob = vd.clip(rotation=degrees)
+        header = read_header(blob, VideoLimits())
+        plan = plan_video(header, params)
+        ours = decode_frames(blob, header, list(plan.indices), VideoLimits())
+        frames = theirs[str(degrees)]
+        assert theirs[f"{degrees}-indices"].tolist() == list(plan.indices)
+        assert ours.shape == frames.shape, (degrees, ours.shape, frames.shape)
+        # (one FFmpeg decode and RGB conversion on both sides here: the same bytes)
+        assert np.array_equal(ours, frames), (degrees, np.abs(ours.astype(int) - frames).max())
+        # vLLM's processor sizes the clip from the frames it is given: its grid is the encoder's.
+        n, h, w, _ = frames.shape
+        assert clip_size(n, h, w, params) == (plan.height, plan.width)
+        assert video_grid(n, *clip_size(n, h, w, params), params) == plan.grid_thw
+    assert plan_video(read_header(vd.clip(rotation=90), VideoLimits()), params).grid_thw == (3, 12, 8)
+    assert plan_video(read_header(vd.clip(), VideoLimits()), params).grid_thw == (3, 8, 12)

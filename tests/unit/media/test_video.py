@@ -23,7 +23,7 @@ import torch
 from service.errors import http_status, VideoError
 from service.media.params import VideoLimits, VideoParams
 from service.media.video import clip_size, decode_frames, read_header, sample_indices, timestamps, video_size
-from service.media.video_preprocess import patchify_video, resize_frames, video_grid, video_lut
+from service.media.video_preprocess import patchify_video, prepare_video, resize_frames, video_grid, video_lut
 from tests.support import imagedata as data, videodata as vd
 from tests.support.errors import raises_code
 
@@ -120,11 +120,84 @@ def test_a_truncated_file_and_a_decode_past_its_deadline_are_clear_errors():
     blob = vd.clip("mpeg4", "avi")
     header = read_header(blob, VideoLimits())
     cut = blob[: len(blob) // 2]  # (AVI's index is at the end: the header still reads as whole)
-    with pytest.raises(VideoError) as e:
+    with raises_code(VideoError, "truncated_video", match="ends after") as e:
         decode_frames(cut, header, sample_indices(header.frames, header.fps, VideoParams()), VideoLimits())
-    assert e.value.code in ("truncated_video", "corrupt_video", "not_a_video") and http_status(e.value) == 422 and ("ends after" in e.value.message or "cannot" in e.value.message)
+    assert http_status(e.value) == 422
     with raises_code(VideoError, "video_too_long", match="decoding the video took over 0 s"):
         decode_frames(blob, header, [0, 23], VideoLimits(max_decode_s=0))
+
+
+@pytest.mark.parametrize("codec,container", [("libx264", "mp4"), ("libx264", "mov"), ("libvpx-vp9", "webm"),
+                                             ("mpeg4", "matroska"), ("mpeg4", "avi")])
+def test_a_file_cut_short_is_truncated_video_wherever_it_is_cut(codec, container):
+    """An MP4 or MOV cut anywhere has lost its index (written last): FFmpeg refuses it as it refuses bytes
+    that are no video, and it was answered `not_a_video`; the container's own sizes tell that the file goes
+    on past its end. Cut in its header or in its frames, every container is `truncated_video`."""
+    blob = vd.clip(codec, container)
+    for frac in (0.05, 0.3, 0.5, 0.9):
+        cut = blob[: int(len(blob) * frac)]
+        with raises_code(VideoError, "truncated_video", match="cut short|ends after") as e:
+            header = read_header(cut, VideoLimits())
+            decode_frames(cut, header, sample_indices(header.frames, header.fps, VideoParams()), VideoLimits())
+        assert http_status(e.value) == 422, (container, frac)
+    if container in ("mp4", "mov"):  # cut inside the index itself (FFmpeg then had a stream without a codec: a 500)
+        with raises_code(VideoError, "truncated_video", match="its 'moov' box runs to byte"):
+            read_header(blob[:-400], VideoLimits())
+
+
+def test_garbage_that_only_starts_like_a_container_is_not_a_video():
+    for blob in (b"\x00\x00\x00\x20ftypisom" + b"\x00" * 1000, b"RIFF\x10\x00\x00\x00AVI " + b"\x07" * 8,
+                 b"\x1a\x45\xdf\xa3" + b"\x00\x01" * 1000):
+        with raises_code(VideoError, "not_a_video"):
+            read_header(blob, VideoLimits())
+
+
+def test_a_matroska_file_with_two_video_streams_is_its_first_streams_video():
+    """The first video stream is the video. Its length was the container's, which is its longest track's:
+    a 24-frame stream beside a 48-frame one was promised 48 frames and answered `truncated_video`."""
+    blob = vd.two_streams(first=24, second=48)
+    header = read_header(blob, VideoLimits())
+    assert (header.width, header.height, header.frames, header.duration_s) == (160, 120, 24, 3.0)
+    idx = sample_indices(header.frames, header.fps, VideoParams())
+    frames = decode_frames(blob, header, idx, VideoLimits())
+    with av.open(io.BytesIO(blob)) as c:
+        first = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(first) == 24 and all(np.array_equal(frames[k], first[i]) for k, i in enumerate(idx))
+    # The longer stream first: its 48 frames, sampled over its own length.
+    longer = vd.two_streams(first=48, second=24)
+    assert read_header(longer, VideoLimits()).frames == 48
+
+
+def test_every_decoded_frame_is_held_to_the_frame_size_limit_not_only_the_sampled_ones():
+    """The header tells the first frame's size; a stream can change size later. Frames 1-4 here are 320x240 in
+    a 160x120 stream, and none of them is sampled (0, 5, 9, 14, 18, 23): each is still decoded, and is over a
+    limit of 160 x 120 pixels."""
+    sizes = ((160, 120),) + ((320, 240),) * 4 + ((160, 120),) * 19
+    blob = vd.size_change(sizes)
+    limits = VideoLimits(max_frame_pixels=160 * 120)
+    header = read_header(blob, limits)
+    idx = sample_indices(header.frames, header.fps, VideoParams())
+    assert (header.width, header.height) == (160, 120) and not set(idx) & {1, 2, 3, 4}
+    with raises_code(VideoError, "video_too_large", match="frame 1 is 320x240 .*the limit is 19200 pixels a frame") as e:
+        decode_frames(blob, header, idx, limits)
+    assert http_status(e.value) == 413
+    assert decode_frames(blob, header, idx, VideoLimits()).shape == (6, 120, 160, 3)  # (under the default limit)
+
+
+@pytest.mark.parametrize("degrees", [90, -90, 180])
+def test_a_display_matrix_turns_every_frame_upright(degrees):
+    """A phone's portrait video: landscape frames and a display matrix that turns them. The header gives the
+    upright size, the frames come upright (np.rot90 of the stored ones, counterclockwise by the matrix's
+    angle), as vLLM's loader gives them (tests/unit/lm/test_vllm_connector_video.py)."""
+    plain, turned = vd.clip(), vd.clip(rotation=degrees)
+    header = read_header(turned, VideoLimits())
+    assert header.rotation == degrees % 360
+    assert (header.width, header.height) == ((120, 160) if degrees % 180 else (160, 120))
+    assert header.coded_size == (160, 120)
+    idx = sample_indices(header.frames, header.fps, VideoParams())
+    stored = decode_frames(plain, read_header(plain, VideoLimits()), idx, VideoLimits())
+    frames = decode_frames(turned, header, idx, VideoLimits())
+    assert np.array_equal(frames, np.rot90(stored, degrees // 90, axes=(1, 2)))
 
 
 def _transformers_video_module():
@@ -272,6 +345,9 @@ def test_the_whole_path_equals_transformers_video_processor(case):
     resized = resize_frames(frames[idx], h, w)
     assert list(resized.shape) == ref["resized_shape"]
     assert hashlib.sha256(resized.tobytes()).hexdigest() == ref["resized_sha256"]
+    # The service's path: each frame resized as it is decoded, the same bytes.
+    prepared = prepare_video(blob, header, params, VideoLimits()).frames[: len(idx)]
+    assert hashlib.sha256(prepared.tobytes()).hexdigest() == ref["resized_sha256"]
     pixels = patchify_video(torch.from_numpy(resized), torch.from_numpy(video_lut(params)), params).numpy()
     assert list(video_grid(len(idx), h, w, params)) == ref["video_grid_thw"]
     assert list(pixels.shape) == ref["pixel_values_shape"]

@@ -8,6 +8,11 @@ tests/unit/media/test_video.py compares the whole path with the processor itself
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,6 +105,34 @@ def test_resize_of_a_portrait_clip_and_a_non_uniform_scale():
         assert np.array_equal(resize_frames(frames, *size), _tv_resize_cpu(frames, *size)), size
 
 
+@pytest.mark.parametrize("codec,container,size", [("libx264", "mp4", (96, 128)), ("libx264", "mp4", (192, 256)),
+                                                  ("libvpx-vp9", "webm", (224, 160)), ("mpeg4", "avi", (32, 32))])
+def test_resizing_frame_by_frame_gives_the_bytes_of_resizing_the_clip_at_once(codec, container, size):
+    """prepare_video resizes each frame as it is decoded (never all the full frames at once); torchvision
+    resizes the stacked clip. torch's uint8 kernel treats each frame of the batch on its own: the same bytes."""
+    frames = _frames(codec, container)
+    one_by_one = np.stack([resize_frames(f[None], *size)[0] for f in frames])
+    assert np.array_equal(one_by_one, resize_frames(frames, *size))
+    assert np.array_equal(one_by_one, _tv_resize_cpu(frames, *size))
+
+
+def test_prepare_video_is_decode_then_resize_of_the_sampled_frames():
+    from service.media.video import sample_indices
+    from service.media.video_preprocess import plan_video, prepare_video
+
+    for blob in (vd.clip(), vd.clip("libvpx-vp9", "webm", width=200, height=150, fps=12, frames=31)):
+        header = read_header(blob, VideoLimits())
+        for params in (VideoParams(), VideoParams(fps=3.0, min_pixels=65536, max_pixels=131072)):
+            plan = plan_video(header, params)
+            idx = list(plan.indices)
+            whole = resize_frames(decode_frames(blob, header, idx, VideoLimits()), plan.height, plan.width)
+            video = prepare_video(blob, header, params, VideoLimits())
+            assert idx == sample_indices(header.frames, header.fps, params)
+            assert video.frames.shape == (plan.frames, plan.height, plan.width, 3) and video.frames.nbytes == plan.nbytes
+            assert np.array_equal(video.frames[: len(idx)], whole)
+            assert (video.frames[len(idx):] == whole[-1]).all()  # an odd count padded with the last frame
+
+
 @pytest.mark.parametrize("n", [4, 5, 1])
 @pytest.mark.parametrize("params", [VideoParams(), CLIP_NORM], ids=["qwen3vl", "clip-mean-std"])
 def test_patchify_video_equals_transformers_patchify_of_the_normalized_frames(n, params):
@@ -142,3 +175,47 @@ def test_patchify_video_writes_into_out_and_refuses_bad_input_as_bugs():
         patchify_video(frames.float(), lut, p)
     with pytest.raises(AssertionError, match="out must be a contiguous"):
         patchify_video(frames, lut, p, out=torch.empty((16, 768)))
+
+
+# A decode in a process of its own: its resident set before, and its peak during the decode (VmHWM, the
+# kernel's high-water mark, reset first through clear_refs: every moment of the decode counts, not only what is
+# left when it ends, and not the imports' own peak before it).
+_DECODE_PEAK = r"""
+import json, re, sys
+from service.media.params import VideoLimits, VideoParams
+from service.media.video import read_header
+from service.media.video_preprocess import prepare_video, warm
+
+def status(field):
+    return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+warm()  # PyAV and torch imported and one small resize run: the process's own, not the decode's
+blob = open(sys.argv[1], "rb").read()
+header = read_header(blob, VideoLimits())
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak starts again from the resident set now
+before = status("VmRSS")
+video = prepare_video(blob, header, VideoParams(), VideoLimits())
+print(json.dumps({"before": before, "peak": status("VmHWM"), "frames": list(video.frames.shape)}))
+"""
+
+
+def test_a_small_4k_clip_of_100_sampled_frames_decodes_in_the_memory_of_a_few_frames(tmp_path):
+    """A 66 KB file of 100 4K frames, every one of them sampled (100 s at 1 fps: the processor's 2 fps asks for
+    200, capped at the 100 there are), is 2.5 GB of RGB frames at full size. Each frame is resized as it is
+    decoded, so the decode holds a few full frames (FFmpeg's own, one RGB frame) and the small resized clip."""
+    blob = vd.still_clip(3840, 2160, frames=100, fps=1)
+    assert len(blob) < 200_000
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(blob)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "kernels")])}
+    done = subprocess.run([sys.executable, "-c", _DECODE_PEAK, str(path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    assert peak["frames"] == [100, 64, 96, 3]  # (the default clip bound: 786,432 pixels for the whole clip)
+    frame = 3840 * 2160 * 3
+    grew = peak["peak"] - peak["before"]
+    print(f"the decode's peak grew by {grew / 1e6:.0f} MB; every full frame held would be {100 * frame / 1e6:.0f} MB")
+    assert grew < 100 * frame / 5, f"the decode's peak resident set grew by {grew / 1e6:.0f} MB ({grew / frame:.1f} full frames)"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.media.params import ImageLimits, PreprocessParams
-from service.config import Settings
+from service.media.params import ImageLimits, PreprocessParams, VideoLimits
+from service.config import Settings, usable_cores
 from service.errors import http_status, ImageError, Overloaded, Unavailable, VideoError
 from service.media.images import prepare_image, read_header
 from service.metrics import Metrics
@@ -262,3 +262,130 @@ def test_with_warm_video_both_decoders_import_the_video_path_before_the_first_vi
     finally:
         decoders._warm_video = real
         asyncio.run(arena_decoder.shutdown())
+
+
+def test_the_video_gate_lets_as_many_videos_decode_as_its_slots_and_bytes_allow():
+    gate = decoders.VideoGate(slots=2, max_bytes=100)
+    order: list[str] = []
+
+    async def video(name: str, nbytes: int, release: asyncio.Event) -> None:
+        async with gate.hold(nbytes):
+            order.append(name)
+            await release.wait()
+
+    async def main():
+        a, b, c = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(video("a", 60, a)), asyncio.create_task(video("b", 30, b)),
+                 asyncio.create_task(video("c", 50, c))]
+        await asyncio.sleep(0.05)
+        assert order == ["a", "b"] and (gate.running, gate.held) == (2, 90)  # c waits: 140 bytes, and no slot
+        b.set()
+        await asyncio.sleep(0.05)
+        assert order == ["a", "b"] and (gate.running, gate.held) == (1, 60)  # a slot, but 110 bytes: still waits
+        a.set()
+        await asyncio.sleep(0.05)
+        assert order == ["a", "b", "c"] and (gate.running, gate.held) == (1, 50)
+        c.set()
+        await asyncio.gather(*tasks)
+        assert (gate.running, gate.held) == (0, 0)
+        with raises_code(VideoError, "video_too_large", match="--video-max-process-bytes"):
+            async with gate.hold(101):
+                pass
+        waiting = asyncio.create_task(video("d", 100, asyncio.Event()))
+        async with gate.hold(10):  # a waiter cancelled (its client gone) leaves nothing held
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (gate.running, gate.held, gate._waiters, order[-1]) == (0, 0, [], "c")
+
+    asyncio.run(main())
+
+
+# Video decodes in decode processes (module functions: a pool pickles them by name); `progress` is what
+# prepare_video calls for every frame it decodes.
+def _frames_for(seconds: float, progress) -> str:
+    """A long video: a frame every 50 ms, for `seconds`, no CPU to speak of."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        progress()
+    return "decoded"
+
+
+def _frames_then_stuck(progress) -> str:
+    """A video whose decode stops making progress (no frame, no CPU) after a few frames."""
+    for _ in range(3):
+        progress()
+    time.sleep(300)
+    return "never"
+
+
+def _frames_then_spin(progress) -> int:
+    """A video stuck in one frame's decode that burns CPU (past any deadline checked between frames)."""
+    progress()
+    return _spin(120.0)
+
+
+def test_a_video_that_decodes_frames_is_not_a_stuck_pool_and_one_that_stops_is_ended():
+    """The stall watch took a pool whose decodes had all run for --decode-stall-s without one finishing for stuck:
+    two 4K videos on a pool of two were answered 503 at 30.5 s although --video-max-decode-s was 60. Every frame
+    a video decodes is progress now: one that goes on past the stall limit is answered; one that stops
+    decoding frames is ended at it (503, its pool replaced), and one that burns CPU in a frame past its CPU
+    budget is a 413 (`video_too_long`)."""
+    import functools
+
+    stall_s = 2.0
+    decoder = decoders.PoolDecoder(2, ImageLimits(), stall_s=stall_s, video_slots=1)
+
+    def video(fn, *args, cpu_s=None):
+        return decoder._in_pool(functools.partial(fn, progress=decoders._progress), *args, cpu_s=cpu_s, video=True)
+
+    async def main():
+        await asyncio.to_thread(decoder._started[2].result, 90)
+        start = time.monotonic()
+        assert await asyncio.wait_for(video(_frames_for, 3 * stall_s), 90) == "decoded"
+        assert time.monotonic() - start > 3 * stall_s  # (three times the stall limit, and answered)
+        first_pool = decoder.pool
+        start = time.monotonic()
+        with pytest.raises(Unavailable, match="stopped answering"):
+            await asyncio.wait_for(video(_frames_then_stuck), 90)
+        assert stall_s < time.monotonic() - start < stall_s + 30 and decoder.pool is not first_pool
+        with raises_code(VideoError, "video_too_long", match="over 0.5 s of CPU, past its limit .*--video-max-decode-s") as e:
+            await asyncio.wait_for(video(_frames_then_spin, cpu_s=0.5), 90)
+        assert http_status(e.value) == 413
+        assert await asyncio.wait_for(decoder._in_pool(_nap, 0.0), 90) == "decoded"  # a new pool serves
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(decoder.shutdown())
+
+
+def test_a_video_decode_past_its_cpu_budget_ends_with_its_process_and_is_a_413():
+    """A video's decode process has a CPU budget, as an image's has: --video-max-decode-s on every core (its
+    decoder's threads use them all) and the grace. A frame that never finishes decoding never reaches the
+    deadline checked between frames; the kernel ends its process instead. Here the budget (a millisecond of
+    deadline) runs out inside the first frames of a 4K clip, before that check can answer."""
+    pytest.importorskip("av")
+    from service.media.params import VideoParams
+    from service.media.video import read_header as read_video_header
+    from tests.support import videodata as vd
+
+    decoder = decoders.PoolDecoder(1, ImageLimits(), video_limits=VideoLimits(max_decode_s=0.001), kill_grace_s=0.0)
+    assert decoder.video_cpu_s() == 0.001 * usable_cores()
+    blob = vd.still_clip(3840, 2160, frames=100, fps=1)
+    header = read_video_header(blob, VideoLimits())
+
+    async def main():
+        await decoder.start(PreprocessParams(), warm_video=True)  # (the imports are not the decode's CPU)
+        first_pool = decoder.pool
+        with raises_code(VideoError, "video_too_long", match="of CPU, past its limit") as e:
+            await asyncio.wait_for(decoder.decode_video(blob, header, VideoParams()), 90)
+        assert http_status(e.value) == 413 and decoder.pool is not first_pool
+        assert await asyncio.wait_for(decoder._in_pool(_nap, 0.0), 90) == "decoded"  # a new pool serves
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(decoder.shutdown())
