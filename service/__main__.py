@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
                       help="how long to wait for a server still starting")
 
-    from service.store.options import default_store_dir
+    from service.store.options import MOONCAKE_TIMEOUT_S, default_store_dir
 
     consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "mooncake://MASTER_HOST:RPC_PORT (the encoder's pool)")
     consume.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
                          help="with a mooncake:// store: the address the pool's hosts reach this one at")
+    consume.add_argument("--mooncake-timeout-s", type=_positive(float), default=MOONCAKE_TIMEOUT_S, metavar="SECONDS",
+                         help="with a mooncake:// store: the longest one read may take; a read past it is a miss "
+                         "(the image is asked of the encoder once more)")
     consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                          help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
