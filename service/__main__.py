@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
                       help="how long to wait for a server still starting")
 
-    from service.store.options import default_store_dir
+    from service.store.options import MOONCAKE_TIMEOUT_S, default_store_dir
 
     consume = sub.add_parser(
         "consume", help="run the LM consumer: OpenAI-style chat answered from the store",
@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "mooncake://MASTER_HOST:RPC_PORT (the encoder's pool)")
     encoder.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
                          help="with a mooncake:// store: the address the pool's hosts reach this one at")
+    encoder.add_argument("--mooncake-timeout-s", type=_positive(float), default=MOONCAKE_TIMEOUT_S, metavar="SECONDS",
+                         help="with a mooncake:// store: the longest one read may take; a read past it is a miss "
+                         "(the image is asked of the encoder once more)")
     limits = consume.add_argument_group("Request limits")
     limits.add_argument("--max-prompt-tokens", type=_positive(int), default=32768, metavar="N",
                         help="the longest prompt, counted after tokenising (text, chat markup, one token per image "

@@ -23,7 +23,7 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.media.params import ImageLimits, VideoLimits
-from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_SCHEME, MooncakeOptions, StoreOptions, default_store_dir, parse_mooncake
+from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_SCHEME, MOONCAKE_START_WAIT_S, MOONCAKE_TIMEOUT_S, MooncakeOptions, StoreOptions, default_store_dir, parse_mooncake
 
 
 def default_compile_cache() -> Path:
@@ -244,6 +244,14 @@ class Settings(BaseSettings):
                                            "default this service's own (vLLM's v3 form, from the model and its "
                                            "preprocessing); set it to the namespace a vLLM deployment computes to "
                                            "share entries with it")
+    mooncake_timeout_s: float = Field(MOONCAKE_TIMEOUT_S, gt=0, description="with --store mooncake://...: the "
+                                      "longest one Mooncake call may take before it counts as failed: a read's (a "
+                                      "stored entry's, from a host that does not answer) is a miss and the image is "
+                                      "encoded again, a lookup's or a write's a 503 (a host that is stopped would "
+                                      "hold a read for up to a minute)")
+    mooncake_start_wait_s: float = Field(MOONCAKE_START_WAIT_S, ge=0, description="with --store mooncake://...: how "
+                                         "long start-up waits for the master to answer (one started beside this "
+                                         "service, or restarted) before it gives up")
 
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
@@ -520,7 +528,8 @@ class Settings(BaseSettings):
         if self.store_is_mooncake:
             mooncake = MooncakeOptions(master=parse_mooncake(self.store), local_host=self.mooncake_local_host,
                                        segment_bytes=self.mooncake_segment_bytes, buffer_bytes=MOONCAKE_BUFFER_BYTES,
-                                       protocol=self.mooncake_protocol, namespace=self.mooncake_namespace)
+                                       protocol=self.mooncake_protocol, namespace=self.mooncake_namespace,
+                                       timeout_s=self.mooncake_timeout_s)
         return StoreOptions(root=self.store, mooncake=mooncake, capacity_bytes=self.store_capacity_bytes,
                             group=self.store_group, min_residency_s=self.store_min_residency_s,
                             writers=self.store_writers)

@@ -15,7 +15,7 @@ from service.config import Settings, env_name, format_size, is_size
 # exactly one).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('Model and device', ('model', 'device', 'devices', 'dtype', 'fp8_bf16_blocks', 'fp8_gemms', 'seed', 'min_pixels', 'max_pixels',)),
-    ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace',)),
+    ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace', 'mooncake_timeout_s', 'mooncake_start_wait_s',)),
     ('HTTP serving', ('host', 'port', 'header_timeout_s', 'body_timeout_s', 'keep_alive_s', 'max_connections',)),
     ('Security: API keys and image URLs', ('api_key', 'api_key_metrics', 'allowed_url_hosts', 'allow_private_url_addresses', 'url_timeout_s',)),
     ('Request limits', ('max_images_per_request', 'max_request_bytes', 'max_image_bytes', 'max_input_pixels', 'max_jpeg_scans', 'decode_timeout_s', 'video_max_bytes', 'video_max_duration_s', 'video_max_frames', 'video_max_frame_pixels', 'video_max_decode_s', 'video_max_request_bytes', 'video_max_process_bytes',)),

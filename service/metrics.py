@@ -71,6 +71,10 @@ class Metrics:
         self.store_bytes = Gauge("qve_store_bytes", "Bytes held by the embedding store", registry=r)
         self.store_items = Gauge("qve_store_items", "Items held by the embedding store", registry=r)
         self.store_evictions = Gauge("qve_store_evictions", "LRU evictions since start", registry=r)
+        self.store_timeouts = Counter("qve_store_timeouts", "Store calls past their deadline (--mooncake-timeout-s), "
+                                      "by call: a lookup's or a read's is a miss (encoded again), a write's a 503",
+                                      ["call"], registry=r)
+        self._store_timeouts_seen: dict[str, int] = {}
         self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (summed over "
                                  "the API processes; 0 in a single-process service)", registry=r,
                                  multiprocess_mode="livesum")  # a dead API process's cells are gone with it
@@ -120,6 +124,9 @@ class Metrics:
         self.store_bytes.set(stats.bytes_used)
         self.store_items.set(stats.entries)
         self.store_evictions.set(stats.evictions)
+        for call, n in stats.timeouts.items():  # (the store counts; the counter follows it)
+            self.store_timeouts.labels(call=call).inc(n - self._store_timeouts_seen.get(call, 0))
+            self._store_timeouts_seen[call] = n
         self.dropped.set(batcher.stats.dropped)
 
 

@@ -188,7 +188,7 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
 
     stayed = False
     try:
-        claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens) for k, i in firsts.items()),
+        claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens, inputs[i].video) for k, i in firsts.items()),
                                       return_exceptions=True)
         for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
             if isinstance(c, KeyConflict):

@@ -154,10 +154,10 @@ class EngineClient:
             raise errors.from_code(answer.code, answer.message, answer.retry_after_s)
         return answer, later
 
-    async def claim(self, key: str, sha256: str, tokens: int) -> Claimed:
+    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False) -> Claimed:
         """Hit (stored already) | Pending (joined an identical image in flight) | Grant (decode it, then
-        `submit` under this grant). `tokens`: the image's output tokens by its header."""
-        msg = Claim(next(self._ids), key, sha256, tokens)
+        `submit` under this grant). `tokens`: the image's output tokens by its header; `video`: a video part."""
+        msg = Claim(next(self._ids), key, sha256, tokens, video)
         answer, later = await self._ask(msg, keep_result=True)
         if isinstance(answer, Joined):
             return Pending(msg.id, self._item(later), coalesced=True)
@@ -275,8 +275,8 @@ class EngineRouter:
     async def connect(self) -> None:
         await asyncio.gather(*(c.connect() for c in self.clients))
 
-    async def claim(self, key: str, sha256: str, tokens: int) -> Claimed:
-        return await self.route(key).claim(key, sha256, tokens)
+    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False) -> Claimed:
+        return await self.route(key).claim(key, sha256, tokens, video)
 
     async def submit(self, grant: int, key: str, sha256: str, geometry: Geometry,
                      pixels: Cell | np.ndarray) -> Hit | Pending:

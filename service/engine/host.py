@@ -210,7 +210,8 @@ class EngineHost:
         try:
             if isinstance(found, Exception):
                 raise found
-            entry = self._stored(found, msg.sha256)
+            video = msg.video if isinstance(msg, Claim) else msg.geometry.video is not None
+            entry = self._stored(found, msg.sha256, video)
         except Exception as e:
             drop()
             self._fail(conn, msg, e)
@@ -220,11 +221,13 @@ class EngineHost:
         except Exception as e:
             self._fail(conn, msg, e)
 
-    def _stored(self, hit: StoredItem | None, sha256: str) -> StoredItem | None:
+    def _stored(self, hit: StoredItem | None, sha256: str, video: bool) -> StoredItem | None:
         if hit is None or hit.content_sha256 is None:
             return None
         if hit.content_sha256 != sha256:
             raise KeyConflict("in the store")
+        if (hit.video is not None) != video:  # the same bytes (a GIF, say) as the other kind: other embeddings
+            raise KeyConflict(f"in the store, as {'an image' if hit.video is None else 'a video'}")
         self.metrics.cache_hits.inc()
         return hit
 
@@ -238,7 +241,7 @@ class EngineHost:
             return
         joined = self.batcher.join(msg.key)  # an identical image already queued or running: no decode
         if joined is not None:
-            if joined.payload.content_sha256 != msg.sha256:
+            if joined.payload.content_sha256 != msg.sha256 or isinstance(joined.payload.image, PreparedVideo) != msg.video:
                 joined.cancel()
                 raise KeyConflict("being encoded for another request")
             self.metrics.coalesced.inc()

@@ -6,7 +6,7 @@ travel in a message: a Submit names an arena cell (socket) or comes with the pix
 (in process).
 
     API side -> host                    host -> API side
-    Claim(id, key, sha256, tokens)      Hit(id, item) | Joined(id) | Grant(id) | Failed(id, ...)
+    Claim(id, key, sha256, ...)         Hit(id, item) | Joined(id) | Grant(id) | Failed(id, ...)
     Submit(id, grant, key, ...)         Hit(id, item) | Queued(id) | Failed(id, ...); after Queued,
                                         Result(id, item) | Failed(id, ...)
     Cancel(id)  (a grant or a wait)     (nothing: the waiter has gone)
@@ -62,6 +62,7 @@ class Claim(msgspec.Struct, tag=True):
     key: str
     sha256: str  # of the image's encoded bytes (a uuid bound to other bytes is a conflict)
     tokens: int  # output tokens by the image's header: what its queue place counts
+    video: bool = False  # a video part: an image's entry under the same key (a uuid) is no hit for it
 
 
 class Submit(msgspec.Struct, tag=True):

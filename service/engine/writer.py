@@ -198,8 +198,15 @@ class Writer:
         """Write one image's embeddings and answer its waiters (result or error, exactly once)."""
         if pending is None:
             return  # answered by _reserve
+
+        def answer(outcome: StoredItem | Exception) -> None:  # (an error: a write past the store's deadline)
+            if isinstance(outcome, Exception):
+                self._store_failed(item, outcome)
+            else:
+                self.batcher.finish(item, result=outcome)
+
         try:  # answered as soon as the entry is published, before the store tidies up after it
-            self.store.commit(pending, rows, answer=lambda stored: self.batcher.finish(item, result=stored))
+            self.store.commit(pending, rows, answer=answer)
         except Exception as e:  # (raised before the answer: commit raises nothing after it)
             self._store_failed(item, e)
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.store.options import MOONCAKE_SCHEME, parse_mooncake
+from service.store.options import MOONCAKE_SCHEME, MOONCAKE_TIMEOUT_S, parse_mooncake
 from service.store.format import FILE_NAME, open_entry, read_open_ec_cache
 from service.store.keys import is_store_key
 from service.store.reader import Reader, open_reader
@@ -48,6 +49,9 @@ class EntryOptions:
     mooncake_namespace: str | None = None  # the encoders' namespace (their --mooncake-namespace)
     mooncake_local_host: str = "127.0.0.1"  # the address the pool's hosts reach this one at
     mooncake_protocol: str = "tcp"  # "tcp" | "rdma"
+    # The longest one Mooncake call may take (the encoders' --mooncake-timeout-s): the check runs in vLLM's
+    # scheduler loop, so a host that does not answer must cost it this, not the transfer engine's minute.
+    mooncake_timeout_s: float = MOONCAKE_TIMEOUT_S
 
     @classmethod
     def from_config(cls, extra: dict) -> EntryOptions:
@@ -68,6 +72,8 @@ class EntryOptions:
                                  "store_key before '@id:')")
         if opts.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', not {opts.mooncake_protocol!r}")
+        if type(opts.mooncake_timeout_s) not in (int, float) or not opts.mooncake_timeout_s > 0:
+            raise ValueError(f"mooncake_timeout_s must be a number of seconds above 0, not {opts.mooncake_timeout_s!r}")
         return opts
 
 
@@ -80,6 +86,8 @@ class Held:
     hold: int  # the scheduler's id for what it keeps for this entry, reported back once loaded; 0: nothing
     handle: str | None = None  # directory: "/proc/<scheduler pid>/fd/<n>", the scheduler's open handle
     inode: tuple[int, int] | None = None  # directory: (st_dev, st_ino) of the file that handle holds
+    shape: tuple[int, int] | None = None  # Mooncake: the [rows, width] the check found, which the load must read
+    dtype: str | None = None  # Mooncake: likewise ("float32" | "float16" | "bfloat16")
 
 
 class DirectoryEntries:
@@ -147,19 +155,30 @@ class DirectoryEntries:
 
 
 class MooncakeEntries:
-    """Entries in Mooncake Store, held by the master's lease from check to load."""
+    """Entries in Mooncake Store, held by the master's lease from check to load.
 
-    def __init__(self, reader: Reader):
+    Anyone can write a pool's keys (Mooncake has no authentication) and a vLLM deployment shares the
+    namespace, so an entry is found only if it is whole and consistent: its companion parses, its value's
+    24-byte header and size agree with it (read from the value's host, without the tensor), and its dtype
+    is the namespace's. Anything else is not found, and vLLM encodes the image itself."""
+
+    def __init__(self, reader: Reader, namespace: str | None = None):
         self.reader = reader
+        dtype = re.search(r"@dtype:torch\.(\w+)@", namespace or "")
+        self.dtype = dtype.group(1) if dtype else None  # the deployment's, as its namespace names it
 
     @classmethod
     def open(cls, opts: EntryOptions) -> MooncakeEntries:
         return cls(open_reader(opts.store, namespace=opts.mooncake_namespace, local_host=opts.mooncake_local_host,
-                               protocol=opts.mooncake_protocol))
+                               protocol=opts.mooncake_protocol, timeout_s=float(opts.mooncake_timeout_s)),
+                   opts.mooncake_namespace)
 
     def hold(self, key: str) -> Held | None:
-        # NOTE: `exists` ends with the value's existence check, which takes the master's lease on it.
-        return Held(key, 0) if is_store_key(key) and self.reader.exists(key) else None
+        # NOTE: `entry` ends with the read of the value's header, which takes the master's lease on it.
+        meta = self.reader.entry(key) if is_store_key(key) else None
+        if meta is None or (self.dtype is not None and meta.dtype != self.dtype):
+            return None
+        return Held(key, 0, shape=(meta.num_tokens, meta.width), dtype=meta.dtype)
 
     def release(self, hold: int) -> None:
         pass  # (the lease runs out by itself)
@@ -169,7 +188,12 @@ class MooncakeEntries:
         return 0
 
     def load(self, held: Held) -> torch.Tensor:
-        return self.reader.read_ec_cache(held.key)
+        """The entry's tensor; KeyError if it is gone or is no longer what the check found."""
+        ec_cache = self.reader.read_ec_cache(held.key)
+        if tuple(ec_cache.shape) != held.shape or str(ec_cache.dtype).removeprefix("torch.") != held.dtype:
+            raise KeyError(f"{held.key}: a {held.dtype} {list(held.shape)} entry at the check, "
+                           f"{ec_cache.dtype} {list(ec_cache.shape)} at the load")
+        return ec_cache
 
     def close(self) -> None:
         self.reader.close()

@@ -137,18 +137,24 @@ class EncoderStoreConnector(ECConnectorBase):
         for load in meta.loads:
             key = load.held.key
             if key not in encoder_cache:  # (an earlier request's load, or vLLM's own encoding, put it there)
+                # NOTE: nothing raises out of here: this runs in vLLM's execute_model, and an exception there
+                # ends the engine core. An entry that cannot be used is left out of the encoder cache, and
+                # only that request fails ("Encoder cache miss").
                 try:
                     ec_cache = self._entries.load(load.held)
-                except KeyError:
-                    raise RuntimeError(f"the encoder store's entry {key!r} was there at vLLM's check and is gone at "
-                                       "its load (a Mooncake host lost with its segment, or a directory entry "
-                                       "evicted where the scheduler's handle cannot be reached)") from None
-                if ec_cache.shape[0] != load.num_tokens:
-                    log.warning("entry %r has %d rows where vLLM placed %d tokens: the encoder's and vLLM's "
-                                "preprocessing disagree (pixel limits; for a video, its frame sampling too: "
-                                "docs/vllm.md, 'Video'); give both the same checkpoint and settings",
-                                key, ec_cache.shape[0], load.num_tokens)
-                encoder_cache[key] = ec_cache.to(self._target_device())
+                except Exception as e:
+                    log.error("the encoder store's entry %r was there at vLLM's check and cannot be loaded now "
+                              "(%s: %s): a Mooncake host lost with its segment, an entry rewritten, or a directory "
+                              "entry evicted where the scheduler's handle cannot be reached", key, type(e).__name__, e)
+                    ec_cache = None
+                if ec_cache is not None and ec_cache.shape[0] != load.num_tokens:
+                    log.error("entry %r has %d rows where vLLM placed %d tokens: not loaded. The encoder's and "
+                              "vLLM's preprocessing disagree (pixel limits; for a video, its frame sampling too: "
+                              "docs/vllm.md, 'Video'); give both the same checkpoint and settings",
+                              key, ec_cache.shape[0], load.num_tokens)
+                    ec_cache = None
+                if ec_cache is not None:
+                    encoder_cache[key] = ec_cache.to(self._target_device())
             if load.held.hold:
                 self._loaded.add(load.held.hold)
 

@@ -21,13 +21,17 @@ from __future__ import annotations
 import ctypes
 import errno
 import importlib.util
+import logging
 import socket
+import time
 from pathlib import Path
 
-from service.store.options import parse_mooncake
+from service.store.options import MOONCAKE_START_WAIT_S, parse_mooncake
 from service.errors import StartupError, StoreOwnershipError
 from service.presets import check_model
 from service.store import lock_root
+
+log = logging.getLogger(__name__)
 
 
 def cuda_device_count() -> int:
@@ -89,20 +93,32 @@ def check_store(root: Path, group: str | None) -> None:
         raise StartupError(str(e)) from None
 
 
-def check_mooncake(url: str, timeout_s: float = 3.0) -> None:
+def check_mooncake(url: str, wait_s: float = MOONCAKE_START_WAIT_S, timeout_s: float = 3.0) -> None:
     """`--store mooncake://HOST:PORT`: Mooncake's client is installed here and its master answers a TCP
-    connection (its RPC port), so a wrong address fails now, in one line, not after the model loads."""
-    import importlib.util
+    connection (its RPC port) within `wait_s` (tried every half second), so a wrong address fails in one
+    line, not after the model loads.
 
+    NOTE: why wait: an orchestrator starts the master and the encoders together, or restarts a master
+    that died; an encoder that refused at once would exit and be restarted in a loop until it answers."""
     if importlib.util.find_spec("mooncake") is None:
         raise StartupError("--store mooncake://... needs Mooncake's client: pip install "
                            "'qwen3vl-encoder-service[mooncake]' (and Debian's libibverbs1 ibverbs-providers)")
     host, _, port = parse_mooncake(url).rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise StartupError(f"cannot reach the Mooncake master at {host}:{port} (--store {url}): "
-                           f"{e.strerror or e}; start mooncake_master there, or fix --store") from None
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise StartupError(f"cannot reach the Mooncake master at {host}:{port} (--store {url}) within "
+                                   f"{wait_s:g} s (--mooncake-start-wait-s): {e.strerror or e}; start "
+                                   "mooncake_master there, or fix --store") from None
+            if not said:
+                log.warning("the Mooncake master at %s:%s does not answer yet (%s): waiting up to %g s for it "
+                            "(--mooncake-start-wait-s)", host, port, e.strerror or e, wait_s)
+                said = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def check_tracing(endpoint: str | None) -> None:
@@ -131,7 +147,7 @@ def preflight(settings) -> socket.socket:
     sock = bind(settings.host, settings.port)
     try:
         if settings.store_is_mooncake:
-            check_mooncake(settings.store)
+            check_mooncake(settings.store, settings.mooncake_start_wait_s)
         else:
             check_store(settings.store, settings.store_group)
     except BaseException:

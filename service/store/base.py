@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.store.format import StoredEmbeddings, StoredItem, VideoMeta
@@ -54,6 +54,7 @@ class StoreStats:
     entries: int  # entries this store holds (Mooncake: that this engine wrote since it started)
     bytes_used: int
     evictions: int  # since start (Mooncake: the master evicts, unseen here: 0)
+    timeouts: dict[str, int] = field(default_factory=dict)  # store calls past their deadline since start, by kind
 
 
 def answered(value: StoredItem | None) -> Found:
@@ -76,9 +77,11 @@ class Store(Protocol):
         image): the backend may spend more now (a directory maps its file) to make the commit shorter."""
 
     def commit(self, pending: Any, ec_cache: torch.Tensor,
-               answer: Callable[[StoredItem], None] | None = None) -> StoredItem:
+               answer: Callable[[StoredItem | Exception], None] | None = None) -> StoredItem | None:
         """Write and publish one entry; `answer(item)` once it is published (before any tidying). On failure
-        it raises (before any answer) and the reservation is given up."""
+        it raises (before any answer) and the reservation is given up, except for a write past the store's
+        deadline (Mooncake): that one is answered `answer(error)` at the deadline, and commit returns (None)
+        once nothing reads `ec_cache` any more."""
 
     def commit_step(self, pendings: list, rows: list[torch.Tensor], answer: Answer) -> None:
         """Write a step's entries; answer(i, item or error) once for each, as each is published."""

@@ -21,6 +21,13 @@ MOONCAKE_SCHEME = "mooncake://"
 # A Mooncake client's local transfer buffer: staging for one step's puts and a consumer's reads (an
 # entry of a 1080p image at 32B-preset width is about 24 MB).
 MOONCAKE_BUFFER_BYTES = 64 * 1024**2
+# The longest a Mooncake call may take before it counts as failed (--mooncake-timeout-s): a read's is a
+# miss, a lookup's or a write's a 503. Loopback calls take a millisecond and a step's puts into this host's
+# own segment well under a second; a host that is stopped would hold a read for up to a minute.
+MOONCAKE_TIMEOUT_S = 5.0
+# How long a service starting waits for its master to answer (--mooncake-start-wait-s): one started beside
+# it, or restarted, answers within seconds; a wrong address fails after this.
+MOONCAKE_START_WAIT_S = 60.0
 _MOONCAKE_RE = re.compile(r"^mooncake://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\d{1,5})$")
 
 
@@ -43,6 +50,7 @@ class MooncakeOptions:
     buffer_bytes: int  # the client's local transfer buffer
     protocol: str  # "tcp" | "rdma"
     namespace: str | None  # None: this service's own (store/mooncake.py's default_namespace)
+    timeout_s: float = MOONCAKE_TIMEOUT_S  # the deadline of each Mooncake call (store/calls.py)
 
 
 @dataclass(frozen=True, kw_only=True)

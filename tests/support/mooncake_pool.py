@@ -7,6 +7,8 @@ and `start` again simulate its loss and return at the same address.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -76,3 +78,57 @@ class Master:
         r = httpx.get(f"http://{self.host.address}:{self.metrics_port}/get_all_segments", timeout=10)
         assert r.status_code == 200, r.text
         return [line.strip() for line in r.text.splitlines() if line.strip()]
+
+
+_SEGMENT_HOST = """
+import json, sys
+import torch
+from service.store.mooncake import MooncakeStore
+from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+spec = json.loads(sys.argv[1])
+options = MooncakeOptions(master=parse_mooncake(spec["url"]), local_host="127.0.0.1", segment_bytes=spec["segment"],
+                          buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=spec["namespace"])
+store = MooncakeStore(spec["url"], options, model_id=spec["model"], out_hidden_size=spec["out_hidden"],
+                      deepstack_levels=spec["levels"], dtype=spec["dtype"], min_residency_s=30.0, salt="host")
+for key, rows, sha, *grid in spec["entries"]:
+    torch.manual_seed(rows)
+    ec = torch.randn(rows, spec["width"]).to(getattr(torch, spec["dtype"]))
+    store.put(key, ec, tuple(grid[0]) if grid else (1, 2, 2 * rows), content_sha256=sha)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes it (or stops / kills this process)
+store.close()
+"""
+
+
+class SegmentHost:
+    """Another host of the pool: a process with a segment of its own into which it puts `entries` ([key,
+    rows, content sha256] and optionally its grid, else (1, 2, 2 * rows); rows of `width` seeded by their
+    count) as MooncakeStore puts them, then holds them until stopped. `stop()` (SIGSTOP: its sockets stay open, nothing answers), `resume()`, `kill()`."""
+
+    def __init__(self, url: str, log: Path, *, namespace: str, model: str, out_hidden: int, levels: int,
+                 dtype: str, entries: list, segment: int = 64 << 20):
+        import json
+        import sys
+
+        spec = {"url": url, "namespace": namespace, "model": model, "out_hidden": out_hidden, "levels": levels,
+                "width": out_hidden * (1 + levels), "dtype": dtype, "entries": entries, "segment": segment}
+        root = str(Path(__file__).resolve().parents[2])
+        self.proc = subprocess.Popen([sys.executable, "-c", _SEGMENT_HOST, json.dumps(spec)], cwd=root,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.kill()
+            raise AssertionError(f"the segment host did not start:\n{log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)

@@ -36,6 +36,7 @@ from tests.support.processes import IMAGES, wait_for
 pytestmark = pytest.mark.slow  # every test here needs the pool of four real processes
 
 SEGMENT = "64MiB"  # per encoder host: ample for the tiny checkpoint's entries (~20 KB each)
+TIMEOUT_S = 1.0  # every Mooncake call's deadline (--mooncake-timeout-s): what a host that does not answer costs
 # In a namespace of its own each process may take a fixed port (the namespace is empty); on loopback the
 # master's ports are found free (it has no port-0 mode) and the servers bind port 0 and report theirs.
 
@@ -55,7 +56,7 @@ class Pool:
         self.encoders[name] = ServiceProcess(
             ["serve", "--model", str(self.ckpt), "--device", "cpu", "--dtype", "float32", "--store", self.master.url,
              "--mooncake-local-host", host.address, "--mooncake-segment-bytes", SEGMENT, "--host", host.address,
-             "--decode-workers", "1", "--max-wait-ms", "5"],
+             "--decode-workers", "1", "--max-wait-ms", "5", "--mooncake-timeout-s", str(TIMEOUT_S)],
             self.tmp / f"{name}-{self.starts}.log", wait=False, prefix=host.prefix)
         return self.encoders[name]
 
@@ -122,6 +123,7 @@ def pool(tmp_path_factory, tiny_checkpoint, mooncake_master_binary):
             lm = hosts["lm"]
             p.consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", b.url,
                                          "--store", master.url, "--mooncake-local-host", lm.address,
+                                         "--mooncake-timeout-s", str(TIMEOUT_S),
                                          "--host", lm.address], tmp / "lm.log", wait=False, prefix=lm.prefix)
             for server in (a, b, p.consumer):
                 server.wait_ready()
@@ -239,6 +241,76 @@ def test_chat_on_a_third_host_equals_monolithic_generation(pool, tiny_checkpoint
     assert _grew(b0, _counters(b)) == {"steps": 0, "encoded": 0, "cached": len(blobs)}
 
 
+class HealthWatch:
+    """GET /health of some servers every 0.1 s on a thread of its own, each answer timed, until stopped:
+    the slowest answer of each (a timeout counts as 5 s) and every status seen."""
+
+    def __init__(self, *servers: ServiceProcess):
+        import threading
+
+        self.servers, self.slowest, self.statuses = servers, {s.url: 0.0 for s in servers}, {s.url: set() for s in servers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                for server in self.servers:
+                    t0 = time.monotonic()
+                    try:
+                        status = client.get(server.url + "/health").status_code
+                    except httpx.HTTPError as e:
+                        status = type(e).__name__
+                    self.slowest[server.url] = max(self.slowest[server.url], time.monotonic() - t0)
+                    self.statuses[server.url].add(status)
+                self._stop.wait(0.1)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(10)
+        return {url: round(s, 3) for url, s in self.slowest.items()}
+
+
+def test_a_stopped_host_costs_its_entries_a_re_encode_within_the_deadline_and_stalls_nothing_else(pool):
+    """Host a stopped (SIGSTOP: its sockets open, nothing answers), its entries in its own segment: b's
+    lookup of one of them reads from a's segment, and Mooncake would wait a minute for it. It is a miss
+    after --mooncake-timeout-s (b encodes the image again, counted), a fresh image posted meanwhile is
+    answered at once, and /health of b and of the consumer answers within 1 s throughout."""
+    a, b = pool.encoder("a"), pool.encoder("b")
+    pool.segment_mounted("a")
+    held = [_fresh(30), _fresh(31)]
+    r = _post(a, *held)
+    assert r.status_code == 200 and not any(i["cached"] for i in r.json()["items"]), r.text
+    text0 = httpx.get(b.url + "/metrics", timeout=30).text
+    watch = HealthWatch(b, pool.consumer)
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            t0 = time.monotonic()
+            stuck = ex.submit(_post, b, held[0])  # its lookup reads a's segment
+            time.sleep(0.3)
+            t1 = time.monotonic()
+            fresh = _post(b, _fresh(32))
+            fresh_s = time.monotonic() - t1
+            r = stuck.result(timeout=60)
+            stuck_s = time.monotonic() - t0
+        again = _post(b, held[0])  # now in b's own segment
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        slowest = watch.stop()
+    print(f"a stopped ({pool.hosts.mode}): a's entry on b {stuck_s:.2f} s, a fresh image meanwhile {fresh_s:.2f} s, "
+          f"slowest /health {slowest}")
+    assert r.status_code == 200 and r.json()["items"][0]["cached"] is False, r.text  # encoded again on b
+    assert fresh.status_code == 200 and fresh.json()["items"][0]["cached"] is False, fresh.text
+    assert again.status_code == 200 and again.json()["items"][0]["cached"] is True, again.text
+    assert stuck_s < TIMEOUT_S + 10 and fresh_s < 5, (stuck_s, fresh_s)
+    assert max(slowest.values()) < 1.0 and all(st == {200} for st in watch.statuses.values()), (slowest, watch.statuses)
+    grew = metric(httpx.get(b.url + "/metrics", timeout=30).text, "qve_store_timeouts_total", 'call="read"') - \
+        metric(text0, "qve_store_timeouts_total", 'call="read"')
+    assert grew >= 1, grew
+
+
 def _refused_while_master_is_gone(server: ServiceProcess, blob: bytes) -> dict:
     t0 = time.monotonic()
     r = _post(server, blob)
@@ -246,27 +318,41 @@ def _refused_while_master_is_gone(server: ServiceProcess, blob: bytes) -> dict:
     ready = httpx.get(server.url + "/ready", timeout=60)
     health = httpx.get(server.url + "/health", timeout=60)
     return {"status": r.status_code, "code": r.json()["error"]["code"] if r.status_code != 200 else None,
-            "retry_after": r.headers.get("retry-after"), "took_s": round(took, 1), "ready": ready.status_code,
+            "retry_after": r.headers.get("retry-after"), "took_s": round(took, 2), "ready": ready.status_code,
             "ready_body": ready.json(), "health": health.status_code}
 
 
 def test_master_stopped_is_503_with_retry_after_then_both_hosts_serve_again(pool):
+    """The master killed: once each host's probe has seen it gone (within --mooncake-timeout-s and a probe's
+    second), /encode answers 503 store_unavailable at once, never hangs; /health answers 503 within 1 s
+    throughout (it never waits on the store); and when the master is back both hosts serve again."""
     a, b = pool.encoder("a"), pool.encoder("b")
     before = _fresh(10)
     r = _post(a, before)
     assert r.status_code == 200 and r.json()["items"][0]["cached"] is False, r.text
+    watch = HealthWatch(a, b)
     pool.master.stop()
     try:
-        with ThreadPoolExecutor(2) as ex:
-            answers = list(ex.map(_refused_while_master_is_gone, (a, b), (_fresh(11), _fresh(12))))
-        print(f"master stopped ({pool.hosts.mode}): {answers}")
-        for got in answers:
-            assert got["status"] == 503 and got["code"] == "store_unavailable", got
-            assert int(got["retry_after"]) >= 1, got
-            assert got["ready"] == 503 and got["ready_body"]["phase"] == "store", got
-            assert "master" in got["ready_body"]["store_error"] and got["health"] == 503, got
+        t0 = time.monotonic()
+        for server in (a, b):  # each host's own probe notices: its /health says so
+            wait_for(lambda s=server: httpx.get(s.url + "/health", timeout=5).status_code == 503, 30,
+                     f"{server.url} /health 503")
+        noticed_s = time.monotonic() - t0
+        with ThreadPoolExecutor(4) as ex:
+            answers = list(ex.map(_refused_while_master_is_gone, (a, b, a, b), map(_fresh, (11, 12, 15, 16))))
+        time.sleep(1.5)  # a few more /health answers, with the master still gone
     finally:
+        slowest = watch.stop()
         pool.master.start()  # at the same address, as a restarted master would be
+    print(f"master stopped ({pool.hosts.mode}): noticed in {noticed_s:.2f} s; slowest /health {slowest}; {answers}")
+    for got in answers:
+        assert got["status"] == 503 and got["code"] == "store_unavailable", got
+        assert int(got["retry_after"]) >= 1, got
+        assert got["took_s"] < 1.0, got  # at once: no lookup waits on a master known to be gone
+        assert got["ready"] == 503 and got["ready_body"]["phase"] == "store", got
+        assert "master" in got["ready_body"]["store_error"] and got["health"] == 503, got
+    assert noticed_s < TIMEOUT_S + 5, noticed_s
+    assert max(slowest.values()) < 1.0 and all(st <= {200, 503} for st in watch.statuses.values()), (slowest, watch.statuses)
     t0 = time.monotonic()
     for server in (a, b):
         wait_for(lambda s=server: httpx.get(s.url + "/ready", timeout=60).status_code == 200, 60, f"{server.url} ready")

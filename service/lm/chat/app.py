@@ -95,8 +95,8 @@ class Chat:
         headers = {"authorization": f"Bearer {cfg.encoder_api_key}"} if cfg.encoder_api_key else None
         self.http = httpx.AsyncClient(base_url=cfg.encoder_url, timeout=cfg.encoder_timeout_s, headers=headers,
                                       transport=encoder_transport)
-        self.reader = open_reader(cfg.store, local_host=cfg.mooncake_local_host) if is_mooncake(cfg.store) else \
-            open_reader(cfg.store)
+        self.reader = open_reader(cfg.store, local_host=cfg.mooncake_local_host, timeout_s=cfg.mooncake_timeout_s) \
+            if is_mooncake(cfg.store) else open_reader(cfg.store)
         self.admission = Admission(cfg.max_waiting)
         self.turn = asyncio.Lock()  # one generation at a time, in arrival order (asyncio's lock is FIFO)
 
@@ -127,11 +127,13 @@ class Chat:
         items = await self.encode(parts) if parts else []
         out = []
         for part, item in zip(parts, items):
-            emb = self._read(item)
-            if emb is None:  # evicted (or its host lost) between the encoder's answer and this read: ask once more
+            # NOTE: off the event loop: a read is a transfer from the entry's host (Mooncake), and one from a
+            # host that does not answer waits for its deadline; on the loop it froze /health and every chat.
+            emb = await asyncio.to_thread(self._read, item)
+            if emb is None:  # evicted, its host lost or not answering, since the encoder's answer: ask once more
                 log.warning("store entry %s missing after /encode answered it; re-requesting once", item["key"])
                 (item,) = await self.encode([part])
-                emb = self._read(item)
+                emb = await asyncio.to_thread(self._read, item)
             if emb is None:
                 raise GatewayError(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
                                         "hold it: is --store the encoder's store root, and is the store large enough?", code="embeddings_missing")

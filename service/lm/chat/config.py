@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.store.options import MOONCAKE_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class ChatConfig:
@@ -16,6 +18,7 @@ class ChatConfig:
     max_tokens_limit: int = 1024  # the most tokens one request may ask for
     encoder_timeout_s: float = 300.0
     mooncake_local_host: str = "127.0.0.1"  # with a mooncake:// store: the address the pool reaches this host at
+    mooncake_timeout_s: float = MOONCAKE_TIMEOUT_S  # with a mooncake:// store: a read past it is a miss
     # What one request may cost, each refused before the request takes the LM (the package docstring).
     # The encoder's own --max-request-bytes: a chat whose images the encoder would take is not refused here.
     max_request_bytes: int = 64 * 1024**2

@@ -52,7 +52,7 @@ class _RemoteStore(_DictStore):
         self.entered = threading.Semaphore(0)
         self.down = False
         self.written: dict[str, StoredItem] = {}  # what this engine's client put lately
-        self.lookups = Lookups(self.lookup_many)
+        self.lookups = Lookups(self.lookup_many, threads=1)  # (one thread: which lookups share a batch is certain)
 
     def find(self, key):
         return self.lookups.lookup(key)
@@ -302,3 +302,27 @@ def test_model_info_says_which_blocks_and_gemms_run_in_fp8(tmp_path):
     model.tower.quantize_fp8(keep=(0,), gemms=("fc2", "qkv"))
     info = host.model_info()
     assert (info.fp8_blocks, info.fp8_gemms) == ([1, 2], ["qkv", "fc2"])  # (in the tower's order)
+
+
+def test_an_entry_of_the_other_modality_under_a_uuid_is_a_conflict_not_a_hit():
+    """One file's bytes (a GIF decodes as either) under one uuid as an image and then as a video: the image's
+    entry is not the video's embeddings, so the claim is a conflict, as for other bytes."""
+    from service.store.format import VideoMeta
+
+    store = _DictStore()
+    host, sent, conn = _host(max_queue_images=4, max_queue_tokens=500, store=store)
+    sha = "cd" * 32
+    store.items["u"] = StoredItem(key="u", path="u/encoder_cache.safetensors", num_tokens=4, grid_thw=(1, 4, 4),
+                                  shape=(4, 48), dtype="float32", nbytes=1000, content_sha256=sha)
+    store.items["v"] = StoredItem(key="v", path="v/encoder_cache.safetensors", num_tokens=4, grid_thw=(1, 4, 4),
+                                  shape=(4, 48), dtype="float32", nbytes=1000, content_sha256=sha,
+                                  video=VideoMeta((0, 1), 2.0, (0.0,)))
+    host.handle(conn, Claim(1, "u", sha, 4))
+    host.handle(conn, Claim(2, "v", sha, 4, video=True))
+    assert sent == [Hit(1, store.items["u"]), Hit(2, store.items["v"])]
+    sent.clear()
+    host.handle(conn, Claim(3, "u", sha, 4, video=True))
+    host.handle(conn, Claim(4, "v", sha, 4))
+    assert [(type(m), m.code) for m in sent] == [(Failed, "key_conflict")] * 2, sent
+    assert "as an image" in sent[0].message and "as a video" in sent[1].message
+    assert host.batcher.reserved() == 0

@@ -206,6 +206,65 @@ def test_a_key_missing_from_the_store_is_re_requested_once_then_424(tmp_path, lm
     assert "evicted-again" in r.json()["error"]["message"] and len(calls) == 2
 
 
+def test_a_read_from_a_stopped_mooncake_host_is_a_miss_within_the_deadline_and_health_answers_meanwhile(
+        tmp_path, lm, mooncake_master_binary):
+    """The entry the encoder answered lives on a host that is stopped (SIGSTOP: a read from it would wait a
+    minute): the consumer's read is a miss after --mooncake-timeout-s, off the event loop (its /health
+    answers within 1 s throughout), and the image asked of the encoder again is read from a live host."""
+    from service.store.mooncake import MooncakeStore
+    from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+    from tests.support.mooncake_pool import LOOPBACK, Master, SegmentHost
+
+    ns = "embedding@model:m@protocol:v3"
+    master = Master(mooncake_master_binary, LOOPBACK, tmp_path / "master.log", lease_ttl_ms=30_000)
+    host = live = None
+    try:
+        host = SegmentHost(master.url, tmp_path / "host.log", namespace=ns, model="m", out_hidden=48, levels=2,
+                           dtype="float32", entries=[["on-stopped", 16, None, [1, 8, 8]]])
+        live = MooncakeStore(master.url, MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1",
+                                                         segment_bytes=32 << 20, buffer_bytes=MOONCAKE_BUFFER_BYTES,
+                                                         protocol="tcp", namespace=ns),
+                             model_id="m", out_hidden_size=48, deepstack_levels=2, dtype="float32",
+                             min_residency_s=30.0, salt="live")
+        live.put("present", torch.randn(16, 144), (1, 8, 8))
+        cfg = ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=master.url, mooncake_timeout_s=1.0)
+        app, calls = create_chat_app(cfg, lm), []
+
+        def encoder(request: httpx.Request) -> httpx.Response:
+            calls.append(request.read())
+            key = ["on-stopped", "present"][min(len(calls), 2) - 1]
+            item = {"key": key, "num_tokens": 16, "grid_thw": [1, 8, 8], "shape": [16, 144], "dtype": "float32",
+                    "cached": True, "store_key": f"{ns}@id:{key}", "modality": "image"}
+            return httpx.Response(200, json={"items": [item]})
+
+        app.state.chat.http = httpx.AsyncClient(transport=httpx.MockTransport(encoder), base_url="http://encoder.test")
+        body = {"messages": _messages([b"png"], "describe the image"), "max_tokens": 2}
+        host.stop()
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://lm.test") as c:
+                chat = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+                t0 = last = time.monotonic()
+                slowest = 0.0  # the longest wait for a /health answer, from the last one (a loop held shows here)
+                while not chat.done():
+                    assert (await c.get("/health")).status_code == 200
+                    slowest, last = max(slowest, time.monotonic() - last), time.monotonic()
+                    await asyncio.sleep(0.05)
+                return await chat, time.monotonic() - t0, slowest
+
+        r, took, slowest = asyncio.run(go())
+        print(f"a chat whose entry is on a stopped host: {took:.2f} s; slowest /health meanwhile {slowest:.3f} s")
+        assert r.status_code == 200, r.text
+        assert len(calls) == 2 and slowest < 1.0 and took < 20, (len(calls), slowest, took)
+        assert app.state.chat.reader.timeouts().get("read", 0) >= 1
+    finally:
+        if host is not None:
+            host.kill()
+        if live is not None:
+            live.close()
+        master.stop()
+
+
 def test_an_entry_of_another_model_is_refused_not_truncated(tmp_path, lm):
     store = DirectoryStore(tmp_path / "store", 1 << 30, "m", out_hidden_size=64, deepstack_levels=2)
     store.put("wide", torch.randn(16, 192), (1, 8, 8))  # out_hidden 64: not this LM's width (48)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ from service.store.format import FILE_NAME, TMP_PREFIX
 from tests.support import imagedata as data
 from tests.support.live import ServiceProcess, json_body
 from tests.support.vllm_side import VllmSide
-from tests.support.mooncake_pool import LOOPBACK, Master
+from tests.support.mooncake_pool import LOOPBACK, Master, SegmentHost
 from tests.support.processes import wait_for
 from tests.support.vllm_env import vllm_env
 
@@ -70,13 +71,13 @@ def _connect(vllm, name: str, **connector) -> None:
         assert "error" not in made, made
 
 
-def _one_step(vllm, name: str, images: list[list]) -> dict:
+def _one_step(vllm, name: str, images: list[list], request_id: str | None = None) -> dict:
     """vLLM's calls for one request, [[mm_hash, tokens], ...], after its scheduler's checks: every input
     allocated (found or not: vLLM allocates the ones it encodes itself too), the metadata built and
     loaded by the worker. -> the worker's reply (keys loaded, its metadata for the scheduler)."""
     sched, worker = vllm
     for index in range(len(images)):
-        assert sched.call("alloc", name=name, request_id=f"{name}-req", images=images, index=index) == {}
+        assert sched.call("alloc", name=name, request_id=request_id or f"{name}-req", images=images, index=index) == {}
     meta = sched.call("meta", name=name)["meta"]
     got = worker.call("load", name=name, meta=meta, out=str(worker.log.parent / f"{name}-cache.safetensors"))
     assert "error" not in got, got
@@ -175,4 +176,94 @@ def test_mooncake_entries_load_bit_for_bit_as_vllm_reads_them(vllm, tmp_path, mo
     finally:
         if encoder is not None:
             assert encoder.stop(), encoder.log.read_text()[-3000:]
+        master.stop()
+
+
+def test_a_stopped_mooncake_host_costs_vllms_check_the_deadline_not_a_minute(vllm, tmp_path, mooncake_master_binary):
+    """vLLM's scheduler loop asks has_cache_item of every image it schedules: with the entry's host stopped
+    (SIGSTOP: a read from it would wait a minute), the check answers False (vLLM encodes the image itself)
+    within mooncake_timeout_s."""
+    sched, _ = vllm
+    namespace = "vllm-connector-stopped"
+    master = Master(mooncake_master_binary, LOOPBACK, tmp_path / "master.log", lease_ttl_ms=30_000)
+    host = None
+    try:
+        host = SegmentHost(master.url, tmp_path / "host.log", namespace=namespace, model="m", out_hidden=8, levels=2,
+                           dtype="float32", entries=[["before-stop", 4, None], ["on-stopped", 4, None]])
+        _connect(vllm, "mc-stopped", **OURS, extra={"store": master.url, "mooncake_namespace": namespace,
+                                                    "mooncake_timeout_s": 1.0})
+        assert sched.call("has", name="mc-stopped", mm_hash="before-stop")["found"] is True
+        host.stop()
+        t0 = time.monotonic()
+        assert sched.call("has", name="mc-stopped", mm_hash="on-stopped")["found"] is False
+        took = time.monotonic() - t0
+        print(f"has_cache_item with the entry's host stopped: {took:.2f} s")
+        assert took < 3.0, took
+        host.resume()
+        for side in vllm:
+            assert side.call("shutdown", name="mc-stopped") == {}
+    finally:
+        if host is not None:
+            host.kill()
+        master.stop()
+
+
+def test_a_mooncake_entry_that_contradicts_itself_is_not_found_and_no_load_raises(vllm, tmp_path, mooncake_master_binary):
+    """Values anyone may have written under a key (Mooncake has no authentication; a vLLM deployment shares
+    the namespace): truncated, more rows or another width than the companion says, another dtype than the
+    deployment's (its namespace names it), a 100,000-row value where the companion says 4. has_cache_item
+    reads each value's 24-byte header and answers False (vLLM encodes the image itself). A load whose entry
+    is gone since the check, or whose rows are not the tokens vLLM placed, leaves it out of the encoder
+    cache and raises nothing (it runs in vLLM's execute_model: a raise ends the engine core)."""
+    import struct
+
+    import torch
+
+    from service.store.mooncake import MooncakeStore
+    from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+
+    sched, _ = vllm
+    ns = "embedding@model:m@revision:default@encoder:e@dtype:torch.float32@protocol:v3"
+    master = Master(mooncake_master_binary, LOOPBACK, tmp_path / "master.log", lease_ttl_ms=30_000)
+    stores = []
+    try:
+        def store(dtype: str) -> MooncakeStore:
+            options = MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1", segment_bytes=32 << 20,
+                                      buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=ns)
+            stores.append(MooncakeStore(master.url, options, model_id="m", out_hidden_size=48, deepstack_levels=2,
+                                        dtype=dtype, min_residency_s=30.0, salt="s"))
+            return stores[-1]
+
+        f32 = store("float32")
+        rows = torch.randn(4, 144)
+        for key in ["good", "truncated", "rows", "width", "too-many", "vanishes"]:
+            f32.put(key, rows, (1, 4, 4))
+        store("float16").put("dtype", rows.half(), (1, 4, 4))  # whole and consistent, but not this deployment's dtype
+        data = rows.numpy().tobytes()
+
+        def value(n: int, width: int, body: bytes) -> bytes:
+            return struct.pack("<IIQQ", 0x4D4F4F4E, 0, n, width) + body
+
+        tampered = {"truncated": value(4, 144, data[:-4]), "rows": value(5, 144, data + data[:576]),
+                    "width": value(4, 7, data[: 4 * 7 * 4]), "too-many": value(100_000, 144, data)}
+        for key, raw in tampered.items():
+            vkey = f"{ns}@id:{key}"
+            assert f32.client.remove(vkey, True) == 0 and f32.client.put(vkey, raw, f32._config) == 0, key
+
+        _connect(vllm, "mc-bad", **OURS, extra={"store": master.url, "mooncake_namespace": ns})
+        found = {key: sched.call("has", name="mc-bad", mm_hash=key)["found"] for key in ["good", *tampered, "dtype"]}
+        assert found == {"good": True, **{key: False for key in [*tampered, "dtype"]}}, found
+        assert sched.call("has", name="mc-bad", mm_hash="vanishes")["found"] is True
+        assert f32.evict("vanishes")  # gone between vLLM's check and its load
+        # "good" placed as 9 tokens where it has 4 rows: not loaded either; neither raises.
+        got = _one_step(vllm, "mc-bad", [["good", 9], ["vanishes", 4]])
+        assert got["keys"] == [], got
+        assert sched.call("has", name="mc-bad", mm_hash="good")["found"] is True
+        got = _one_step(vllm, "mc-bad", [["good", 4]], request_id="mc-bad-placed-right")
+        assert got["keys"] == ["good"] and _loaded(vllm, "mc-bad")["good"].equal(rows)
+        for side in vllm:
+            assert side.call("shutdown", name="mc-bad") == {}
+    finally:
+        for s in stores:
+            s.close()
         master.stop()

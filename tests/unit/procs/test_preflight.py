@@ -139,3 +139,36 @@ def test_the_supervisor_api_processes_and_start_up_checks_run_without_importing_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['numpy']", out.stdout  # numpy (the arena, decoding) is cheap; torch is not
+
+
+def test_a_mooncake_master_not_up_yet_is_waited_for_and_one_that_never_comes_fails_in_a_line(tmp_path,
+                                                                                             mooncake_master_binary):
+    """An orchestrator starts the master beside the encoders, or restarts it: start-up waits for it (bounded,
+    --mooncake-start-wait-s) instead of refusing, which would be a crash loop; a wrong address still fails."""
+    import threading
+    import time
+
+    from service.procs.preflight import check_mooncake
+    from tests.support.mooncake_pool import LOOPBACK, Master
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(StartupError, match=r"within 0.5 s \(--mooncake-start-wait-s\)"):
+        check_mooncake(f"mooncake://127.0.0.1:{nobody}", wait_s=0.5)
+    assert 0.4 < time.monotonic() - t0 < 3
+
+    master = Master(mooncake_master_binary, LOOPBACK, tmp_path / "master.log")
+    master.stop()  # its address, with nothing there for now
+    later = threading.Timer(1.5, master.start)
+    later.start()
+    try:
+        t0 = time.monotonic()
+        check_mooncake(master.url, wait_s=30)
+        took = time.monotonic() - t0
+        print(f"start-up waited {took:.2f} s for a master started 1.5 s after it")
+        assert 1.0 < took < 20, took
+    finally:
+        later.join()
+        master.stop()

@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from service.store.options import MOONCAKE_BUFFER_BYTES, MooncakeOptions, parse_mooncake
+from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_TIMEOUT_S, MooncakeOptions, parse_mooncake
 from service.errors import Unavailable
 from service.store.directory import DirectoryStore
 from service.store.format import read_embeddings
 from service.store.mooncake import MooncakeStore, meta_key, value_key
 from service.store.pool import anonymous_mappings, connect
 from service.store.reader import open_reader
-from tests.support.mooncake_pool import LOOPBACK, Master
+from tests.support.mooncake_pool import LOOPBACK, Master, SegmentHost
 from tests.support.netns import proc_listeners
 from tests.support.errors import raises_code
 
@@ -38,9 +38,10 @@ def master(tmp_path_factory, mooncake_master_binary):
         m.stop()
 
 
-def _options(master: Master, segment: int = 64 << 20, namespace: str | None = None) -> MooncakeOptions:
+def _options(master: Master, segment: int = 64 << 20, namespace: str | None = None,
+             timeout_s: float = MOONCAKE_TIMEOUT_S) -> MooncakeOptions:
     return MooncakeOptions(master=parse_mooncake(master.url), local_host="127.0.0.1", segment_bytes=segment,
-                           buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=namespace)
+                           buffer_bytes=MOONCAKE_BUFFER_BYTES, protocol="tcp", namespace=namespace, timeout_s=timeout_s)
 
 
 def _store(master: Master, model: str = "m", dtype: str = "bfloat16", **kw) -> MooncakeStore:
@@ -113,25 +114,38 @@ def test_a_lookup_finds_only_a_whole_entry_of_this_model(master):
     assert torch.equal(open_reader(master.url, namespace=writer.namespace).read("k").main, (ec * 2)[:, :OUT_HIDDEN])
 
 
+def _until_health(store, down: bool, within_s: float = 30) -> float:
+    """Seconds until the store's health says the master is down (or up again); each answer within 1 s."""
+    t0 = time.monotonic()
+    while True:
+        why, took = _timed(store.health)
+        assert took < 1.0, f"health() took {took:.2f} s"
+        if (why is not None) == down:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < within_s, why
+        time.sleep(0.05)
+
+
 def test_a_stopped_master_is_a_503_that_says_so_and_the_store_serves_again_when_it_returns(master):
-    store = _store(master, model="m-outage")
+    store = _store(master, model="m-outage", timeout_s=1.0)
     ec = torch.randn(2, WIDTH).to(torch.bfloat16)
     store.put("before", ec, (1, 2, 4))
     assert store.unwritable is None
     master.stop()
     try:
+        noticed = _until_health(store, down=True)  # the store's own probe notices; health() never waits on it
         assert "does not answer" in store.unwritable and master.url.removeprefix("mooncake://") in store.unwritable
         with raises_code(Unavailable, "store_unavailable") as e:
             store.lookup("before")  # neither hit nor miss: a miss would be encoded for nothing
         assert e.value.retry_after_s == 1 and e.value.code == "store_unavailable"
-        with raises_code(Unavailable, "store_unavailable", match="did not take the entry"):
+        with raises_code(Unavailable, "store_unavailable", match="does not answer"):
             store.put("during", ec, (1, 2, 4))
+        _, refused_s = _timed(lambda: store.find("before").exception(timeout=5))
+        assert refused_s < 0.5, f"a lookup while the master is known down took {refused_s:.2f} s"
+        print(f"master stopped: noticed in {noticed:.2f} s, a lookup then refused in {refused_s * 1e3:.1f} ms")
     finally:
         master.start()
-    deadline = time.monotonic() + 30
-    while store.unwritable is not None:  # the master answers again
-        assert time.monotonic() < deadline, store.unwritable
-        time.sleep(0.2)
+    _until_health(store, down=False)  # the master answers again
     while True:  # and the hosts' segments register with it again (a moment): until then a put is a 503
         try:
             item = store.put("after", ec, (1, 2, 4))
@@ -281,3 +295,115 @@ def test_the_store_protocol_finds_off_the_callers_thread_reads_evicts_and_commit
     assert stats.entries == 3 and stats.bytes_used > 0 and stats.evictions == 0 and writer.health() is None
     assert writer.location == master.url
     writer.close()
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def test_a_stopped_host_costs_its_entries_a_miss_within_the_deadline_and_holds_up_no_other_lookup(master, tmp_path):
+    """A host of the pool stopped (SIGSTOP: its sockets open, nothing answers): a read from its segment waits
+    for Mooncake's transfer timeout (30-60 s). A lookup of its entry is a miss within --mooncake-timeout-s
+    (counted), fresh lookups meanwhile are answered at once, the store's health at once, and the entry
+    encoded again here is a hit."""
+    namespace = "embedding@model:stopped@protocol:v3"
+    sha = "5a" * 32
+    host = SegmentHost(master.url, tmp_path / "host.log", namespace=namespace, model="m-stopped", out_hidden=OUT_HIDDEN,
+                       levels=LEVELS, dtype="bfloat16", entries=[[f"held-{i}", 3 + i, sha] for i in range(3)])
+    store = _store(master, model="m-stopped", namespace=namespace, timeout_s=1.0)
+    try:
+        assert store.lookup("held-0") is not None  # read from the other host's segment while it runs
+        host.stop()
+        stuck = store.find("held-1")  # a read from the stopped host's segment
+        time.sleep(0.2)  # (so that the lookups below come after it)
+        fresh = [store.find(f"fresh-{i}") for i in range(4)]
+        t0 = time.monotonic()
+        for f in fresh:
+            assert f.result(timeout=3) is None
+        fresh_s = time.monotonic() - t0
+        health, health_s = _timed(store.health)
+        assert stuck.result(timeout=3) is None  # a miss: the image is encoded again
+        stuck_s = time.monotonic() - t0 + 0.2
+        print(f"stopped host: fresh lookups {fresh_s:.2f} s, its entry's {stuck_s:.2f} s, health {health_s:.3f} s")
+        assert fresh_s < 0.5 and 0.5 < stuck_s < 2.5 and health is None and health_s < 1.0
+        assert store.timeouts()["read"] >= 1
+        ec = torch.randn(4, WIDTH).to(torch.bfloat16)
+        store.put("held-1", ec, (1, 2, 8), content_sha256=sha)  # encoded again, into this host's segment
+        again, again_s = _timed(store.lookup, "held-1")
+        assert again is not None and again.content_sha256 == sha and again_s < 1.0
+    finally:
+        host.kill()
+        store.close()
+
+
+def _raw_value(code: int, rows: int, width: int, data: bytes) -> bytes:
+    return struct.pack("<IIQQ", 0x4D4F4F4E, code, rows, width) + data
+
+
+@pytest.mark.parametrize("bad", ["rows", "width", "dtype", "truncated", "longer", "magic"])
+def test_a_value_that_contradicts_its_companion_is_a_miss_and_the_next_put_replaces_it(master, bad):
+    """Another writer's value under a key whose companion says otherwise (Mooncake has no authentication,
+    and a vLLM deployment shares the namespace): every hit is checked, header and size, against its
+    companion, so it is a miss (encoded again, and overwritten), not `cached: true` for an entry that every
+    consumer would refuse."""
+    store = _store(master, model=f"m-contra-{bad}")
+    sha = "c0" * 32
+    ec = torch.randn(4, WIDTH).to(torch.bfloat16)
+    item = store.put("contra", ec, (1, 4, 4), content_sha256=sha)
+    assert store.lookup("contra") == item
+    data = ec.view(torch.uint8).numpy().tobytes()
+    row = WIDTH * 2
+    # (into this store's own segment: a put may otherwise land in a segment of an earlier test's host, killed)
+    value = {"rows": _raw_value(12, 5, WIDTH, data + data[:row]),  # 5 rows where the companion says 4
+             "width": _raw_value(12, 4, 7, data[: 4 * 7 * 2]),  # width 7
+             "dtype": _raw_value(11, 4, WIDTH, data),  # float16 in a bfloat16 store
+             "truncated": _raw_value(12, 4, WIDTH, data[:-row]),  # the header's rows, a row of bytes short
+             "longer": _raw_value(12, 4, WIDTH, data + b"\0" * row),
+             "magic": struct.pack("<IIQQ", 0xDEADBEEF, 12, 4, WIDTH) + data}[bad]
+    assert store.client.remove(item.store_key, True) == 0 and store.client.put(item.store_key, value, store._config) == 0
+    assert store.lookup("contra") is None
+    with pytest.raises(Exception):  # the consumer's reader refuses it too (StoreFormatError)
+        open_reader(master.url).read("contra", item.store_key)
+    again = store.put("contra", ec, (1, 4, 4), content_sha256=sha)  # the miss is encoded again: it replaces it
+    assert store.lookup("contra") == again
+    assert torch.equal(open_reader(master.url).read("contra", again.store_key).main, ec[:, :OUT_HIDDEN])
+
+
+def test_a_malformed_companion_is_a_miss_for_its_own_key_only(master):
+    """Companions are read back and parsed per key; one that does not parse (not an object, a field of the
+    wrong type: grid_thw "abc") is a miss for its key, and every lookup batched with it is answered as usual."""
+    store = _store(master, model="m-malformed")
+    sha = "d1" * 32
+    ec = torch.randn(4, WIDTH).to(torch.bfloat16)
+    innocent = [f"innocent-{i}" for i in range(12)]
+    for key in [*innocent, "list", "grid", "tokens", "video"]:
+        store.put(key, ec, (1, 4, 4), content_sha256=sha)
+    good = json.loads(bytes(store.client.get(meta_key(store.namespace, "grid"))))
+    bad = {"list": [good], "grid": {**good, "grid_thw": "abc"}, "tokens": {**good, "num_tokens": "4"},
+           "video": {**good, "modality": "video", "frames_indices": None}}
+    for key, meta in bad.items():
+        mkey = meta_key(store.namespace, key)
+        assert store.client.remove(mkey, True) == 0 and store.client.put(mkey, json.dumps(meta).encode(), store._config) == 0
+    assert [store.lookup(key) for key in bad] == [None] * len(bad)
+    batch = store.lookup_many([*innocent[:6], *bad, *innocent[6:]])
+    assert [b is not None for b in batch] == [True] * 6 + [False] * len(bad) + [True] * 6
+    assert all(b.grid_thw == (1, 4, 4) and b.content_sha256 == sha for b in batch if b is not None)
+    # Through the engine's path too: lookups queued together share a batch.
+    futures = [store.find(key) for key in [*bad, *innocent]]
+    assert [f.result(timeout=10) is not None for f in futures] == [False] * len(bad) + [True] * len(innocent)
+
+
+def test_reading_a_pool_entry_by_key_alone_says_to_pass_its_store_key_or_namespace(master):
+    """read_embeddings("mooncake://...", key) needs the entry's namespace: a ValueError that says how to give
+    it, not an assertion."""
+    from service.store.reader import read_embeddings as read_any
+
+    store = _store(master, model="m-by-key")
+    item = store.put("by-key", torch.randn(2, WIDTH).to(torch.bfloat16), (1, 2, 4))
+    with pytest.raises(ValueError, match=r"pass store_key= \(the /encode item's store_key\) or namespace="):
+        read_any(master.url, "by-key")
+    assert read_any(master.url, "by-key", store_key=item.store_key).grid_thw == (1, 2, 4)
+    assert read_any(master.url, "by-key", namespace=store.namespace).grid_thw == (1, 2, 4)
+    store.close()
