@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from service.api.encode import Input
 from service.api.runtime import Runtime
-from service.api.schemas import EncodeRequest, VideoPart
+from service.api.schemas import EncodeRequest, ImagePart, VideoPart
 from service.errors import at_index, ImageError, RequestError, ServiceError, VideoError
 
 
@@ -126,6 +126,35 @@ async def _fetch_url(rt: Runtime, url: str, index: int, video: bool = False) -> 
         raise at_index(ImageError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}", code="image_fetch_failed"), index) from None
 
 
+async def read_json_body(request: Request, s) -> bytes:
+    """A JSON request's body, bounded (its content type checked: JSON, or none given)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in ("application/json", ""):
+        raise RequestError(f"content-type {ctype!r} is not supported; send application/json")
+    return await _read_body(request, min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3
+                                         + 65536))
+
+
+async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart]) -> list[Input]:
+    """Each image_url / video_url part's bytes (a data URL decoded, an allow-listed URL fetched), in order."""
+    s = rt.settings
+    inputs = []
+    for i, part in enumerate(parts):
+        video = isinstance(part, VideoPart)
+        url = part.video_url.url if video else part.image_url.url
+        if url.startswith("data:"):
+            data = _decode_data_url(url, i, s.video_max_bytes if video else s.max_image_bytes, video)
+        elif url.startswith(("http://", "https://")):
+            data = await _fetch_url(rt, url, i, video)
+            inputs.append(Input(data, part.uuid, source=url, video=video))
+            continue
+        else:
+            raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
+                             "http:// or https://")
+        inputs.append(Input(data, part.uuid, video=video))
+    return inputs
+
+
 async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
     s = rt.settings
     limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
@@ -166,18 +195,4 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
         raise RequestError(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
     if len(req.images) > s.max_images_per_request:
         raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
-    inputs = []
-    for i, part in enumerate(req.images):
-        video = isinstance(part, VideoPart)
-        url = part.video_url.url if video else part.image_url.url
-        if url.startswith("data:"):
-            data = _decode_data_url(url, i, s.video_max_bytes if video else s.max_image_bytes, video)
-        elif url.startswith(("http://", "https://")):
-            data = await _fetch_url(rt, url, i, video)
-            inputs.append(Input(data, part.uuid, source=url, video=video))
-            continue
-        else:
-            raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
-                             "http:// or https://")
-        inputs.append(Input(data, part.uuid, video=video))
-    return inputs
+    return await inputs_from_parts(rt, req.images)

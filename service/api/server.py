@@ -58,9 +58,10 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def error_response(err: ServiceError) -> Response:
-    """The HTTP answer to `err` (errors.response builds its status, headers and body)."""
-    status, headers, body = errors.response(err)
+def error_response(err: ServiceError, openai: bool = False) -> Response:
+    """The HTTP answer to `err` (errors.response builds its status, headers and body; `openai`: the OpenAI
+    API's error shape, what vLLM's /v1 routes answer)."""
+    status, headers, body = errors.response(err, openai)
     return Response(body, status_code=status, headers=headers)
 
 
@@ -82,7 +83,7 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(ServiceError)
     async def _service_error(request, err: ServiceError):
-        return error_response(err)
+        return error_response(err, openai=request.url.path.startswith("/v1/"))
 
 
 class BodyLimit:
@@ -100,7 +101,8 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             answer = error_response(RequestError(f"request body is {int(declared)} bytes, over the limit of "
-                                                    f"{self.limit} (--max-request-bytes); {self.hint}", code="request_too_large"))
+                                                    f"{self.limit} (--max-request-bytes); {self.hint}", code="request_too_large"),
+                                    openai=scope["path"].startswith("/v1/"))
             return await answer(scope, receive, send)
         seen, body_done = 0, False
 
