@@ -32,16 +32,16 @@ from service.flags import add_setting_flags
 log = logging.getLogger("service")
 
 
-def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
+def _add_server_flags(group, port: int) -> None:
     """--host, --port and --log-level of a server other than `serve` (whose are settings, with QVE_ variables)."""
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 only inside a container)")
-    parser.add_argument("--port", type=int, default=port, metavar="N", help="TCP port to listen on")
+    group.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 only inside a container)")
+    group.add_argument("--port", type=int, default=port, metavar="N", help="TCP port to listen on")
     levels = list(typing.get_args(Settings.model_fields["log_level"].annotation))  # as `serve --log-level`
-    parser.add_argument("--log-level", default="info", choices=levels, help="log level")
-    parser.add_argument("--otlp-endpoint", default=os.environ.get("QVE_OTLP_ENDPOINT"), metavar="URL",
-                        help="send OpenTelemetry traces (OTLP/HTTP) to this collector, e.g. http://127.0.0.1:4318, "
-                        "continuing each request's W3C traceparent and passing it on (needs the `tracing` extra; "
-                        "env QVE_OTLP_ENDPOINT; default: no tracing)")
+    group.add_argument("--log-level", default="info", choices=levels, help="log level")
+    group.add_argument("--otlp-endpoint", default=os.environ.get("QVE_OTLP_ENDPOINT"), metavar="URL",
+                       help="send OpenTelemetry traces (OTLP/HTTP) to this collector, e.g. http://127.0.0.1:4318, "
+                       "continuing each request's W3C traceparent and passing it on (needs the `tracing` extra; "
+                       "env QVE_OTLP_ENDPOINT; default: no tracing)")
 
 
 def _positive(kind: type):
@@ -75,28 +75,32 @@ def _size(text: str) -> int:
 LM_KEY_ENV = {"api_key": "QVE_API_KEY", "encoder_api_key": "QVE_ENCODER_API_KEY", "vllm_api_key": "QVE_VLLM_API_KEY"}
 
 
-def _add_lm_limits(parser: argparse.ArgumentParser, max_tokens_limit: int, vllm: bool = False) -> None:
-    """The flags `consume` and `route` share: what one request may cost, and the keys."""
-    parser.add_argument("--max-tokens-limit", type=_positive(int), default=max_tokens_limit, metavar="N",
-                        help="the most tokens one request may ask for (max_tokens" + (
-                            " / max_completion_tokens; a request with neither gets this many" if vllm else "") + ")")
-    parser.add_argument("--max-request-bytes", type=_size, default="64MiB", metavar="SIZE",
-                        help="largest request body (bytes, or 64MiB, 1.5MB, ...); larger is a 413, before it is read "
-                        "when declared (the encoder's own default, so a body of images it would take passes here)")
-    parser.add_argument("--body-timeout-s", type=_positive(float), default=30.0, metavar="SECONDS",
-                        help="longest wait for the next part of a request body; then 408")
-    keys = "Authorization: Bearer <key>"
-    parser.add_argument("--api-key", default=argparse.SUPPRESS, metavar="LIST",
-                        help=f"require `{keys}` on the /v1/ routes; " + ("/health stays open" if vllm else
-                        "/health and /ready stay open (/ready's details need it)") + " (comma-separated: several "
-                        f"keys, e.g. while rotating) (default: none; env {LM_KEY_ENV['api_key']})")
-    parser.add_argument("--encoder-api-key", default=argparse.SUPPRESS, metavar="KEY",
-                        help="the key sent to the encoder (one of its --api-key keys), as `" + keys + "` (default: "
-                        f"none; env {LM_KEY_ENV['encoder_api_key']})")
-    if vllm:
-        parser.add_argument("--vllm-api-key", default=argparse.SUPPRESS, metavar="KEY",
-                            help=f"the key sent to vLLM (its --api-key), as `{keys}` (default: none; env "
-                            f"{LM_KEY_ENV['vllm_api_key']})")
+def _add_lm_limits(group, max_tokens_limit: int, vllm: bool = False) -> None:
+    """The limits `consume` and `route` share: what one request may cost."""
+    group.add_argument("--max-tokens-limit", type=_positive(int), default=max_tokens_limit, metavar="N",
+                       help="the most tokens one request may ask for (max_tokens" + (
+                           " / max_completion_tokens; a request with neither gets this many" if vllm else "") + ")")
+    group.add_argument("--max-request-bytes", type=_size, default="64MiB", metavar="SIZE",
+                       help="largest request body (bytes, or 64MiB, 1.5MB, ...); larger is a 413, before it is read "
+                       "when declared (the encoder's own default, so a body of images it would take passes here)")
+    group.add_argument("--body-timeout-s", type=_positive(float), default=30.0, metavar="SECONDS",
+                       help="longest wait for the next part of a request body; then 408")
+
+
+_KEYS = "Authorization: Bearer <key>"
+
+
+def _add_api_key(group, vllm: bool = False) -> None:
+    group.add_argument("--api-key", default=argparse.SUPPRESS, metavar="LIST",
+                       help=f"require `{_KEYS}` on the /v1/ routes; " + ("/health stays open" if vllm else
+                       "/health and /ready stay open (/ready's details need it)") + " (comma-separated: several "
+                       f"keys, e.g. while rotating) (default: none; env {LM_KEY_ENV['api_key']})")
+
+
+def _add_encoder_key(group) -> None:
+    group.add_argument("--encoder-api-key", default=argparse.SUPPRESS, metavar="KEY",
+                       help="the key sent to the encoder (one of its --api-key keys), as `" + _KEYS + "` (default: "
+                       f"none; env {LM_KEY_ENV['encoder_api_key']})")
 
 
 def _lm_tracing(command: str, endpoint: str | None) -> int | None:
@@ -156,63 +160,104 @@ def build_parser() -> argparse.ArgumentParser:
 
     from service.quickstart import EXAMPLE_IMAGE
 
-    try_ = sub.add_parser("try", help="post an image to a running server; print the answer and where the "
-                          "embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    try_ = sub.add_parser("try", help="post an image or a video to a running server; print the answer and where "
+                          "the embeddings are", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     try_.add_argument("--url", default=_local_url(), help="the server; by default the one that QVE_HOST and "
                       "QVE_PORT describe, as `serve` reads them")
-    try_.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
-                      help="the image to post (JPEG, PNG, WebP, ...)")
+    media = try_.add_mutually_exclusive_group()
+    media.add_argument("--image", type=Path, default=EXAMPLE_IMAGE, metavar="FILE",
+                       help="the image to post (JPEG, PNG, WebP, ...); a file whose bytes are a video container's "
+                       "(MP4, MOV, WebM, MKV, AVI) is posted as a video")
+    media.add_argument("--video", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                       help="the video to post (any container and codec the server decodes) (default: none)")
     try_.add_argument("--wait-s", type=float, default=60.0, metavar="SECONDS",
                       help="how long to wait for a server still starting")
 
     from service.store.options import default_store_dir
 
-    consume = sub.add_parser("consume", help="run the LM consumer: OpenAI-style chat answered from the store",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    consume = sub.add_parser(
+        "consume", help="run the LM consumer: OpenAI-style chat answered from the store",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve Qwen3-VL's language model from a local checkpoint behind an OpenAI-style POST "
+        "/v1/chat/completions. Each request's images and videos go to the encoder's /encode, and their embeddings "
+        "are read from its store by key: this process never runs the vision tower. Keys are best given as "
+        "QVE_API_KEY and QVE_ENCODER_API_KEY (`ps` shows flags). docs/api.md lists the limits and errors.")
+    model = consume.add_argument_group("Model")
     # NOTE: default=SUPPRESS on a required flag: ArgumentDefaultsHelpFormatter would show `(default: None)`.
-    consume.add_argument("--model", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
-                         help="Qwen3-VL checkpoint directory with its tokenizer and chat template (required)")
-    consume.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="the encoder service")
-    consume.add_argument("--store", default=str(default_store_dir()), metavar="DIR|URL",
+    model.add_argument("--model", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                       help="Qwen3-VL checkpoint directory with its tokenizer and chat template (required)")
+    model.add_argument("--encoder-model", default="auto", metavar="ID",
+                       help="the encoder model whose embeddings this LM reads, as the encoder's /ready names it "
+                       "(`model`); a store entry of any other is refused (502 embeddings_mismatch). auto: the vision "
+                       "tower of --model itself, as `serve --model` names it; any: no check (a tower that is not "
+                       "the checkpoint's own, named wrongly, answers garbage)")
+    model.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
+    encoder = consume.add_argument_group("The encoder and its store")
+    encoder.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL", help="the encoder service")
+    _add_encoder_key(encoder)
+    encoder.add_argument("--store", default=str(default_store_dir()), metavar="DIR|URL",
                          help="the encoder's store: its root as mounted here (read-only is enough), or "
                          "mooncake://MASTER_HOST:RPC_PORT (the encoder's pool)")
-    consume.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
+    encoder.add_argument("--mooncake-local-host", default="127.0.0.1", metavar="HOST",
                          help="with a mooncake:// store: the address the pool's hosts reach this one at")
-    consume.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    consume.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                         help="the LM's dtype; auto: bfloat16 on cuda, float32 on cpu")
-    consume.add_argument("--max-prompt-tokens", type=_positive(int), default=32768, metavar="N",
-                         help="the longest prompt, counted after tokenising (text, chat markup, one token per image "
-                         "or video row); longer is a 400 before the LM is taken. 32768: two images at Qwen3-VL's "
-                         "largest size, or a long document; a prefill cannot be stopped midway")
-    consume.add_argument("--max-waiting", type=_positive(int), default=16, metavar="N",
-                         help="requests admitted behind the one generating (encoding, tokenising or waiting for the "
-                         "LM); one more is a 429 with Retry-After, at once")
-    consume.add_argument("--request-timeout-s", type=_positive(float), default=300.0, metavar="SECONDS",
-                         help="a request not answered this long after its body arrived is a 504; its generation "
-                         "stops at the next token, as it does when its client disconnects")
-    _add_lm_limits(consume, max_tokens_limit=1024)
-    _add_server_flags(consume, port=8090)
+    limits = consume.add_argument_group("Request limits")
+    limits.add_argument("--max-prompt-tokens", type=_positive(int), default=32768, metavar="N",
+                        help="the longest prompt, counted after tokenising (text, chat markup, one token per image "
+                        "or video row); longer is a 400 before the LM is taken. 32768: two images at Qwen3-VL's "
+                        "largest size, or a long document; a prefill cannot be stopped midway")
+    limits.add_argument("--max-waiting", type=_positive(int), default=16, metavar="N",
+                        help="requests admitted behind the one generating (encoding, tokenising or waiting for the "
+                        "LM); one more is a 429 with Retry-After, at once")
+    limits.add_argument("--request-timeout-s", type=_positive(float), default=300.0, metavar="SECONDS",
+                        help="a request not answered this long after its body arrived is a 504; its generation "
+                        "stops at the next token, as it does when its client disconnects")
+    _add_lm_limits(limits, max_tokens_limit=1024)
+    server = consume.add_argument_group("Server")
+    _add_server_flags(server, port=8090)
+    _add_api_key(server)
 
-    demo = sub.add_parser("demo", help="the whole pipeline on this machine: a tiny RANDOM checkpoint, the encoder "
-                          "and the LM consumer on it, one chat answer (nothing is downloaded)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint, store and logs here "
-                      "(default: a temporary folder, removed at the end)")
-    demo.add_argument("--keep", action="store_true", help="do not remove the temporary folder")
-    demo.add_argument("--timeout-s", type=float, default=300.0, help="how long each server may take to be ready")
+    from service.demo import CHECKPOINT
 
-    route = sub.add_parser("route", help="run a router: encode a chat request's images here, forward it to vLLM",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    route.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL[,URL...]",
-                       help="the encoder service; several, comma-separated (hosts of one Mooncake pool): each image "
-                       "goes to the host its hash picks, so identical images in flight meet on one host")
-    route.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
-                       help="vLLM running as an EC consumer of the store")
-    route.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
-                       help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM >= 0.33)")
-    _add_lm_limits(route, max_tokens_limit=4096, vllm=True)
-    _add_server_flags(route, port=8100)
+    demo = sub.add_parser(
+        "demo", help="the whole pipeline on this machine: a tiny RANDOM checkpoint, the encoder and the LM consumer "
+        "on it, one chat answer (nothing is downloaded)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run the whole pipeline on this machine, with nothing downloaded: write a tiny Qwen3-VL "
+        "checkpoint with RANDOM weights, start the encoder and the LM consumer on it (on loopback ports they "
+        "choose), encode service/data/cat.jpg, ask the consumer about it, print the answer, and stop both. "
+        f"--workdir DIR keeps the checkpoint (DIR/{CHECKPOINT}) to run `serve`, `consume` and `route` on.")
+    files = demo.add_argument_group("Files")
+    files.add_argument("--workdir", type=Path, default=None, help=f"keep the checkpoint ({CHECKPOINT}), store and "
+                       "logs here (default: a temporary folder, removed at the end)")
+    files.add_argument("--keep", action="store_true", help="do not remove the temporary folder")
+    servers = demo.add_argument_group("Servers")
+    servers.add_argument("--timeout-s", type=float, default=300.0, help="how long each server may take to be ready")
+
+    route = sub.add_parser(
+        "route", help="run a router: encode a chat request's images here, forward it to vLLM",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Route OpenAI-style chat requests to vLLM: each image and video part goes to the encoder first "
+        "(its /encode, through its URL allow-list), then the request goes to vLLM with each part's store key as its "
+        "uuid, which vLLM's EC connector reads from the store. Only the fields, message keys and parts it knows are "
+        "forwarded. docs/vllm.md says how to start vLLM for it.")
+    backends = route.add_argument_group("The encoders and vLLM")
+    backends.add_argument("--encoder-url", default="http://127.0.0.1:8080", metavar="URL[,URL...]",
+                          help="the encoder service; several, comma-separated (hosts of one Mooncake pool): each "
+                          "image goes to the host its hash picks, so identical images in flight meet on one host")
+    _add_encoder_key(backends)
+    backends.add_argument("--vllm-url", default="http://127.0.0.1:8000", metavar="URL",
+                          help="vLLM running as an EC consumer of the store")
+    backends.add_argument("--vllm-api-key", default=argparse.SUPPRESS, metavar="KEY",
+                          help=f"the key sent to vLLM (its --api-key), as `{_KEYS}` (default: none; env "
+                          f"{LM_KEY_ENV['vllm_api_key']})")
+    backends.add_argument("--image-parts", default="raw", choices=["raw", "embeds"],
+                          help="forward images as they came plus uuid (raw), or as metadata-only image_embeds (vLLM "
+                          ">= 0.33)")
+    _add_lm_limits(route.add_argument_group("Request limits"), max_tokens_limit=4096, vllm=True)
+    server = route.add_argument_group("Server")
+    _add_server_flags(server, port=8100)
+    _add_api_key(server, vllm=True)
 
     # NOTE: no flags of their own here: everything after the command goes, as it is, to the load test's or
     # the soak's own parser (service/loadtest/), which prints their --help. prefix_chars="\0": no argument
@@ -257,7 +302,6 @@ def _main(argv: list[str] | None) -> int:
               "one and runs the whole pipeline on it", file=sys.stderr)
         return 2
     if command == "consume" and str(args["store"]).startswith("mooncake://"):
-        from service.errors import StartupError
         from service.procs.preflight import check_mooncake
 
         try:
@@ -271,15 +315,23 @@ def _main(argv: list[str] | None) -> int:
         if (code := _lm_tracing(command, args.pop("otlp_endpoint"))) is not None:
             return code
         keys = _lm_keys(args, list(LM_KEY_ENV) if command == "route" else ["api_key", "encoder_api_key"])
-        host, port = args.pop("host"), args.pop("port")
+        from service.procs.preflight import bind
+
+        try:
+            # The port before the LM loads and before torch is imported (seconds), as `serve` binds it: a port
+            # in use costs one line, and clients that connect during the load wait in the backlog.
+            sock = bind(args.pop("host"), args.pop("port"))
+        except StartupError as e:
+            print(f"cannot start: {e}", file=sys.stderr)
+            return 2
         if command == "route":
             from service.lm.router import RouterConfig, serve as serve_router
 
-            return serve_router(RouterConfig(**args, **keys), host, port, log_level)
+            return serve_router(RouterConfig(**args, **keys), sock, log_level)
         from service.lm.chat.app import serve
         from service.lm.chat.config import ChatConfig
 
-        return serve(ChatConfig(**args, **keys), host, port, log_level)
+        return serve(ChatConfig(**args, **keys), sock, log_level)
     return _serve(args)
 
 

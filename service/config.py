@@ -272,12 +272,13 @@ class Settings(BaseSettings):
     allowed_url_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hosts allowed for http(s) image URLs")
     allow_private_url_addresses: bool = Field(False, description="let allow-listed hosts resolve to loopback, "
                                               "private or link-local addresses (off: such fetches are refused)")
-    url_timeout_s: float = Field(10.0, gt=0, description="network timeout of an http(s) image fetch (to connect, and "
-                                 "for each read)")
+    url_timeout_s: float = Field(10.0, gt=0, description="the longest an http(s) image or video fetch may take, from "
+                                 "name resolution to its last byte; longer is a 422 image_fetch_failed")
 
     max_images_per_request: int = Field(64, gt=0, description="most images in one /encode request; more is a 400")
     max_request_bytes: Bytes = Field(64 * 1024**2, gt=0, description="largest /encode body (JSON or multipart), "
-                                     "refused with 413 before it is read when declared, or as soon as it passes")
+                                     "refused with 413 before it is read when declared, or as soon as it passes; "
+                                     "what a request's http(s) URLs fetch counts against it too, with the body")
     max_image_bytes: Bytes = Field(_IMAGE.max_image_bytes, gt=0, description="largest encoded image; larger is a 413, "
                                    "before it is decoded")
     max_input_pixels: int = Field(_IMAGE.max_input_pixels, gt=0, description="largest width x height an image's header may declare; "

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from service.quickstart import EXAMPLE_IMAGE
 
-# What each server says once it listens (port 0: the port it got): the encoder's own line, uvicorn's.
-_LISTENING = {"encoder": re.compile(r"listening on (http://[\d.]+:\d+)"),
-              "consumer": re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")}
+CHECKPOINT = "tiny-qwen3vl"  # the checkpoint's folder in the work directory (`demo --workdir DIR` keeps it)
+# What each server says once its socket is bound (port 0: the port it got), before its model loads.
+_LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
 class _Server:
@@ -44,7 +44,7 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the {self.name} exited (status {self.proc.returncode}):\n{self._tail()}")
-            if self.url is None and (m := _LISTENING[self.name].search(self.log.read_text())):
+            if self.url is None and (m := _LISTENING.search(self.log.read_text())):
                 self.url = m[1]
             if self.url is not None:
                 with contextlib.suppress(httpx.TransportError):
@@ -70,9 +70,25 @@ def _metric(text: str, sample: str) -> float:
     return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " ")), 0.0)
 
 
+class _Stopped(SystemExit):
+    """SIGTERM or SIGHUP: the demo's own clean-up runs (its servers stopped, its folder removed), then it exits
+    as the signal would have ended it."""
+
+
+def _stop_on_signal(signum: int, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # (a second signal must not cut the clean-up short)
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(128 + signum)
+
+
 def demo(workdir: Path | None = None, keep: bool = False, timeout_s: float = 300.0,
          question: str = "describe the image", max_tokens: int = 12) -> int:
-    """Exit status: 0 answered, 1 a step failed (its message and the server's last log lines printed)."""
+    """Exit status: 0 answered, 1 a step failed (its message and the server's last log lines printed); stopped
+    by SIGTERM or SIGHUP, 128 + the signal, after the same clean-up as any other end."""
+    # NOTE: a signal's default action would end the process here without its `finally`: the servers (each in
+    # a session of its own, so that a terminal's Ctrl-C is the demo's to handle) and the folder would stay.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
     import httpx
 
     from transformers.utils import logging as hf_logging
@@ -83,7 +99,7 @@ def demo(workdir: Path | None = None, keep: bool = False, timeout_s: float = 300
     t0 = time.monotonic()
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="qve-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt, store = work / "tiny-qwen3vl", work / "store"
+    ckpt, store = work / CHECKPOINT, work / "store"
     servers: list[_Server] = []
 
     def say(text: str) -> None:

@@ -91,8 +91,8 @@ class RequestError(ServiceError):
         # another (kept open, it waited for the rest of a body that never came).
         "request_timeout": Code(408, "the request head or body came too slowly (--header-timeout-s, "
                                      "--body-timeout-s)", closes=True),
-        "request_too_large": Code(413, "the body is over --max-request-bytes (refused before or while it is "
-                                       "read)", closes=True),
+        "request_too_large": Code(413, "the body, or the body and what its URLs fetched together, is over "
+                                       "--max-request-bytes (refused before or while it is read)", closes=True),
         "invalid_key": Code(422, "a `uuid` that is not a safe store key (it could name a path outside the store)"),
         "unsupported_parameter": Code(422, "a request parameter this encoder does not apply (vLLM's per-request "
                                            "mm_processor_kwargs, media_io_kwargs)"),

@@ -1,5 +1,5 @@
-"""`qwen3vl-encoder try` (`make try`): post an image to a running server and print what came back and
-where the embeddings are, so a newcomer sees the whole round trip without writing a client.
+"""`qwen3vl-encoder try` (`make try`): post an image or a video to a running server and print what came back
+and where the embeddings are, so a newcomer sees the whole round trip without writing a client.
 
 The image shipped for it, service/data/cat.jpg, is scikit-image's "chelsea" photograph (CC0, by
 Stefan van der Walt) saved as a JPEG. Imports stay light (no torch): the command answers at once.
@@ -52,17 +52,24 @@ def _wait_ready(client, url: str, wait_s: float) -> dict | int:
         time.sleep(0.5)
 
 
-def try_it(url: str, image: Path, wait_s: float) -> int:
-    """Exit status: 0 answered, 1 the image was refused, 2 no ready server at `url`."""
+def try_it(url: str, image: Path | None, wait_s: float, video: Path | None = None) -> int:
+    """Post `video` as a video, or `image` (the example image if neither is given): an image, or a video when
+    its bytes are a video container's. Exit status: 0 answered, 1 refused, 2 no ready server at `url`."""
     import httpx
 
+    from service.media.sniff import looks_like_video
+
+    path = video or image or EXAMPLE_IMAGE
     try:
-        data = image.read_bytes()
+        data = path.read_bytes()
     except OSError as e:
-        return _fail(f"cannot read {image}: {e.strerror}")
-    mime = {".png": "image/png", ".webp": "image/webp", ".gif": "image/gif"}.get(image.suffix.lower(), "image/jpeg")
-    body = {"images": [{"type": "image_url",
-                        "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}]}
+        return _fail(f"cannot read {path}: {e.strerror}")
+    if video is not None or looks_like_video(data):
+        part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+    else:
+        mime = {".png": "image/png", ".webp": "image/webp", ".gif": "image/gif"}.get(path.suffix.lower(), "image/jpeg")
+        part = {"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+    body = {"images": [part]}
     # The server's own variable: with --api-key set there, the same shell has the key.
     key = os.environ.get("QVE_API_KEY", "").split(",")[0].strip()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -88,13 +95,16 @@ def try_it(url: str, image: Path, wait_s: float) -> int:
         where = f"{item['store_key']}  (in the Mooncake pool at {store})"
     else:
         where = Path(store, item["path"]) if store else item["path"]
-    print(f"POST {url}/encode {image.name} ({len(data)} bytes) -> 200")
-    print(f"  model   {info.get('model')} on {info.get('device')} ({info.get('dtype')})")
-    print(f"  key     {item['key']}")
-    print(f"  shape   {item['shape']} {item['dtype']} ({item['num_tokens']} tokens, grid_thw {item['grid_thw']})")
-    print(f"  cached  {str(item['cached']).lower()}")
+    print(f"POST {url}/encode {path.name} ({len(data)} bytes) -> 200")
+    print(f"  model     {info.get('model')} on {info.get('device')} ({info.get('dtype')})")
+    print(f"  key       {item['key']}")
+    print(f"  modality  {item.get('modality', 'image')}")
+    if item.get("frames_indices") is not None:
+        print(f"  frames    {len(item['frames_indices'])} frames sampled, at {item['fps']:g} fps")
+    print(f"  shape     {item['shape']} {item['dtype']} ({item['num_tokens']} tokens, grid_thw {item['grid_thw']})")
+    print(f"  cached    {str(item['cached']).lower()}")
     if item.get("store_key") is not None:
-        print(f"  entry   {where}")
+        print(f"  entry     {where}")
     else:
-        print(f"  file    {where}" + ("" if not store or Path(where).is_file() else "  (on the server's machine)"))
+        print(f"  file      {where}" + ("" if not store or Path(where).is_file() else "  (on the server's machine)"))
     return 0

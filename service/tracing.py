@@ -19,7 +19,9 @@ once, in each process's entry point; everything else asks `enabled()` first.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +33,10 @@ TRACEPARENT = "traceparent"
 # How long a finished span waits for its batch to be exported: short, so that a trace is complete within a
 # second of its request (a collector, a test) while spans still go in batches under load.
 EXPORT_DELAY_MS = 500
+# How long a process's stop waits for its last spans to be exported. The SDK's own shutdown waits up to 30 s
+# for an export in progress, and an export's timeout bounds each read, not the export: a collector that
+# answers a byte at a time held a stop for those 30 s. Past this the spans left are dropped, and said so.
+SHUTDOWN_TIMEOUT_S = 3.0
 
 _provider = None  # the SDK's TracerProvider once setup() ran with an endpoint (see the NOTE above)
 
@@ -54,11 +60,13 @@ def setup(service_name: str, endpoint: str | None) -> None:
     except ImportError as e:
         raise TracingUnavailable(f"--otlp-endpoint needs OpenTelemetry's SDK and OTLP exporter ({e}): pip install "
                                  "'qwen3vl-encoder-service[tracing]'") from None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # (shutdown_on_exit=False: the SDK's own exit hook is the unbounded shutdown; ours is registered instead)
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False)
     exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces", timeout=5)
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
     trace.set_tracer_provider(provider)
     _provider = provider
+    atexit.register(shutdown)
     log.info("tracing: spans of %s go to %s (OTLP/HTTP)", service_name, endpoint)
 
 
@@ -66,10 +74,21 @@ def enabled() -> bool:
     return _provider is not None
 
 
-def shutdown() -> None:
-    """Export what is left (a process's last act: uvicorn's re-raised SIGTERM skips atexit handlers)."""
-    if _provider is not None:
-        _provider.shutdown()
+def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Export what is left, for at most `timeout_s` (a process's last act: uvicorn's re-raised SIGTERM skips
+    atexit handlers, so the servers call it themselves; it runs at exit too, once only)."""
+    global _provider
+    provider, _provider = _provider, None
+    if provider is None:
+        return
+    # NOTE: in a daemon thread, given up on after the timeout: the SDK's export cannot be interrupted, and a
+    # daemon thread stuck in a read does not keep the process alive.
+    done = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("tracing: the last spans' export did not finish within %.0f s; the spans left are dropped "
+                    "(is the collector at --otlp-endpoint answering?)", timeout_s)
 
 
 def _tracer():

@@ -81,7 +81,7 @@ def test_the_reference_script_imports_only_the_stdlib_numpy_torch_transformers_t
 
 @pytest.fixture(scope="module")
 def frames_dir(tmp_path_factory):
-    pytest.importorskip("av", reason="PyAV decodes the clips (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV decodes the clips (a base dependency)")
     out = tmp_path_factory.mktemp("video-frames")
     subprocess.run([sys.executable, str(FIXTURES / "make_video_frames.py"), str(out)], check=True,
                    capture_output=True, timeout=300)

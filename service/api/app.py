@@ -140,13 +140,18 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                 authorize(request)
                 await rt.require_ready()  # before the body is read (or any URL fetched)
                 parsed, inputs = await parse(rt)
+                if inputs is None:  # client gone while a URL was fetched
+                    status = 499
+                    return PlainTextResponse("client disconnected", status_code=499)
                 phases.mark("parse")
                 answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
-                status = 200 if answers is not None else 499
                 if answers is None:  # client gone: nobody to answer
+                    status = 499
                     return PlainTextResponse("client disconnected", status_code=499)
+                body = answer(rt, parsed, answers)
                 response.headers["Server-Timing"] = phases.header()
-                return answer(rt, parsed, answers)
+                status = 200  # (only now: an answer that fails while it is built is a 500, and counted as one)
+                return body
             except ServiceError as e:
                 status = http_status(e)
                 if isinstance(e, Overloaded):

@@ -47,6 +47,10 @@ class Input:
     uuid: str | None
     source: str | None = None  # the URL it was fetched from (errors must not echo fetched content)
     video: bool = False  # a video part (`video_url`, or a multipart `video` file)
+    name: str | None = None  # what errors call it: `video part 1` (multipart); None: its JSON path, images[i]
+
+    def called(self, i: int) -> str:
+        return self.name or f"images[{i}]"
 
 
 class Answer(NamedTuple):
@@ -107,7 +111,7 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
         firsts.setdefault(k.key, i)
 
     def conflict(i: int, where: str) -> KeyConflict:
-        return at_index(KeyConflict(f"images[{i}]: uuid {keyed[i].key!r} is already bound to other image bytes "
+        return at_index(KeyConflict(f"{inputs[i].called(i)}: uuid {keyed[i].key!r} is already bound to other image bytes "
                                     f"({where}); a uuid must name one image: choose another uuid, or leave it out"), i)
 
     answers: dict[str, Answer] = {}
@@ -232,7 +236,8 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
     counts before decode); 409 when one uuid is given to different images in one request."""
     for i, inp in enumerate(inputs):
         if not inp.data:
-            raise at_index(ImageError(f"images[{i}] is empty (0 bytes); send the encoded image file", code="empty_image"), i)
+            raise at_index(ImageError(f"{inp.called(i)} is empty (0 bytes); send the encoded image or video file",
+                                      code="empty_image"), i)
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
     params, limits, salt, vllm = rt.params, rt.settings.image_limits, rt.key_salt, rt.vllm_keys
@@ -270,7 +275,7 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
     bound: dict[str, str] = {}  # key -> the image bytes' sha256 it names in this request
     for i, k in enumerate(keyed):
         if bound.setdefault(k.key, k.sha256) != k.sha256:
-            raise at_index(KeyConflict(f"images[{i}]: uuid {k.key!r} is also given to other image bytes earlier in "
+            raise at_index(KeyConflict(f"{inputs[i].called(i)}: uuid {k.key!r} is also given to other image bytes earlier in "
                                        "this request; one uuid names one image"), i)
     return keyed
 
@@ -297,11 +302,11 @@ def _named(inp: Input, i: int, p: ServiceError) -> ServiceError:
     if inp.source is not None:  # never echo fetched content (an SSRF read primitive)
         what = "video" if inp.video else "image"
         p.message = f"the content fetched from {inp.source} is not a usable {what} ({p.code}); check the URL"
-    p.message = f"images[{i}]: {p.message}"
+    p.message = f"{inp.called(i)}: {p.message}"
     return at_index(p, i)
 
 
-async def _watch(client_gone: ClientGone, first_after_s: float = 0.0) -> None:
+async def watch_client(client_gone: ClientGone, first_after_s: float = 0.0) -> None:
     """Returns once the client has gone (polled every 50 ms, the first time after `first_after_s`)."""
     await asyncio.sleep(first_after_s)
     while not await client_gone():
@@ -334,7 +339,7 @@ async def _done_or_disconnect(client_gone: ClientGone, tasks: list[asyncio.Task]
     if not pending:
         return True
     # The first poll after 50 ms: a decode done by then (most are) costs no check of the connection.
-    watcher = asyncio.create_task(_watch(client_gone, first_after_s=0.05))
+    watcher = asyncio.create_task(watch_client(client_gone, first_after_s=0.05))
     try:
         while pending:
             done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -352,7 +357,7 @@ async def _done_or_disconnect(client_gone: ClientGone, tasks: list[asyncio.Task]
 async def _wait_or_disconnect(client_gone: ClientGone, futures: list[asyncio.Future]) -> bool:
     """Wait for all futures; False if the client went away first."""
     gathered = asyncio.gather(*futures)
-    watcher = asyncio.create_task(_watch(client_gone))
+    watcher = asyncio.create_task(watch_client(client_gone))
     try:
         done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -370,7 +375,7 @@ def _decode_failure(inputs: list[Input], i: int, p: BaseException) -> ServiceErr
         return _named(inputs[i], i, p)
     if isinstance(p, ServiceError):
         return p
-    log.error("decoding images[%d] failed: %r", i, p)
-    err = BackendError(f"decoding images[{i}] failed ({type(p).__name__}); the server's log has the error")
+    log.error("decoding %s failed: %r", inputs[i].called(i), p)
+    err = BackendError(f"decoding {inputs[i].called(i)} failed ({type(p).__name__}); the server's log has the error")
     err.__cause__ = p
     return err

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.api.encode import Answer, Input
 from service.api.parse import inputs_from_parts, read_json_body
 from service.api.runtime import Runtime
-from service.api.schemas import ImagePart, VideoPart
+from service.api.schemas import ImagePart, VideoPart, describe_invalid
 from service.errors import RequestError
 
 # The content-part types of vLLM's chat API that carry media this encoder does not take.
@@ -58,16 +58,15 @@ def served_model(rt: Runtime) -> str:
     return rt.settings.vllm_model_id or rt.settings.model
 
 
-async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[Input]]:
-    """The chat request and its media parts as encode Inputs, in order. RequestError for a body that is not a
+async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[Input] | None]:
+    """The chat request and its media parts as encode Inputs, in order (None: the client left while a URL
+    was fetched). RequestError for a body that is not a
     chat request, a model this encoder does not serve, hash factors, or media it does not take."""
     body = await read_json_body(request, rt.settings)
     try:
         chat = ChatRequest.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(f"invalid chat request at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+        raise RequestError(describe_invalid(e)) from None
     model = served_model(rt)
     if rt.settings.vllm_model_id is not None and chat.model is not None and chat.model != model:
         raise RequestError(f"the model {chat.model!r} is not served here: this encoder serves {model!r} "
@@ -98,7 +97,7 @@ async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[I
     if len(parts) > rt.settings.max_images_per_request:
         raise RequestError(f"{len(parts)} images and videos in one request; the limit is "
                            f"{rt.settings.max_images_per_request}")
-    return chat, await inputs_from_parts(rt, parts)
+    return chat, await inputs_from_parts(rt, parts, len(body), request.is_disconnected)
 
 
 def completion(rt: Runtime, chat: ChatRequest, answers: list[Answer], request_id: str | None) -> dict:

@@ -1,6 +1,13 @@
 """Request parsing for /encode: bodies (JSON or multipart), data URLs, and http(s) image and video URLs
 fetched from allow-listed hosts. Images and videos share one list (`images`: image_url and video_url parts;
-multipart: `image` and `video` file parts, in their order). Answers parsed `Input`s, or raises the ServiceError that says what was wrong."""
+multipart: `image` and `video` file parts, in their order). Answers parsed `Input`s (None when the client
+left during a fetch), or raises the ServiceError that says what was wrong.
+
+A fetch is bounded three ways: its bytes (its item's limit while it streams, and the request's budget:
+its body and everything its URLs fetch together within --max-request-bytes), its time (--url-timeout-s for
+the whole fetch, name resolution included, not per read: a server dripping a byte per read never times
+a read out), and its client (a fetch whose client has gone is cancelled, and so is every fetch when the
+server stops: Runtime.stop_fetches, so that a fetch never holds the drain)."""
 
 from __future__ import annotations
 
@@ -15,10 +22,10 @@ import pybase64
 from fastapi import Request
 from pydantic import ValidationError
 
-from service.api.encode import Input
+from service.api.encode import ClientGone, Input, watch_client
 from service.api.runtime import Runtime
-from service.api.schemas import EncodeRequest, ImagePart, VideoPart
-from service.errors import at_index, ImageError, RequestError, ServiceError, VideoError
+from service.api.schemas import EncodeRequest, ImagePart, VideoPart, describe_invalid
+from service.errors import at_index, ImageError, RequestError, ServiceError, Unavailable, VideoError
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -72,15 +79,16 @@ def _base64_fault(payload: str) -> str:
     return "'=' padding before its end"
 
 
-def _url_host(url: str, index: int) -> tuple[str, int]:
+def _url_host(url: str, index: int, video: bool = False) -> tuple[str, int]:
     """(host, port) of an http(s) URL, or `bad_request` for one that does not parse."""
+    field = "video_url" if video else "image_url"
     try:
         parts = urlsplit(url)
         host, port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as e:  # "Invalid IPv6 URL", a port out of range, ...
-        raise RequestError(f"images[{index}].image_url.url is not a valid URL: {e}") from None
+        raise RequestError(f"images[{index}].{field}.url is not a valid URL: {e}") from None
     if not host or any(c.isspace() or ord(c) < 32 for c in url):
-        raise RequestError(f"images[{index}].image_url.url is not a valid URL (no host, or whitespace or control "
+        raise RequestError(f"images[{index}].{field}.url is not a valid URL (no host, or whitespace or control "
                          "characters in it)")
     return host, port
 
@@ -104,22 +112,70 @@ async def _check_resolves_public(rt: Runtime, host: str, port: int, index: int) 
                            index)
 
 
-async def _fetch_url(rt: Runtime, url: str, index: int, video: bool = False) -> bytes:
-    host, port = _url_host(url, index)
+class _Budget:
+    """The bytes one request may still bring in: --max-request-bytes less its body, shared by its fetches."""
+
+    def __init__(self, limit: int, body: int):
+        self.limit, self.left = limit, limit - body
+
+    def take(self, n: int, index: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise at_index(RequestError(f"images[{index}]: the request's body and what its URLs fetched are over "
+                                        f"{self.limit} bytes together (--max-request-bytes); send fewer or smaller "
+                                        "images and videos per request", code="request_too_large"), index)
+
+
+async def _fetch_url(rt: Runtime, url: str, index: int, video: bool, budget: _Budget,
+                     client_gone: ClientGone) -> bytes | None:
+    """The URL's bytes, within its bounds (the module's docstring); None if the client left meanwhile."""
+    host, port = _url_host(url, index, video)
     if host not in rt.settings.allowed_url_hosts:
         raise at_index(ImageError(f"images[{index}]: fetching from {host!r} is not allowed; send a data URL, or add "
                                        f"the host to --allowed-url-hosts", code="image_fetch_failed"), index)
+    if rt.stopping:
+        raise Unavailable("the service is shutting down; send the request to another instance")
+    timeout_s = rt.settings.url_timeout_s
+    fetch = asyncio.ensure_future(asyncio.wait_for(_get(rt, url, host, port, index, video, budget), timeout_s))
+    rt.fetches.add(fetch)
+    watcher = asyncio.ensure_future(watch_client(client_gone))
+    try:
+        done, _ = await asyncio.wait({fetch, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        rt.fetches.discard(fetch)
+        if not fetch.done():  # the client left (or this request was cancelled): the fetch goes with it
+            fetch.cancel()
+    if fetch not in done:  # the client left: nobody to answer
+        return None
+    if fetch.cancelled():  # Runtime.stop_fetches: the server stops, and answers at once
+        raise Unavailable("the service is shutting down; send the request to another instance")
+    try:
+        return fetch.result()
+    except asyncio.TimeoutError:
+        raise at_index(ImageError(f"images[{index}]: fetching {url} did not finish within {timeout_s:g} s "
+                                  "(--url-timeout-s, for the whole fetch)", code="image_fetch_failed"), index) from None
+
+
+async def _get(rt: Runtime, url: str, host: str, port: int, index: int, video: bool, budget: _Budget) -> bytes:
     await _check_resolves_public(rt, host, port, index)
     limit = rt.settings.video_max_bytes if video else rt.settings.max_image_bytes
     try:
         async with rt.http.stream("GET", url) as resp:
             if resp.status_code != 200:
                 raise at_index(ImageError(f"images[{index}]: GET {url} answered {resp.status_code}", code="image_fetch_failed"), index)
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:  # refused before its body is read
+                raise _too_large(video, f"images[{index}]: {url} is {int(declared)} bytes, over the limit of {limit}", index)
+            if declared.isdigit():
+                budget.take(int(declared), index)
             chunks, size = [], 0
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(video, f"images[{index}]: {url} is over the limit of {limit} bytes", index)
+                if not declared.isdigit() or size > int(declared):
+                    budget.take(len(chunk), index)
                 chunks.append(chunk)
             return b"".join(chunks)
     except (httpx.HTTPError, httpx.InvalidURL) as e:
@@ -135,27 +191,33 @@ async def read_json_body(request: Request, s) -> bytes:
                                          + 65536))
 
 
-async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart]) -> list[Input]:
-    """Each image_url / video_url part's bytes (a data URL decoded, an allow-listed URL fetched), in order."""
+async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart], body_bytes: int,
+                            client_gone: ClientGone) -> list[Input] | None:
+    """Each image_url / video_url part's bytes (a data URL decoded, an allow-listed URL fetched, what the
+    fetches bring counted with the body's `body_bytes` against --max-request-bytes), in order; None if the
+    client left while a URL was fetched."""
     s = rt.settings
     inputs = []
+    budget = _Budget(s.max_request_bytes, body_bytes)
     for i, part in enumerate(parts):
         video = isinstance(part, VideoPart)
         url = part.video_url.url if video else part.image_url.url
         if url.startswith("data:"):
             data = _decode_data_url(url, i, s.video_max_bytes if video else s.max_image_bytes, video)
         elif url.startswith(("http://", "https://")):
-            data = await _fetch_url(rt, url, i, video)
+            data = await _fetch_url(rt, url, i, video, budget, client_gone)
+            if data is None:
+                return None  # the client left while it was fetched
             inputs.append(Input(data, part.uuid, source=url, video=video))
             continue
         else:
             raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
-                             "http:// or https://")
+                               "http:// or https://")
         inputs.append(Input(data, part.uuid, video=video))
     return inputs
 
 
-async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
+async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
     s = rt.settings
     limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -180,9 +242,10 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
             video = name == "video"
             limit = s.video_max_bytes if video else s.max_image_bytes
             data = await f.read(limit + 1)
+            where = f"{name} part {i}"  # (by its field and its place among the file parts: `index`)
             if len(data) > limit:
-                raise _too_large(video, f"images[{i}] is over the limit of {limit} bytes", i)
-            inputs.append(Input(data, uuids[i] if uuids else None, video=video))
+                raise _too_large(video, f"{where} is over the limit of {limit} bytes", i)
+            inputs.append(Input(data, uuids[i] if uuids else None, video=video, name=where))
         return inputs
     if ctype not in ("application/json", ""):
         raise RequestError(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
@@ -190,9 +253,7 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input]:
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(f"invalid request body at '{where}': {first['msg']} ({e.error_count()} error(s))") from None
+        raise RequestError(describe_invalid(e)) from None
     if len(req.images) > s.max_images_per_request:
         raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
-    return await inputs_from_parts(rt, req.images)
+    return await inputs_from_parts(rt, req.images, len(body), request.is_disconnected)

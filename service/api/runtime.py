@@ -88,6 +88,8 @@ class Runtime:
         self.mismatch: str | None = None  # the engines disagree on keys / preprocessing: never ready
         self.engine_lost = False
         self.requests_in_flight = 0  # requests between their keys and their last submit (an idle process decodes early)
+        self.fetches: set[asyncio.Task] = set()  # URL fetches in progress (api/parse.py)
+        self.stopping = False  # the server stops taking requests: no fetch starts, none holds the drain
         self._task: asyncio.Task | None = None
         self.started = time.time()  # (/v1/models' `created`)
 
@@ -191,6 +193,13 @@ class Runtime:
         except ServiceError:
             pass
         return text
+
+    def stop_fetches(self) -> None:
+        """The server has begun to stop (its graceful drain): every URL fetch in progress ends now, its request
+        answered 503, and none starts: a stop waits for the service's own work, not for another server's pace."""
+        self.stopping = True
+        for fetch in list(self.fetches):
+            fetch.cancel()
 
     async def shutdown(self) -> None:
         t0 = time.perf_counter()

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 
 class ImageURL(BaseModel):
@@ -76,3 +77,30 @@ class ErrorResponse(BaseModel):
     """The shape of every error answer (errors.error_body)."""
 
     error: ErrorDetail
+
+
+# What pydantic puts in an error's path for a union's member: `str`, `list[...]`, `tagged-union[...]`, ...
+_MEMBER = re.compile(r"^(str|int|float|bool|none|dict|list|tagged-union)(\[.*\])?$")
+
+
+def body_path(loc: tuple) -> str:
+    """An error's place in a request body as a client writes it: `images[0].image_url`, not pydantic's
+    `images.0.image_url.image_url` (a tagged union's tag, then the field it names) or `content.str`."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (i + 1 < len(loc) and loc[i + 1] == part) or _MEMBER.match(part):
+            continue  # a union's tag or member, not a field
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def describe_invalid(e: ValidationError) -> str:
+    """The one line a 400 says about a body that does not validate: its deepest error (a union's other members
+    report a less useful one each: `content` is not a string either), at its body_path."""
+    errors = e.errors()
+    worst = max(errors, key=lambda err: len(err["loc"]))
+    more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
+    return f"invalid request body at '{body_path(worst['loc'])}': {worst['msg']}{more}"

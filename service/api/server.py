@@ -1,7 +1,8 @@
 """uvicorn serving this app (a single-process service, or each API process): its options, a server that
 says in one line which signal stops it, and what every server of this project (the encoder, the LM
-consumer, the router) shares: the HTTP answer to a ServiceError (`error_response`), the request-body
-limit (`BodyLimit`) and the bearer-key check (`bearer_auth`)."""
+consumer, the router) shares: the HTTP answer to a ServiceError (`error_response`) and to any other error
+(`install_error_handlers`), the request-body limit (`BodyLimit`), the bearer-key check (`bearer_auth`),
+and serving on a socket the CLI bound first (`serve_app`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
 from collections.abc import Callable, Iterable
 
 import uvicorn
@@ -34,17 +36,57 @@ def server_options(settings: Settings) -> dict:
             "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_BYTES}  # (protocol.py's cap answers first)
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, saying in one line which signal stops it. With `ignore_sigint` a SIGINT is
-    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first).
-    `on_stopped` runs once the graceful shutdown is done. NOTE: not after `run()`: uvicorn raises the
-    signal that stopped it again when `serve` ends, and the process dies of it there."""
+# Paths that probes and start-up waits poll (`try`, the load test, orchestrators' readiness and liveness
+# probes): their access-log line is written only when its status changes (ProbeLogFilter).
+PROBE_PATHS = ("/health", "/ready")
 
-    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None):
+
+class ProbeLogFilter(logging.Filter):
+    """Drops uvicorn's access-log line of a probe whose status is the one last logged for its path: a wait
+    polling /ready twice a second wrote ~30 lines while a server started, and a liveness probe writes one
+    every few seconds for ever. The first answer, and every change (starting to ready, ready to failing), stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client, method, path with its query, HTTP version, status)
+        if not (isinstance(args, tuple) and len(args) == 5 and args[1] in ("GET", "HEAD")):
+            return True
+        path, status = str(args[2]).split("?", 1)[0], args[4]
+        if path not in PROBE_PATHS:
+            return True
+        last, self._last[path] = self._last.get(path), status
+        return last != status
+
+
+def quiet_probes() -> None:
+    """ProbeLogFilter on uvicorn's access log, once per process (uvicorn.Config has configured its logging)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeLogFilter) for f in access.filters):
+        access.addFilter(ProbeLogFilter())
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, saying in one line which signal stops it, with probes' access lines quieted
+    (ProbeLogFilter). With `ignore_sigint` a SIGINT is
+    ignored (a supervisor's child: the supervisor turns Ctrl-C into SIGTERMs, API processes first).
+    `on_stopping` runs as the graceful shutdown begins, before it waits for open requests: what must not
+    hold the drain ends there (the encoder's URL fetches). `on_stopped` runs once the graceful shutdown is
+    done. NOTE: not after `run()`: uvicorn raises the signal that stopped it again when `serve` ends, and
+    the process dies of it there."""
+
+    def __init__(self, config: uvicorn.Config, ignore_sigint: bool = False, on_stopped: Callable[[], None] | None = None,
+                 on_stopping: Callable[[], None] | None = None):
         super().__init__(config)
-        self.ignore_sigint, self.on_stopped = ignore_sigint, on_stopped
+        quiet_probes()
+        self.ignore_sigint, self.on_stopped, self.on_stopping = ignore_sigint, on_stopped, on_stopping
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_stopping is not None:
+            self.on_stopping()
         await super().shutdown(sockets=sockets)
         if self.on_stopped is not None:
             self.on_stopped()
@@ -58,6 +100,19 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def bound_url(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket (the port the kernel gave a --port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def serve_app(app, sock: socket.socket, log_level: str) -> int:
+    """Serve `app` (the LM consumer's, the router's) on `sock`, bound by the CLI before anything loaded, with
+    the one-line signal log of `Server`."""
+    Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    return 0
+
+
 def error_response(err: ServiceError, openai: bool = False) -> Response:
     """The HTTP answer to `err` (errors.response builds its status, headers and body; `openai`: the OpenAI
     API's error shape, what vLLM's /v1 routes answer)."""
@@ -67,7 +122,8 @@ def error_response(err: ServiceError, openai: bool = False) -> Response:
 
 def install_error_handlers(app) -> None:
     """Every error `app` (a FastAPI app of this project) answers in the one error shape: its ServiceErrors,
-    and routing's own (404, 405, ...) instead of FastAPI's {"detail": ...}."""
+    routing's own (404, 405, ...) instead of FastAPI's {"detail": ...}, and anything else (a bug) as 500
+    `internal_error` instead of starlette's plain-text 500."""
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         if err.status_code == 404:
@@ -84,6 +140,14 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request, err: ServiceError):
         return error_response(err, openai=request.url.path.startswith("/v1/"))
+
+    # NOTE: starlette runs an `Exception` handler in its outermost middleware and raises the error again after
+    # the answer is sent, so uvicorn still logs its traceback: the log has the bug, the client the JSON shape.
+    @app.exception_handler(Exception)
+    async def _unexpected(request, err: Exception):
+        return error_response(errors.BackendError("the server failed unexpectedly (a bug): its log has the error; "
+                                                  "retry, and report it if it persists", code="internal_error"),
+                              openai=request.url.path.startswith("/v1/"))
 
 
 class BodyLimit:

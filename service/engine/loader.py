@@ -246,11 +246,7 @@ def _from_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype):
     params = _preprocess_params(ckpt, spec)
     video = _video_params(ckpt, spec)
     files = _weight_files(ckpt)
-    prefix = next((p for p in _PREFIXES if any(n.startswith(p + "blocks.") for n in files)), None)
-    if prefix is None:
-        raise ModelLoadError(f"{ckpt}: no vision-tower tensors found (expected names like 'model.visual.blocks.0...')")
-    # A full checkpoint holds the LM too: read only the tower's tensors, from only the shards that hold them.
-    names = sorted(n for n in files if n.startswith(prefix)) if prefix else sorted(files)
+    prefix, names = _tower_tensors(ckpt, files)
     tower = _empty_tower(spec, device, dtype)
     expected = tower.state_dict()
     state: dict[str, torch.Tensor] = {}
@@ -285,9 +281,40 @@ def _from_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype):
     with torch.no_grad():
         for k, t in state.items():
             expected[k].copy_(t)  # copy_ casts to the model dtype and device
-    model_id = f"{ckpt.resolve().name}@{_fingerprint(ckpt, names, files)}"
+    model_id = _model_id(ckpt, names, files)
     log.info("loaded %d vision-tower tensors from %s (%s)", len(state), ckpt, model_id)
     return spec, params, video, tower, model_id
+
+
+def _tower_tensors(ckpt: Path, files: dict[str, Path]) -> tuple[str, list[str]]:
+    """(prefix, names) of the tower's tensors among a checkpoint's: a full checkpoint holds the LM too, and
+    only the tower's are read, from only the shards that hold them."""
+    prefix = next((p for p in _PREFIXES if any(n.startswith(p + "blocks.") for n in files)), None)
+    if prefix is None:
+        raise ModelLoadError(f"{ckpt}: no vision-tower tensors found (expected names like 'model.visual.blocks.0...')")
+    return prefix, sorted(n for n in files if n.startswith(prefix)) if prefix else sorted(files)
+
+
+def checkpoint_model_id(ckpt: Path) -> str:
+    """The identity `serve --model CKPT` gives this checkpoint's tower (/ready's `model`, every entry's `model`
+    metadata), from its files alone, no tensor read: whose embeddings an LM of this checkpoint reads."""
+    files = _weight_files(ckpt)
+    return _model_id(ckpt, _tower_tensors(ckpt, files)[1], files)
+
+
+def same_tower(a: str | None, b: str | None) -> bool:
+    """Whether two model identities name one tower: equal, or checkpoints (`<directory>@<fingerprint>`) whose
+    fingerprints are equal, mounted under other directory names (the encoder's and the LM's hosts)."""
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    (_, at, fa), (_, bt, fb) = a.rpartition("@"), b.rpartition("@")
+    return bool(at and bt and not a.startswith("preset:") and fa == fb)
+
+
+def _model_id(ckpt: Path, names: list[str], files: dict[str, Path]) -> str:
+    return f"{ckpt.resolve().name}@{_fingerprint(ckpt, names, files)}"
 
 
 def _fingerprint(ckpt: Path, names: list[str], files: dict[str, Path]) -> str:

@@ -41,6 +41,7 @@ import io
 import json
 import logging
 import re
+import socket
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Literal
@@ -52,7 +53,7 @@ from fastapi.responses import Response
 
 from service import tracing
 from service.lm.client import apost
-from service.api.server import BodyLimit, bearer_auth, error_response, install_error_handlers
+from service.api.server import BodyLimit, bearer_auth, bound_url, error_response, install_error_handlers, serve_app
 from service.errors import clip, GatewayError, RequestError
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _of(test: Callable[[object], bool], what: str):
     return lambda v, cfg: None if test(v) else what
 
 
-_BOOL = _of(lambda v: isinstance(v, bool), "true or false")
+_BOOL = _of(lambda v: v is None or isinstance(v, bool), "true, false or null")  # vLLM's `bool | None` fields
 _NUMBER = _of(_number, "a number")
 _INTEGER = _of(_integer, "an integer")
 _OBJECT = _of(lambda v: isinstance(v, dict), "an object")
@@ -381,8 +382,7 @@ def _relayed(r: httpx.Response, positions: list[int]) -> Response:
                     headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
 
 
-def serve(cfg: RouterConfig, host: str, port: int, log_level: str = "info") -> int:
-    import uvicorn
-
-    uvicorn.run(create_router_app(cfg), host=host, port=port, log_level=log_level)
-    return 0
+def serve(cfg: RouterConfig, sock: socket.socket, log_level: str = "info") -> int:
+    """`route`: serve on `sock` (bound by the CLI before torch was imported: a port in use fails at once)."""
+    log.info("listening on %s: encoding at %s, forwarding to vLLM at %s", bound_url(sock), cfg.encoder_url, cfg.vllm_url)
+    return serve_app(create_router_app(cfg), sock, log_level)

@@ -30,7 +30,8 @@ deepstack levels, dtype, finite values. `--verify` also compares those embedding
 computed here, on the CPU, by the service's own tower on the same weights (tests/unit/engine/test_core.py and
 tests/system/test_server.py hold that tower to transformers within 1e-5), as a relative L2 error.
 
-Before any load, GET /ready must answer 200 (one clear line and exit status 2 otherwise). The run stops
+Before any load, GET /ready must answer 200: a server still starting is waited for (--wait-ready, 60 s),
+and one that is not there, or not ready in time, is one clear line and exit status 2. The run stops
 after --requests requests or --duration-s seconds, whichever comes first (requests in flight then are
 awaited). Ctrl-C stops it early and prints the partial summary. Exit status: 0 done; 1 no request
 succeeded, or a replayed or verified embedding was wrong; 2 bad arguments or no ready server;
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration-s", type=float, default=10.0, help="stop starting requests after this long")
     load.add_argument("--processes", type=int, default=1, help="client processes (when one cannot saturate the server)")
     load.add_argument("--timeout-s", type=float, default=300.0, help="per-request timeout")
-    load.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="wait this long for /ready")
+    load.add_argument("--wait-ready", type=float, default=60.0, metavar="SECONDS",
+                      help="wait this long for a server still starting to answer /ready 200 (0: not at all)")
     img = p.add_argument_group("images")
     img.add_argument("--images-per-request", type=int, default=1, help="images in each request (0: videos only)")
     img.add_argument("--sizes", default="256x256", help="WIDTHxHEIGHT list, cycled over the images")
@@ -162,7 +164,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         try:
             import av  # noqa: F401
         except ImportError:
-            p.error("videos need PyAV (pip install av, or the project's `video` extra)")
+            p.error("videos need PyAV, a dependency of this project: reinstall it (make install-serve, or pip install -e .)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,30 +27,40 @@ class NotReady(Exception):
 
 
 def preflight(url: str, headers: dict[str, str], wait_ready_s: float = 0.0) -> dict:
-    """GET /ready until it answers 200 (or wait_ready_s passes); returns its JSON (model, device, dtype)."""
+    """GET /ready until it answers 200 (or wait_ready_s passes, saying once per phase that it waits on stderr);
+    returns its JSON (model, device, dtype). Nothing listening is refused at once: there is nothing to wait for."""
     deadline = time.monotonic() + wait_ready_s
+    said = None
     while True:
         try:
             r = httpx.get(url.rstrip("/") + "/ready", timeout=5, headers=headers)
         except httpx.ConnectError as e:
             why = "connection refused" if "refused" in str(e).lower() else str(e)
-            problem = (f"cannot reach the encoder service at {url} ({why}): start one (`make run`, or `make serve-tiny` "
-                       "for a quick one) or pass --url")
+            raise NotReady(f"cannot reach the encoder service at {url} ({why}): start one (`make run`, or `make "
+                           "serve-tiny` for a quick one) or pass --url") from None
+        except httpx.TimeoutException:  # bound, still importing: the connection waits in the backlog
+            phase, problem = "starting", f"the encoder service at {url} did not answer /ready"
         except httpx.HTTPError as e:
-            problem = f"cannot reach the encoder service at {url} ({type(e).__name__}: {e})"
+            raise NotReady(f"cannot reach the encoder service at {url} ({type(e).__name__}: {e})") from None
         else:
             if r.status_code == 200:
                 try:
                     return r.json()
                 except ValueError:
                     raise NotReady(f"{url}/ready answered 200 but not JSON: is this the encoder service?") from None
-            if r.status_code == 503:
-                problem = (f"the encoder service at {url} is not ready (/ready answered 503): it may still be loading "
-                           "its model; wait, or pass --wait-ready SECONDS")
-            else:
+            if r.status_code != 503:
                 raise NotReady(f"{url}/ready answered HTTP {r.status_code}: is this the encoder service?")
+            try:
+                phase = r.json().get("phase", "starting")
+            except (ValueError, AttributeError):
+                phase = "starting"
+            problem = f"the encoder service at {url} is not ready (/ready answered 503, phase: {phase})"
         if time.monotonic() >= deadline:
-            raise NotReady(problem)
+            raise NotReady(f"{problem} after {wait_ready_s:g} s: it may still be loading its model; wait, or pass "
+                           "--wait-ready SECONDS")
+        if phase != said:
+            print(f"waiting for the encoder service at {url} to be ready (phase: {phase})", file=sys.stderr, flush=True)
+            said = phase
         time.sleep(0.5)
 
 

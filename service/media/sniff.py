@@ -1,6 +1,7 @@
 """What an image's raw bytes say before any decoder runs: its format by signature, the size its header
-declares, a JPEG's scans (counted from its marker segments), and whether it looks cut short. Cheap and
-bounded: hostile input is judged here before it costs a decode (service/media/images.py)."""
+declares, a JPEG's scans (counted from its marker segments), and whether it looks cut short; and whether
+bytes look like a video container at all. Cheap and bounded: hostile input is judged here before it costs a
+decode (service/media/images.py)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,13 @@ def sniff_format(data: bytes) -> str | None:
     if data.startswith(b"BM") and len(data) >= 14 and data[6:10] == b"\x00\x00\x00\x00":
         return "BMP"
     return None
+
+
+def looks_like_video(data: bytes) -> bool:
+    """Whether the data starts as a video container does: MP4 / MOV (an ISO box `ftyp`), Matroska / WebM (EBML),
+    AVI. A guess for a client that was handed a file (`try`); the service reads the header itself."""
+    return (data[4:8] == b"ftyp" or data.startswith(b"\x1a\x45\xdf\xa3")
+            or (data.startswith(b"RIFF") and data[8:12] == b"AVI "))
 
 
 def declared_size(fmt: str, data: bytes) -> tuple[int, int] | None:

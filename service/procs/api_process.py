@@ -50,4 +50,9 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     # httptools (server_options gives its protocol the head timeout) and uvloop (both dependencies): a request
     # costs ~0.3 ms of CPU instead of ~0.5 with h11 and asyncio's loop.
     config = uvicorn.Config(app, log_level=log_level, **server_options(settings))
-    Server(config, ignore_sigint=True, on_stopped=rundir.leave).run(sockets=[sock])
+    def stopping() -> None:  # the graceful stop begins: URL fetches must not hold it (api/runtime.py)
+        rt = getattr(app.state, "rt", None)
+        if rt is not None:
+            rt.stop_fetches()
+
+    Server(config, ignore_sigint=True, on_stopped=rundir.leave, on_stopping=stopping).run(sockets=[sock])

@@ -136,6 +136,12 @@ class Booting:
             self.exit_code = 1
             self.stop()
 
+    def stopping(self) -> None:
+        """The server begins its graceful stop: the real app's URL fetches end now (api/runtime.py)."""
+        rt = getattr(self.app.state, "rt", None) if self.app is not None else None
+        if rt is not None:
+            rt.stop_fetches()
+
     async def _starting(self, scope, send) -> None:
         if scope["path"] == "/ready":
             answer = JSONResponse({"ready": False, "phase": self.phase,
@@ -153,7 +159,8 @@ def serve_single(settings: Settings, sock: socket.socket, load: Callable | None 
     tracing.setup("qwen3vl-encoder", settings.otlp_endpoint)
     server: Server | None = None
     booting = Booting(settings, stop=lambda: setattr(server, "should_exit", True), load=load)
-    server = Server(uvicorn.Config(booting, log_level=settings.log_level, **server_options(settings)))
+    server = Server(uvicorn.Config(booting, log_level=settings.log_level, **server_options(settings)),
+                    on_stopping=booting.stopping)
     log.info("listening on http://%s:%d; /ready answers 503 until the model is loaded and warm",
              settings.host, sock.getsockname()[1])
     code = 0

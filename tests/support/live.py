@@ -90,6 +90,66 @@ def file_server(bodies: dict[str, bytes], redirects: dict[str, str] | None = Non
             srv.shutdown()
 
 
+class SlowServer:
+    """A loopback HTTP server whose bodies come as slowly as a test says, for the URL-fetch tests: GET /<n>
+    answers `size` bytes (its Content-Length), `chunk` bytes every `pause_s` seconds. It counts the requests
+    it got, the bytes it sent and the fetches whose client closed the connection before the body's end
+    (a write that failed: noticed within two pauses of the close). `url(n)` is a path's URL."""
+
+    def __init__(self, size: int, chunk: int, pause_s: float):
+        import http.server
+        import socketserver
+
+        self.size, self.chunk, self.pause_s = size, chunk, pause_s
+        self.requests = self.sent = self.cut = self.active = 0
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                server._count(requests=1, active=1)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(server.size))
+                    self.end_headers()
+                    left = server.size
+                    while left > 0:
+                        piece = b"\0" * min(server.chunk, left)
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        server._count(sent=len(piece))
+                        left -= len(piece)
+                        if left and server.pause_s:
+                            time.sleep(server.pause_s)
+                except OSError:  # (BrokenPipeError, ConnectionResetError): the client left
+                    server._count(cut=1)
+                finally:
+                    server._count(active=-1)
+
+            def log_message(self, *args):
+                pass
+
+        self._httpd = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def url(self, n: int = 0) -> str:
+        return f"http://127.0.0.1:{self.port}/{n}"
+
+    def __enter__(self) -> "SlowServer":
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
 def local_host(rt):
     """The engine host of a single-process service's Runtime (engine/host.py): its store, batcher, engine."""
     return rt.engines.clients[0].transport.host
@@ -155,10 +215,9 @@ def app_server(app, log_level: str = "warning"):
 
 
 # The line each server command logs once its socket is bound, with the port the kernel gave it:
-# `serve` in one process ("listening on http://HOST:PORT; ..."), its supervisor ("supervisor PID:
-# http://HOST:PORT, ..."), `consume` and `route` (uvicorn's "Uvicorn running on http://HOST:PORT (...)",
-# which names the bound port since uvicorn 0.21; the project needs >= 0.29).
-BOUND = re.compile(r"(?:listening on|supervisor \d+:|Uvicorn running on) http://([^\s:/]+):(\d+)")
+# `serve` in one process, `consume` and `route` ("listening on http://HOST:PORT..."), a supervisor
+# ("supervisor PID: http://HOST:PORT, ...").
+BOUND = re.compile(r"(?:listening on|supervisor \d+:) http://([^\s:/]+):(\d+)")
 
 
 def reported_url(log: Path) -> str | None:

@@ -98,3 +98,40 @@ class Collector:
 def _value(v):
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind else None
+
+
+class DrippingCollector:
+    """A collector that takes each export's body, then answers it one byte a second (a Content-Length of a
+    kilobyte): an export that never ends, though no read ever times out. `posts`: the exports it got."""
+
+    def __init__(self):
+        self.posts = 0
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                collector.posts += 1
+                try:
+                    self.send_response(200)
+                    self.send_header("content-type", "application/x-protobuf")
+                    self.send_header("content-length", "1000")
+                    self.end_headers()
+                    for _ in range(1000):
+                        self.wfile.write(b"\0")
+                        self.wfile.flush()
+                        time.sleep(1)
+                except OSError:  # the exporter gave up
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -403,6 +403,17 @@ def test_make_run_installs_only_what_serving_needs_and_make_test_adds_the_dev_ex
     assert try_.split("-m service", 1)[1].split()[:3] == ["try", "--url", "http://127.0.0.1:8080"]
 
 
+def test_the_serving_install_decodes_videos():
+    """The API takes videos, but PyAV was only in a `video` extra: a video on `make run`'s install answered a
+    500 (`No module named 'av'`). It is a base dependency, and no extra names it again."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda requirement: re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()  # noqa: E731
+    assert "av" in [name(r) for r in project["dependencies"]], project["dependencies"]
+    for extra, requirements in project.get("optional-dependencies", {}).items():
+        assert "av" not in [name(r) for r in requirements], extra
+
+
 @needs_make
 def test_make_loadtest_installs_only_the_loadtest_extra_on_the_serving_install():
     # The dev extras (pytest, schemathesis, scikit-image, scipy) took ~55 s on a fresh clone; the load

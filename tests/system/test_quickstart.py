@@ -7,15 +7,19 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from service.quickstart import EXAMPLE_IMAGE
 from service.store.format import read_embeddings
 from tests.support.live import ServiceProcess, refused_port, without_outer_make
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent  # the project's venv: `.venv/bin` in the README
+CAT = EXAMPLE_IMAGE.read_bytes()
 
 
 def env(**extra) -> dict:
@@ -37,6 +41,23 @@ def test_try_names_a_missing_image(tmp_path):
                        env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.splitlines() == [f"error: cannot read {tmp_path / 'dog.jpg'}: No such file or directory"]
+
+
+@pytest.mark.parametrize("flag", ["--video", "--image"], ids=["--video", "a video given as --image"])
+def test_try_posts_a_video(tiny_server, tmp_path, flag):
+    """`try` took images only: a newcomer's clip could not be tried. `--video FILE` posts it as a video_url
+    part, and so does `--image` with a file whose bytes are a video container's."""
+    from tests.support import videodata
+
+    server, store = tiny_server
+    clip = tmp_path / "clip.bin"  # (no suffix to go by: the bytes say what it is)
+    clip.write_bytes(videodata.clip(frames=8, fps=4, width=64, height=48))
+    r = subprocess.run([sys.executable, "-m", "service", "try", "--url", server.url, flag, str(clip)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    fields = parse_try(r.stdout)
+    assert fields["modality"] == "video" and re.fullmatch(r"\d+ frames sampled, at \d+(\.\d+)? fps", fields["frames"]), fields
+    assert read_embeddings(store, fields["key"]).modality == "video"
 
 
 # ---- the README --------------------------------------------------------------------------------------
@@ -163,3 +184,117 @@ def test_the_readme_curl_says_why_when_it_fails():
     with refused_port() as port:
         r = run_as_written(curl, port)
     assert r.returncode != 0 and "curl: (7)" in r.stderr, (r.returncode, r.stderr)
+
+
+def _example_answers(page: Path) -> list[dict]:
+    """The /encode answers a page shows as examples (its ```json blocks holding "items")."""
+    blocks = re.findall(r"```json\n(.*?)```", page.read_text(), flags=re.S)
+    return [json.loads(b) for b in blocks if '"items"' in b]
+
+
+def test_the_example_answers_are_what_the_service_answers_for_cat_jpg(tiny_server):
+    """The README's example answer for cat.jpg on `make run` (the qwen3-vl-2b preset on the CPU) had another
+    key than the server gives, and neither it nor docs/api.md's had `modality`. Each is checked here against a
+    real answer: its fields, and (the README's) its key, computed as the server computes it (shown for the
+    tiny preset against a real tiny server, then for the 2B preset, which needs no model to compute)."""
+    import hashlib
+
+    from service.media.params import PreprocessParams
+    from service.presets import preset_vision_config
+    from service.store.keys import content_key, key_salt
+
+    server, _ = tiny_server
+    blob = EXAMPLE_IMAGE.read_bytes()
+    (real,) = httpx.post(server.url + "/encode", files=[("image", ("cat.jpg", blob, "image/jpeg"))],
+                         timeout=60).json()["items"]
+    digest = hashlib.sha256(blob).digest()
+    key = lambda preset: content_key(key_salt(f"preset:{preset}:seed0", PreprocessParams(), "torch.float32").encode(),  # noqa: E731
+                                     digest)
+    assert real["key"] == key("tiny")  # the way the server keys a preset's images, on the CPU
+    vision = preset_vision_config("qwen3-vl-2b")
+    width = vision.out_hidden_size * (1 + len(vision.deepstack_visual_indexes))
+    n = real["num_tokens"]  # (the tiny preset preprocesses as the 2B one does: Qwen3-VL's defaults)
+    expected = {**real, "key": key("qwen3-vl-2b"), "shape": [n, width], "cached": False,
+                "path": f"{key('qwen3-vl-2b')}/encoder_cache.safetensors"}
+    (readme,) = _example_answers(ROOT / "README.md")
+    assert readme == {"items": [expected]}
+    (api,) = _example_answers(ROOT / "docs" / "api.md")
+    assert api == {"items": [{**expected, "key": "cat-1", "path": "cat-1/encoder_cache.safetensors"}]}
+
+
+def test_waiting_for_a_starting_server_writes_one_access_line_per_status(tmp_path):
+    """`make try` against a server still starting polled /ready twice a second, and the server's log had an
+    access line for every poll (~30 while a model loaded); a liveness probe adds one every few seconds for
+    ever. Now a probe's line is written when its status changes: the first 503, then the 200."""
+    server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store"),
+                             "--decode-workers", "1", "--log-level", "info"], tmp_path / "server.log", wait=False)
+    try:
+        server.wait_ready(bound_only=True)
+        polls = 0
+        while httpx.get(server.url + "/ready", timeout=10).status_code == 503:  # starting: each poll a 503
+            polls += 1
+            time.sleep(0.05)
+        assert polls >= 3, "the server was ready before it could be polled while starting"
+        for _ in range(5):
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.post(server.url + "/encode", timeout=60, files=[("image", ("cat.jpg", CAT, "image/jpeg"))]
+                          ).status_code == 200
+    finally:
+        assert server.stop()
+    lines = server.log.read_text().splitlines()
+    ready = [line for line in lines if '"GET /ready HTTP' in line]
+    health = [line for line in lines if '"GET /health HTTP' in line]
+    status = lambda line: re.search(r'HTTP/[\d.]+" (\d{3})', line).group(1)  # noqa: E731
+    assert [status(line) for line in ready] == ["503", "200"], ready
+    assert [status(line) for line in health] == ["200"], health
+    assert sum('"POST /encode HTTP' in line for line in lines) == 1  # every other request is logged as before
+
+
+def lm_start_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    marker = "<!-- lm-start: tests/system/test_quickstart.py runs this block as written -->\n```bash\n"
+    assert marker in text, "README.md lost its LM block (or its marker)"
+    return text.split(marker, 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_readme_lm_block_runs_as_written(tmp_path):
+    """The README had no chat request a newcomer could paste (docs/operations.md's posted `@request.json`, a
+    file nobody had), and did not say how to get a checkpoint for `consume`. Its block is run here: `demo
+    --workdir`'s checkpoint (written as the demo writes it, in its folder), then `serve` and `consume` with
+    the README's arguments, then the chat request as written."""
+    import shlex
+
+    from service.__main__ import build_parser
+    from service.demo import CHECKPOINT
+    from service.lm.tiny import write_tiny_checkpoint
+
+    demo, serve, consume, chat = commands(lm_start_block())
+    work = "/tmp/qve"
+    local = lambda cmd: shlex.split(cmd.split("#", 1)[0].replace(work, str(tmp_path)).rstrip(" &"))[1:]  # noqa: E731
+    args = build_parser().parse_args(local(demo))
+    assert args.command == "demo" and args.workdir == tmp_path
+    assert serve.endswith("&") and consume.endswith("&")
+    write_tiny_checkpoint(args.workdir / CHECKPOINT)  # what demo --workdir keeps there
+    assert f"--model {work}/{CHECKPOINT}" in serve and f"--model {work}/{CHECKPOINT}" in consume
+    encoder = ServiceProcess(local(serve), tmp_path / "serve.log")
+    try:
+        consumer = ServiceProcess([*local(consume), "--encoder-url", encoder.url], tmp_path / "consume.log")
+        try:
+            r = run_as_written(chat.replace("127.0.0.1:8090", f"127.0.0.1:{consumer.port}"), consumer.port)
+        finally:
+            assert consumer.stop()
+    finally:
+        assert encoder.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    choice = ast.literal_eval(r.stdout.strip())
+    assert choice["finish_reason"] in ("stop", "length") and choice["message"]["role"] == "assistant", choice
+    assert list((tmp_path / "store").glob("*/encoder_cache.safetensors")), "the image did not go through the store"
+
+
+def test_docs_post_no_files_that_do_not_exist():
+    """`-d @FILE` (a body read from a file) in a page's shell examples names a file of the repository."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for name in re.findall(r"(?:-d|--data(?:-binary)?) @([\w./-]+)", block):
+                assert (ROOT / name).is_file(), f"{page.name} posts @{name}, which does not exist"

@@ -14,7 +14,7 @@ import torch
 
 from service.store.format import read_embeddings
 from tests.support import imagedata as data
-from tests.support.live import GC_SERIES, ServiceProcess, json_body, metric, series
+from tests.support.live import GC_SERIES, ServiceProcess, SlowServer, json_body, metric, series
 from tests.support.processes import IMAGES, CheckpointServer, stalled_heads_are_cut_off, two_image_client, wait_for
 from tests.support.proctree import alive, descendants
 
@@ -123,6 +123,33 @@ def test_sigterm_finishes_queued_work_and_restart_reuses_the_store(tmp_path, tin
         assert [it["key"] for it in r.json()["items"]] == keys[:4]
     finally:
         assert again.stop()
+
+
+@pytest.mark.slow  # a server of its own, stopped
+@pytest.mark.parametrize("api_processes", ["0", "1"], ids=["single process", "supervised"])
+def test_sigterm_is_not_held_by_a_url_fetch(tmp_path, api_processes):
+    """A fetch of a URL dripping a byte at a time held SIGTERM's drain past 30 s (and past the client). Now
+    the stop ends every fetch at once: its request is answered 503, and the server is gone in seconds."""
+    with SlowServer(size=100_000, chunk=1, pause_s=0.2) as drip:
+        server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store"),
+                                 "--decode-workers", "1", "--api-processes", api_processes, "--allowed-url-hosts",
+                                 "127.0.0.1", "--allow-private-url-addresses", "--url-timeout-s", "300"],
+                                tmp_path / "server.log")
+        try:
+            body = {"images": [{"type": "image_url", "image_url": {"url": drip.url()}}]}
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(httpx.post, server.url + "/encode", json=body, timeout=120)
+                wait_for(lambda: drip.active == 1, what="the fetch to begin")
+                t0 = time.monotonic()
+                assert server.stop(timeout=30)  # SIGTERM, then a graceful exit
+                took = time.monotonic() - t0
+                r = answer.result()
+        finally:
+            server.stop()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    assert "shutting down" in r.json()["error"]["message"]
+    assert took < 15, f"the stop took {took:.1f} s"
+    wait_for(lambda: drip.active == 0, timeout=10, what="the fetch to be cut off")
 
 
 @pytest.mark.slow  # a kill test: a server of its own, killed

@@ -111,6 +111,33 @@ def test_one_trace_from_the_request_through_the_api_process_to_the_engine(tmp_pa
         collector.close()
 
 
+@pytest.mark.slow  # a server of its own, stopped
+def test_a_collector_that_drips_its_answer_does_not_hold_the_stop(tmp_path):
+    """The last spans' export waited up to 30 s for a collector that answered a byte at a time (its reads
+    never timed out): SIGTERM's shutdown took as long. The export at shutdown is bounded."""
+    from tests.support.otlp import DrippingCollector
+
+    collector = DrippingCollector()
+    server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store"),
+                             "--otlp-endpoint", collector.url], tmp_path / "server.log")
+    try:
+        r = httpx.post(server.url + "/encode", json=json_body(data.encode(data.textured_rgb(96, 64, seed=9), "PNG")),
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30
+        while collector.posts == 0:  # an export in progress, dripping
+            assert time.monotonic() < deadline, "no export reached the collector"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        assert server.stop(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        server.stop()
+        collector.close()
+    assert took < 12, f"the stop took {took:.1f} s"
+    assert "tracing: the last spans' export did not finish" in server.log.read_text()
+
+
 @pytest.mark.slow  # an encoder (API and engine processes), an LM consumer and a router, as real processes
 def test_one_trace_spans_router_encoder_engine_and_consumer_for_a_chat_with_an_image(tmp_path, tiny_checkpoint):
     """Issue 23: one chat request with an image, sent to the router, whose LM server is the bundled consumer:

@@ -118,6 +118,19 @@ def test_every_flag_of_every_command_has_a_description_and_shows_its_default():
     assert re.search(r"--host HOST\s+bind address .*\s+\(default: 127.0.0.1\)", consume)
 
 
+@pytest.mark.parametrize("name", ["consume", "route", "demo"])
+def test_the_lm_side_and_demo_say_what_they_do_and_group_their_flags(name):
+    """Their --help had no description and one flat list of flags."""
+    command = build_parser()._subparsers._group_actions[0].choices[name]
+    assert command.description and len(command.description) > 60, command.description
+    groups = {g.title: [a for a in g._group_actions if a.dest != "help"] for g in command._action_groups}
+    named = {title: actions for title, actions in groups.items() if title not in ("positional arguments", "options")}
+    assert len(named) >= 2 and all(named.values()), list(groups)
+    assert [a.dest for a in groups.get("options", [])] == []  # every flag but --help is in a named group
+    text = command.format_help()
+    assert all(f"\n{title}:\n" in text for title in named), text
+
+
 def test_loadtest_and_soak_hand_their_arguments_to_their_own_parsers(capsys):
     from service.loadtest import cli, soak
 
@@ -180,15 +193,23 @@ def test_consume_and_route_take_limits_from_flags_and_keys_from_flags_or_variabl
 
     (tmp_path / "config.json").write_text("{}")  # (the CLI checks only that it is there before it imports)
     built = []
-    monkeypatch.setattr(chat_app, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
-    monkeypatch.setattr(router, "serve", lambda cfg, host, port, log_level: built.append(cfg) or 0)
+
+    def served(cfg, sock, log_level) -> int:  # (the CLI bound the port before it built the config)
+        assert sock.getsockname()[1] > 0
+        sock.close()
+        built.append(cfg)
+        return 0
+
+    monkeypatch.setattr(chat_app, "serve", served)
+    monkeypatch.setattr(router, "serve", served)
     monkeypatch.setenv("QVE_API_KEY", "env-a, env-b")
     monkeypatch.setenv("QVE_ENCODER_API_KEY", "env-enc")
     monkeypatch.setenv("QVE_VLLM_API_KEY", "env-vllm")
     assert main(["consume", "--model", str(tmp_path), "--max-request-bytes", "1.5MB", "--max-prompt-tokens", "100",
-                 "--max-waiting", "2", "--request-timeout-s", "9.5"]) == 0
-    assert main(["consume", "--model", str(tmp_path), "--api-key", "flag-key", "--encoder-api-key", "flag-enc"]) == 0
-    assert main(["route", "--max-tokens-limit", "64", "--max-request-bytes", "2MiB"]) == 0
+                 "--max-waiting", "2", "--request-timeout-s", "9.5", "--port", "0"]) == 0
+    assert main(["consume", "--model", str(tmp_path), "--api-key", "flag-key", "--encoder-api-key", "flag-enc",
+                 "--port", "0"]) == 0
+    assert main(["route", "--max-tokens-limit", "64", "--max-request-bytes", "2MiB", "--port", "0"]) == 0
     env_cfg, flag_cfg, route_cfg = built
     assert (env_cfg.max_request_bytes, env_cfg.max_prompt_tokens, env_cfg.max_waiting, env_cfg.request_timeout_s) == (
         1_500_000, 100, 2, 9.5)
@@ -271,6 +292,19 @@ def test_port_in_use_fails_before_the_model_loads(tmp_path, listener):
                        "listening there; stop it or choose another --port", torch_imported=False)
     assert not (tmp_path / "store").exists()  # checked after the port: nothing was created
     print(f"port in use: exit 2 after {took:.1f} s")
+
+
+@pytest.mark.parametrize("command", ["consume", "route"])
+def test_consume_and_route_find_their_port_in_use_before_loading_anything(tmp_path, listener, command):
+    """They loaded the LM (consume) or imported torch (route) first, then printed uvicorn's raw error."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")  # (not a loadable model: nothing may try to load it)
+    extra = ["--model", str(ckpt), "--store", str(tmp_path / "store")] if command == "consume" else []
+    r, took = run_cli(command, *extra, "--port", str(listener))
+    assert_failed_fast(r, f"cannot listen on 127.0.0.1:{listener}: Address already in use: another process is "
+                       "listening there; stop it or choose another --port", torch_imported=False)
+    print(f"{command}, port in use: exit 2 after {took:.1f} s")
 
 
 def test_missing_model_fails_before_anything_heavy_is_imported(tmp_path):
@@ -491,3 +525,13 @@ def test_supervisor_and_children_stop_on_ctrl_c_with_one_line_api_processes_firs
     assert group_left(proc.pid) == []
     assert answers[-1]["status"] == 200
     assert all(a["status"] == 503 and a["phase"] in ("loading", "warming") for a in answers[:-1]), answers
+
+
+def test_no_help_carries_benchmark_figures():
+    """`--fp8-gemms`'s help quoted a run (a GPU, a date, 1.08x): figures go in bench/RESULTS.md, where they
+    have their baseline; a flag's help says what it does and why."""
+    figures = re.compile(r"img/s|clips/s|\bH[12]00\b|\b\d+(\.\d+)?x\b|\b20\d\d-\d\d-\d\d\b")
+    commands = build_parser()._subparsers._group_actions[0].choices
+    found = [(name, a.option_strings, a.help) for name, command in commands.items() for a in command._actions
+             if a.help and figures.search(a.help)]
+    assert found == []

@@ -18,7 +18,9 @@ parts, `max_tokens`, greedy decoding only):
      the 3-D rotary positions from image_grid_thw / video_grid_thw and mm_token_type_ids (its
      get_rope_index splits a video into one grid per temporal group, with the timestamp text between),
      and the answer carries OpenAI's `usage` counts.
-A key evicted between the encoder's answer and the read is re-requested once; still missing -> 424.
+A key evicted between the encoder's answer and the read is re-requested once; still missing -> 424. An
+entry of another encoder model than the one this LM reads (its checkpoint's own tower unless
+--encoder-model says otherwise) -> 502, whatever its shapes: a random preset of the same architecture fits.
 Errors are the encoder's JSON error shape: `{"error": {"code", "message"}}`.
 
 What one request may cost (the one LM answers one chat at a time: a 200k-word prompt would hold it for

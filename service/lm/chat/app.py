@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 import httpx
@@ -19,8 +21,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from service import tracing
-from service.api.schemas import ImagePart, VideoPart
-from service.api.server import BodyLimit, bearer_auth, install_error_handlers
+from service.api.schemas import ImagePart, VideoPart, describe_invalid
+from service.api.server import BodyLimit, bearer_auth, bound_url, install_error_handlers, serve_app
+from service.engine.loader import checkpoint_model_id, same_tower
 from service.errors import GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.model import LanguageModel
@@ -132,6 +135,7 @@ class Chat:
             if emb is None:
                 raise GatewayError(f"the encoder answered key {item['key']!r} twice, but {self.cfg.store} does not "
                                         "hold it: is --store the encoder's store root, and is the store large enough?", code="embeddings_missing")
+            self._check_tower(item["key"], emb)
             sent = "image" if isinstance(part, ImagePart) else "video"
             if item.get("modality", "image") != sent:
                 raise GatewayError(f"the encoder answered {item['key']!r} as an {item.get('modality', 'image')} for a "
@@ -142,6 +146,16 @@ class Chat:
                 raise GatewayError(f"store entry {item['key']!r}: {e}", code="embeddings_mismatch") from None
             out.append((item, emb))
         return out
+
+    def _check_tower(self, key: str, emb: StoredEmbeddings) -> None:
+        """An entry of another encoder model is refused: its shapes may fit this LM (the same architecture with
+        other weights, a random preset) and its embeddings still mean nothing to it."""
+        want, got = self.cfg.encoder_model, emb.metadata.get("model")
+        if want is not None and not same_tower(got, want):
+            raise GatewayError(f"store entry {key!r} holds the embeddings of the encoder model {got!r}, but this "
+                               f"language model reads those of {want!r} (--encoder-model; by default its own "
+                               "checkpoint's vision tower): serve the encoder with --model on this checkpoint, or "
+                               "pass --encoder-model if its tower is meant to be another", code="embeddings_mismatch")
 
     def _read(self, item: dict) -> StoredEmbeddings | None:
         try:
@@ -315,9 +329,7 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
         try:
             req = ChatRequest.model_validate_json(body)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise RequestError(f"invalid request body at '{where}': {first['msg']}") from None
+            raise RequestError(describe_invalid(e)) from None
         with chat.admission():
             try:
                 return await chat.answer(req, request.is_disconnected)
@@ -348,13 +360,41 @@ def create_chat_app(cfg: ChatConfig, lm: LanguageModel, encoder_transport: httpx
     return app
 
 
-def serve(cfg: ChatConfig, host: str, port: int, log_level: str = "info") -> int:
-    import uvicorn
-
+def serve(cfg: ChatConfig, sock: socket.socket, log_level: str = "info") -> int:
+    """`consume`: load the LM, then serve on `sock` (bound by the CLI first: a port in use fails at once).
+    `cfg.encoder_model` "auto" becomes the checkpoint's own tower, "any" None (no check)."""
+    log.info("listening on %s; loading the language model from %s (requests wait until it is loaded)",
+             bound_url(sock), cfg.model)
     try:
+        encoder_model = {"auto": lambda: checkpoint_model_id(cfg.model), "any": lambda: None}.get(
+            cfg.encoder_model, lambda: cfg.encoder_model)()
+        cfg = replace(cfg, encoder_model=encoder_model)
         lm = LanguageModel(cfg)
     except ModelLoadError as e:
         print(f"cannot load the language model: {e}", flush=True)
         return 2
-    uvicorn.run(create_chat_app(cfg, lm), host=host, port=port, log_level=log_level)
-    return 0
+    log.info("reading the store entries of the encoder model %s", encoder_model or "(any: --encoder-model any)")
+    for warning in encoder_warnings(cfg):
+        log.warning("%s", warning)
+    return serve_app(create_chat_app(cfg, lm), sock, log_level)
+
+
+def encoder_warnings(cfg: ChatConfig, timeout_s: float = 3.0) -> list[str]:
+    """What the encoder's /ready says that makes its answers useless to this LM: random weights, another model.
+    Asked once at start (an encoder not up yet is checked entry by entry all the same)."""
+    headers = {"authorization": f"Bearer {cfg.encoder_api_key}"} if cfg.encoder_api_key else None
+    try:
+        r = httpx.get(cfg.encoder_url.rstrip("/") + "/ready", headers=headers, timeout=timeout_s)
+        info = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError) as e:
+        log.info("the encoder at %s did not answer /ready (%s): its model is checked entry by entry", cfg.encoder_url,
+                 type(e).__name__)
+        return []
+    model, out = info.get("model"), []
+    if info.get("random_weights"):
+        out.append(f"the encoder at {cfg.encoder_url} serves {model} with RANDOM weights: its embeddings mean "
+                   f"nothing to this language model; serve it with --model {cfg.model}")
+    if model and cfg.encoder_model is not None and not same_tower(model, cfg.encoder_model):
+        out.append(f"the encoder at {cfg.encoder_url} serves {model}, not the vision tower this language model reads "
+                   f"({cfg.encoder_model}): its entries will be refused (502 embeddings_mismatch)")
+    return out

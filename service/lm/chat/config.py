@@ -27,3 +27,7 @@ class ChatConfig:
     request_timeout_s: float = 300.0  # from admission to the answer; then 504 and the generation stopped
     api_key: tuple[str, ...] = field(default=(), repr=False)  # bearer keys this consumer takes; none: open
     encoder_api_key: str | None = field(default=None, repr=False)  # sent to the encoder (its --api-key)
+    # The encoder model whose store entries this LM reads (the encoder's /ready `model`; engine/loader.py's
+    # same_tower compares); an entry of any other is a 502. None: any. `consume` gives its checkpoint's own tower
+    # unless told otherwise (--encoder-model).
+    encoder_model: str | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from service.api.schemas import ImagePart, VideoPart
 
@@ -26,5 +26,7 @@ class ChatRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float | None = None
-    return_token_ids: bool = Field(False, description="also answer the token ids, generated (choices[].token_ids) "
-                                   "and the prompt's (prompt_token_ids), as vLLM does")
+    # NOTE: strict, as vLLM's `bool | None`: pydantic's lax bool took "yes" and 1 for true, and refused null.
+    return_token_ids: StrictBool | None = Field(None, description="true: also answer the token ids, generated "
+                                                "(choices[].token_ids) and the prompt's (prompt_token_ids), as vLLM "
+                                                "does; false or null: not")

@@ -10,7 +10,7 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from service.config import Settings
 from service.errors import ModelLoadError
-from service.engine.loader import load_model
+from service.engine.loader import checkpoint_model_id, load_model, same_tower
 from service.media.params import VideoParams
 from tests.support.checkpoints import TEST_MAX_PIXELS, TEST_MIN_PIXELS, edit_json, make_vision_only_checkpoint
 
@@ -63,6 +63,18 @@ def test_single_file_full_checkpoint(full_ckpt, tmp_path):
 def test_vision_only_directory(tmp_path):
     m = _load(make_vision_only_checkpoint(tmp_path))
     assert m.spec.depth == 3 and not m.random_weights
+
+
+def test_a_checkpoints_model_id_is_known_without_loading_it_and_names_one_tower(full_ckpt, tmp_path):
+    """The LM consumer compares its checkpoint's tower with the `model` of every entry it reads."""
+    model_id = _load(full_ckpt).model_id
+    assert checkpoint_model_id(full_ckpt) == model_id
+    moved = tmp_path / "elsewhere"  # the same files under another directory name: the same tower
+    shutil.copytree(full_ckpt, moved)
+    assert checkpoint_model_id(moved) != model_id and same_tower(checkpoint_model_id(moved), model_id)
+    assert not same_tower("preset:tiny:seed0", model_id) and not same_tower(None, model_id)
+    assert same_tower("preset:tiny:seed0", "preset:tiny:seed0") and not same_tower("preset:tiny:seed0", "preset:tiny:seed1")
+    assert not same_tower(model_id, model_id.split("@")[0] + "@0123456789abcdef")
 
 
 def test_missing_directory():

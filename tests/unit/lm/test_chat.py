@@ -276,7 +276,7 @@ def test_chat_with_a_video_from_the_store_equals_monolithic_generation(tmp_path,
     video_grid_thw, its prompt expanded by Qwen3VLProcessor's own code: so the prompt (timestamps, one
     vision block per temporal group), the rotary positions (get_rope_index's video split) and the deepstack
     rows at the video positions all agree."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     blob = vd.clip(codec, container)
     video = video_inputs(blob)
     images = [data.photo("chelsea.png", max_side=400)] if with_image else []
@@ -320,7 +320,7 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
     processing_qwen3_vl.py (replace_video_token; transformers 5.0 to 5.24 replace the bare `<|video_pad|>`,
     so the template's vision markers stay around the whole video; 5.25 on replace the three, as Qwen3-VL's
     own processor did: the consumer asks the installed one, processor_drops_video_wrapper)."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     video = video_inputs(vd.clip())  # 24 frames at 8 fps: indices [0, 5, 9, 14, 18, 23], 3 temporal groups
     assert video.frames_indices == [0, 5, 9, 14, 18, 23] and video.grid_thw == (3, 8, 12)
     root = tmp_path / "store"
@@ -347,7 +347,7 @@ def test_the_video_prompt_is_qwen3vl_processors(tmp_path, tiny_checkpoint, lm):
 def test_a_video_entry_that_does_not_fit_is_a_502_not_a_wrong_prompt(tmp_path, tiny_checkpoint, lm):
     """An encoder that answers a video part as an image (no video support yet), and a video entry whose
     timestamps do not match its temporal groups, are refused before any prompt is built."""
-    pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
     blob = vd.clip()
     video = video_inputs(blob)
     root = tmp_path / "store"
@@ -643,3 +643,64 @@ def test_a_message_the_chat_template_refuses_is_a_400(lm, monkeypatch):
     monkeypatch.setattr(lm.tokenizer, "chat_template", strict + lm.tokenizer.chat_template)
     r = _run(create_chat_app(_config(), lm), TEXT)
     assert r.status_code == 400 and "the first message must be system" in r.json()["error"]["message"], r.text
+
+
+# ---- whose embeddings: the encoder's model against the LM's checkpoint ---------------------------------
+@pytest.mark.slow  # a real consumer process
+def test_entries_of_another_tower_are_refused_and_random_weights_are_warned_at_start(tmp_path, tiny_checkpoint):
+    """An encoder on a random preset behind a consumer of a real checkpoint gave garbage answers with matching
+    shapes (the tiny preset is the tiny checkpoint's architecture). The consumer warns at start that its
+    encoder serves random weights of another model, and refuses its entries naming both models."""
+    from service.config import Settings
+    from service.engine.loader import checkpoint_model_id, load_model
+    from tests.support.live import live_server
+
+    settings = Settings(model="tiny", device="cpu", store=tmp_path / "store", decode_workers=1, max_wait_ms=20)
+    with live_server(settings, load_model(settings)) as (url, app):
+        ready = httpx.get(url + "/ready").json()
+        assert ready["random_weights"] is True and ready["model"] == "preset:tiny:seed0"
+        consumer = ServiceProcess(["consume", "--model", str(tiny_checkpoint), "--encoder-url", url, "--store",
+                                   str(tmp_path / "store")], tmp_path / "lm.log")
+        try:
+            ours = checkpoint_model_id(tiny_checkpoint)
+            log = consumer.log.read_text()
+            assert f"the encoder at {url} serves preset:tiny:seed0 with RANDOM weights" in log, log
+            assert f"not the vision tower this language model reads ({ours})" in log, log
+            r = httpx.post(consumer.url + "/v1/chat/completions", timeout=120, json={
+                "messages": _messages([data.photo("astronaut.png", max_side=200)], "describe the image"), "max_tokens": 2})
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["code"] == "embeddings_mismatch" and "preset:tiny:seed0" in err["message"], err
+            assert ours in err["message"] and "--encoder-model" in err["message"], err
+        finally:
+            assert consumer.stop()
+
+
+def test_return_token_ids_is_true_false_or_null_and_nothing_else(lm, tmp_path):
+    """`null` was a 400 while "yes" and 1 were taken as true (pydantic's lax booleans); vLLM's field is a
+    bool or null, and so is ours: null is false."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+    with app_server(app) as url:
+        def post(value) -> httpx.Response:
+            return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "describe the image"}], "max_tokens": 2, "return_token_ids": value})
+
+        for value in (None, False):
+            r = post(value)
+            assert r.status_code == 200, (value, r.text)
+            assert "prompt_token_ids" not in r.json() and "token_ids" not in r.json()["choices"][0], value
+        r = post(True)
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] and r.json()["choices"][0]["token_ids"], r.text
+        for value in ("yes", "true", 1, 0, "false"):
+            r = post(value)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (value, r.text)
+            assert "return_token_ids" in r.json()["error"]["message"] and "boolean" in r.json()["error"]["message"]
+
+
+def test_a_body_that_does_not_validate_is_named_where_a_client_wrote_it(lm, tmp_path):
+    """pydantic's path said 'messages.0.content.str' (the first of the union's members it tried)."""
+    app = create_chat_app(ChatConfig(model=Path("."), encoder_url="http://encoder.test", store=tmp_path), lm)
+    r = _run(app, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("invalid request body at 'messages[0].content[0].image_url': "
+                                                   "Field required"), r.text

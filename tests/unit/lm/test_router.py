@@ -321,6 +321,18 @@ def test_the_fields_it_knows_are_forwarded_as_sent_and_max_tokens_is_always_boun
     assert seen["vllm"][0]["max_tokens"] == 64  # vLLM's own default would be the whole context left
 
 
+def test_booleans_are_true_false_or_null_as_vllm_takes_them():
+    """`return_token_ids: null` (vLLM: a bool or null) was a 400."""
+    for value in (None, True, False):
+        r, seen = _route("raw", {**TEXT, "return_token_ids": value, "stream": None, "logprobs": value})
+        assert r.status_code == 200, (value, r.text)
+        assert seen["vllm"][0]["return_token_ids"] is value
+    for value in ("yes", 1, 0):
+        r, seen = _route("raw", {**TEXT, "return_token_ids": value})
+        assert r.status_code == 400 and "'return_token_ids' must be true, false or null" in r.json()["error"]["message"]
+        assert seen["vllm"] == []
+
+
 @pytest.mark.parametrize("messages,says", [
     ("hello", "'messages' must be a non-empty list"),
     ({"role": "user", "content": "hello"}, "'messages' must be a non-empty list"),

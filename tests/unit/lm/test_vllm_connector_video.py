@@ -18,7 +18,7 @@ import pytest
 from service.media.params import VideoLimits, VideoParams
 from service.media.video import read_header, sample_indices, timestamps
 
-av = pytest.importorskip("av", reason="PyAV makes the clips (the `video` extra)")
+av = pytest.importorskip("av", reason="PyAV makes the clips (a base dependency)")
 
 # (codec, container, frames, fps): the encoder tests' three clips, an odd sample count at 30 fps, and a
 # clip long enough that fps, not min_frames, decides (100 frames at 25 fps: 8 samples)

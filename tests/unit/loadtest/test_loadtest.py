@@ -37,7 +37,7 @@ from service.loadtest.media import (ImageSpec, build_payload, encode_image, imag
                                     make_image, make_video, parse_sizes, request_images, request_urls)
 from service.loadtest.plot import plot_figure, plot_totals, write_plot
 from service.loadtest.report import Result, Run, format_table, percentile, strict_json, summarize, timeseries
-from tests.support.live import RawHTTPServer, live_server, refused_port
+from tests.support.live import RawHTTPServer, ServiceProcess, live_server, refused_port
 from tests.support.proctree import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -352,6 +352,23 @@ def test_unreachable_server_is_one_clear_line_and_exit_2(capsys, tmp_path):
     assert not out.exists()
 
 
+def test_a_server_still_starting_is_waited_for_by_default(tmp_path, capsys):
+    """`make loadtest` right after `make serve-tiny` exited 2, "not ready": the load test now waits for /ready
+    (--wait-ready, 60 s by default), saying so, as `make try` does."""
+    server = ServiceProcess(["serve", "--model", "tiny", "--device", "cpu", "--store", str(tmp_path / "store"),
+                             "--decode-workers", "1"], tmp_path / "server.log", wait=False)
+    try:
+        server.wait_ready(bound_only=True)  # bound, its model still loading
+        assert httpx.get(server.url + "/ready", timeout=30).status_code == 503
+        assert cli.main(["--url", server.url, "--requests", "4", "--concurrency", "2", "--sizes", "64x64",
+                         "--gen-workers", "1", "--timeout-s", "60"]) == 0
+        captured = capsys.readouterr()
+        assert f"waiting for the encoder service at {server.url} to be ready (phase: " in captured.err
+        assert "4 (4 ok, 0 rejected with 429)" in captured.out
+    finally:
+        assert server.stop()
+
+
 class _FixedAnswer(http.server.BaseHTTPRequestHandler):
     status = 503
 
@@ -368,7 +385,8 @@ class _FixedAnswer(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("status, message", [
-    (503, "is not ready (/ready answered 503): it may still be loading its model; wait, or pass --wait-ready SECONDS"),
+    (503, "is not ready (/ready answered 503, phase: starting) after 1 s: it may still be loading its model; wait, "
+          "or pass --wait-ready SECONDS"),
     (404, "/ready answered HTTP 404: is this the encoder service?"),
 ])
 def test_a_server_that_is_not_ready_or_not_ours(capsys, status, message):
@@ -385,7 +403,10 @@ def test_a_server_that_is_not_ready_or_not_ours(capsys, status, message):
         httpd.shutdown()
         httpd.server_close()
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+    lines = captured.err.splitlines()
+    assert captured.out == "" and message in lines[-1] and lines[-1].startswith("error: "), lines
+    assert lines[:-1] == ([f"waiting for the encoder service at {url} to be ready (phase: starting)"]
+                          if status == 503 else [])
 
 
 # ---- the stale keep-alive retry -------------------------------------------------------------------------
@@ -811,7 +832,7 @@ class _VideoEncoder(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def video_stub():
-    pytest.importorskip("av", reason="PyAV makes and reads the clips (the `video` extra)")
+    pytest.importorskip("av", reason="PyAV makes and reads the clips (a base dependency)")
     handler = type("Handler", (_VideoEncoder,), {"bodies": []})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)

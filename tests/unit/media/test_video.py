@@ -27,7 +27,7 @@ from service.media.video_preprocess import patchify_video, resize_frames, video_
 from tests.support import imagedata as data, videodata as vd
 from tests.support.errors import raises_code
 
-av = pytest.importorskip("av", reason="PyAV is the video decoder (the `video` extra)")
+av = pytest.importorskip("av", reason="PyAV is the video decoder (a base dependency)")
 
 CLIPS = [("libx264", "mp4", "h264"), ("libvpx-vp9", "webm", "vp9"), ("mpeg4", "avi", "mpeg4")]
 

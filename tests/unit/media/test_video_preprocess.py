@@ -20,7 +20,7 @@ from service.media.video import decode_frames, read_header
 from service.media.video_preprocess import patchify_video, resize_frames, video_grid, video_lut
 from tests.support import videodata as vd
 
-pytest.importorskip("av", reason="PyAV decodes the test clips (the `video` extra)")
+pytest.importorskip("av", reason="PyAV decodes the test clips (a base dependency)")
 
 CLIP_NORM = VideoParams(image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
 
