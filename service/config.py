@@ -253,6 +253,14 @@ class Settings(BaseSettings):
                                          "long start-up waits for the master to answer (one started beside this "
                                          "service, or restarted) before it gives up")
 
+    vllm_model_id: str | None = Field(None, description="serve as vLLM's encoder instance for an LM started as `vllm "
+                                      "serve ID` (this ID, exactly as given there): an image sent without a uuid is "
+                                      "stored under vLLM's own key for it (its mm_hash), in /encode and "
+                                      "/v1/chat/completions alike, and /v1/models lists ID; a video needs a uuid. "
+                                      "Unset: content-hash keys")
+    mm_hasher_algorithm: Literal["blake3", "sha256", "sha512"] = Field(
+        "blake3", description="with --vllm-model-id: the hash of vLLM's keys, as the LM's --mm-hasher-algorithm")
+
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
     header_timeout_s: float = Field(20.0, gt=0, description="longest time a request head (request line and "
@@ -390,6 +398,13 @@ class Settings(BaseSettings):
     @classmethod
     def _check_otlp_endpoint(cls, v: str | None) -> str | None:
         return check_otlp_endpoint(v)
+
+    @field_validator("vllm_model_id")
+    @classmethod
+    def _check_vllm_model_id(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("the model ID is empty: give what the LM's `vllm serve` was given")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -94,6 +94,8 @@ class RequestError(ServiceError):
         "request_too_large": Code(413, "the body, or the body and what its URLs fetched together, is over "
                                        "--max-request-bytes (refused before or while it is read)", closes=True),
         "invalid_key": Code(422, "a `uuid` that is not a safe store key (it could name a path outside the store)"),
+        "unsupported_parameter": Code(422, "a request parameter this encoder does not apply (vLLM's per-request "
+                                           "mm_processor_kwargs, media_io_kwargs)"),
         "header_too_large": Code(431, "the request head is over the HTTP layer's cap", closes=True),
     }
 
@@ -260,9 +262,23 @@ def clip(text: str, limit: int = 64) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
+# OpenAI's error types, by status (its error object's `type`; anything else 4xx is an invalid request).
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def openai_body(err: ServiceError) -> dict:
+    """The error shape of the OpenAI API (vLLM's /v1 routes answer it): {"error": {"message", "type", "param",
+    "code"}}, with this service's code and, for a per-item error, its `index` beside them."""
+    body = error_body(err.code, err.message, err.index)
+    kind = _OPENAI_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    body["error"].update(type=kind, param=None if err.index is None else f"items[{err.index}]")
+    return body
+
+
+def response(err: ServiceError, openai: bool = False) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, JSON body) of the answer to `err`: what every server of this project sends for
-    an error, through starlette (`json_response`) or as raw bytes (api/protocol.py's early answers)."""
+    an error, through starlette (`json_response`) or as raw bytes (api/protocol.py's early answers).
+    `openai`: the OpenAI API's shape (openai_body), for the /v1 routes."""
     headers = {"content-type": "application/json"}
     if err.retry_after_s is not None:  # overload, a full store, starting: transient, say when to retry
         headers["retry-after"] = str(err.retry_after_s)
@@ -270,7 +286,8 @@ def response(err: ServiceError) -> tuple[int, dict[str, str], bytes]:
         headers["www-authenticate"] = "Bearer"
     if err.closes_connection:  # (uvicorn closes a connection after an answer that says so)
         headers["connection"] = "close"
-    return err.status, headers, json.dumps(error_body(err.code, err.message, err.index)).encode()
+    body = openai_body(err) if openai else error_body(err.code, err.message, err.index)
+    return err.status, headers, json.dumps(body).encode()
 
 
 def from_code(code: str, message: str, retry_after_s: int | None = None) -> ServiceError:

@@ -15,6 +15,7 @@ from service.config import Settings, env_name, format_size, is_size
 # exactly one).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('Model and device', ('model', 'device', 'devices', 'dtype', 'fp8_bf16_blocks', 'fp8_gemms', 'seed', 'min_pixels', 'max_pixels',)),
+    ("Serving as vLLM's encoder", ('vllm_model_id', 'mm_hasher_algorithm',)),
     ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace', 'mooncake_timeout_s', 'mooncake_start_wait_s',)),
     ('HTTP serving', ('host', 'port', 'header_timeout_s', 'body_timeout_s', 'keep_alive_s', 'max_connections',)),
     ('Security: API keys and image URLs', ('api_key', 'api_key_metrics', 'allowed_url_hosts', 'allow_private_url_addresses', 'url_timeout_s',)),

@@ -26,7 +26,7 @@ _PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("qve_requests", "HTTP /encode requests by status code", ["status"], registry=r)
+        self.requests = Counter("qve_requests", "HTTP encoding requests (/encode, /v1/chat/completions) by status code", ["status"], registry=r)
         self.images = Counter(
             "qve_images", "Images answered, by how: encoded, cached (store hit), coalesced (joined an in-flight encode)",
             ["outcome"], registry=r,

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from service.api import encode as encoding
+from service.api import openai
 from service.api.docs import mount_docs
 from service.api.encode import Answer
 from service.api.parse import parse_inputs
@@ -75,7 +76,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
     mount_docs(app)  # /docs from the package, not a CDN
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s,
-                       paths=("/encode",), hint="send fewer or smaller images")
+                       paths=("/encode", "/v1/chat/completions"), hint="send fewer or smaller images")
 
     install_error_handlers(app)
 
@@ -104,6 +105,30 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
     async def encode(request: Request, response: Response):
         """Encode images; answer one item per image, in input order, once each is in the store. The
         `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
+        async def parse(rt: Runtime):
+            return None, await parse_inputs(rt, request)
+
+        return await _encoded(request, response, parse, lambda rt, _, answers: EncodeResponse(
+            items=[_item(a) for a in answers]))
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def chat_completions(request: Request, response: Response):
+        """vLLM's encoder-instance call (its EPD proxy's): every image and video of the chat request encoded and
+        stored, then a chat.completion with no text (service/api/openai.py). Errors in the OpenAI API's shape."""
+        return await _encoded(request, response, lambda rt: openai.parse_chat(rt, request),
+                              lambda rt, chat, answers: openai.completion(rt, chat, answers,
+                                                                          request.headers.get("x-request-id")))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        """The model this encoder stands in for: the LM's (--vllm-model-id), else its own."""
+        authorize(request)
+        return openai.models(request.app.state.rt)
+
+    async def _encoded(request: Request, response: Response, parse, answer):
+        """One encoding request, whatever its protocol: `parse(rt)` -> (what `answer` needs, the inputs),
+        then `answer(rt, that, answers)`. Authorised and ready before the body is read, counted in /metrics,
+        traced."""
         rt: Runtime = request.app.state.rt
         status = 500
         # (with tracing on: this request's span, current while it runs, so that its submits carry it to the
@@ -114,7 +139,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
             try:
                 authorize(request)
                 await rt.require_ready()  # before the body is read (or any URL fetched)
-                inputs = await parse_inputs(rt, request)
+                parsed, inputs = await parse(rt)
                 if inputs is None:  # client gone while a URL was fetched
                     status = 499
                     return PlainTextResponse("client disconnected", status_code=499)
@@ -123,10 +148,10 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                 if answers is None:  # client gone: nobody to answer
                     status = 499
                     return PlainTextResponse("client disconnected", status_code=499)
-                answer = EncodeResponse(items=[_item(a) for a in answers])
+                body = answer(rt, parsed, answers)
                 response.headers["Server-Timing"] = phases.header()
                 status = 200  # (only now: an answer that fails while it is built is a 500, and counted as one)
-                return answer
+                return body
             except ServiceError as e:
                 status = http_status(e)
                 if isinstance(e, Overloaded):

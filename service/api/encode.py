@@ -241,16 +241,26 @@ async def _keys_for(rt: Runtime, inputs: list[Input]) -> list[_Keyed]:
                                       code="empty_image"), i)
         if inp.uuid is not None:
             validate_key(inp.uuid, content_keys=False)  # a client cannot take a content key
-    params, limits, salt = rt.params, rt.settings.image_limits, rt.key_salt
+    params, limits, salt, vllm = rt.params, rt.settings.image_limits, rt.key_salt, rt.vllm_keys
     vsalt = video_salt(salt, rt.video)
     queue_tokens = rt.settings.max_queue_tokens
 
     def one(i: int, inp: Input) -> _Keyed:
         digest = hashlib.sha256(inp.data).digest()
         if inp.video:
+            if vllm is not None and inp.uuid is None:
+                raise at_index(VideoError(
+                    f"images[{i}]: a video needs a `uuid` here (--vllm-model-id): vLLM keys a video with its "
+                    "loader's metadata, which this encoder does not reproduce; send the key the LM will look up "
+                    "as the part's uuid", code="invalid_video"), i)
             return _video_keyed(i, inp, digest, vsalt, rt.video, rt.settings.video_limits, queue_tokens)
-        key = inp.uuid if inp.uuid is not None else content_key(salt, digest)
         header = read_header(inp.data, limits)
+        if inp.uuid is not None:
+            key = inp.uuid
+        elif vllm is not None:  # vLLM's own key, which its LM computes for this item (a hash of the bytes)
+            key = vllm.image(inp.data, converted=header.plain_rgb is False)
+        else:
+            key = content_key(salt, digest)
         try:
             check_complexity(header, limits)  # a scan bomb is refused here: no queue place, no decode
         except ImageError as e:

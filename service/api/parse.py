@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from service.api.encode import ClientGone, Input, watch_client
 from service.api.runtime import Runtime
-from service.api.schemas import EncodeRequest, VideoPart, describe_invalid
+from service.api.schemas import EncodeRequest, ImagePart, VideoPart, describe_invalid
 from service.errors import at_index, ImageError, RequestError, ServiceError, Unavailable, VideoError
 
 
@@ -182,6 +182,41 @@ async def _get(rt: Runtime, url: str, host: str, port: int, index: int, video: b
         raise at_index(ImageError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}", code="image_fetch_failed"), index) from None
 
 
+async def read_json_body(request: Request, s) -> bytes:
+    """A JSON request's body, bounded (its content type checked: JSON, or none given)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in ("application/json", ""):
+        raise RequestError(f"content-type {ctype!r} is not supported; send application/json")
+    return await _read_body(request, min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3
+                                         + 65536))
+
+
+async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart], body_bytes: int,
+                            client_gone: ClientGone) -> list[Input] | None:
+    """Each image_url / video_url part's bytes (a data URL decoded, an allow-listed URL fetched, what the
+    fetches bring counted with the body's `body_bytes` against --max-request-bytes), in order; None if the
+    client left while a URL was fetched."""
+    s = rt.settings
+    inputs = []
+    budget = _Budget(s.max_request_bytes, body_bytes)
+    for i, part in enumerate(parts):
+        video = isinstance(part, VideoPart)
+        url = part.video_url.url if video else part.image_url.url
+        if url.startswith("data:"):
+            data = _decode_data_url(url, i, s.video_max_bytes if video else s.max_image_bytes, video)
+        elif url.startswith(("http://", "https://")):
+            data = await _fetch_url(rt, url, i, video, budget, client_gone)
+            if data is None:
+                return None  # the client left while it was fetched
+            inputs.append(Input(data, part.uuid, source=url, video=video))
+            continue
+        else:
+            raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
+                               "http:// or https://")
+        inputs.append(Input(data, part.uuid, video=video))
+    return inputs
+
+
 async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
     s = rt.settings
     limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
@@ -221,21 +256,4 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
         raise RequestError(describe_invalid(e)) from None
     if len(req.images) > s.max_images_per_request:
         raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
-    inputs = []
-    budget = _Budget(s.max_request_bytes, len(body))
-    for i, part in enumerate(req.images):
-        video = isinstance(part, VideoPart)
-        url = part.video_url.url if video else part.image_url.url
-        if url.startswith("data:"):
-            data = _decode_data_url(url, i, s.video_max_bytes if video else s.max_image_bytes, video)
-        elif url.startswith(("http://", "https://")):
-            data = await _fetch_url(rt, url, i, video, budget, request.is_disconnected)
-            if data is None:
-                return None  # the client left while it was fetched
-            inputs.append(Input(data, part.uuid, source=url, video=video))
-            continue
-        else:
-            raise RequestError(f"images[{i}].{'video_url' if video else 'image_url'}.url must start with data:, "
-                             "http:// or https://")
-        inputs.append(Input(data, part.uuid, video=video))
-    return inputs
+    return await inputs_from_parts(rt, req.images, len(body), request.is_disconnected)

@@ -27,6 +27,7 @@ from service.engine.client import EngineRouter, EnginesStatus
 from service.engine.messages import Cell, Geometry
 from service.errors import ServiceError, Unavailable
 from service.metrics import Metrics
+from service.store.keys import VllmKeys
 
 if TYPE_CHECKING:
     import numpy as np
@@ -80,6 +81,9 @@ class Runtime:
         self.status: EnginesStatus | None = None  # the engines' last answer
         self.params: PreprocessParams | None = None  # how the engines preprocess (known once they answered)
         self.key_salt = b""
+        # With --vllm-model-id, an item sent without a uuid is keyed as vLLM's LM keys it (its mm_hash).
+        self.vllm_keys = (VllmKeys(settings.vllm_model_id, settings.mm_hasher_algorithm)
+                          if settings.vllm_model_id else None)
         self.video: VideoParams | None = None  # how the engines sample and resize videos (likewise)
         self.mismatch: str | None = None  # the engines disagree on keys / preprocessing: never ready
         self.engine_lost = False
@@ -87,6 +91,7 @@ class Runtime:
         self.fetches: set[asyncio.Task] = set()  # URL fetches in progress (api/parse.py)
         self.stopping = False  # the server stops taking requests: no fetch starts, none holds the drain
         self._task: asyncio.Task | None = None
+        self.started = time.time()  # (/v1/models' `created`)
 
     async def start(self) -> None:
         """Connect to the engines and follow their start-up (polled every 0.2 s until ready), in the

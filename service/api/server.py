@@ -113,9 +113,10 @@ def serve_app(app, sock: socket.socket, log_level: str) -> int:
     return 0
 
 
-def error_response(err: ServiceError) -> Response:
-    """The HTTP answer to `err` (errors.response builds its status, headers and body)."""
-    status, headers, body = errors.response(err)
+def error_response(err: ServiceError, openai: bool = False) -> Response:
+    """The HTTP answer to `err` (errors.response builds its status, headers and body; `openai`: the OpenAI
+    API's error shape, what vLLM's /v1 routes answer)."""
+    status, headers, body = errors.response(err, openai)
     return Response(body, status_code=status, headers=headers)
 
 
@@ -138,14 +139,15 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(ServiceError)
     async def _service_error(request, err: ServiceError):
-        return error_response(err)
+        return error_response(err, openai=request.url.path.startswith("/v1/"))
 
     # NOTE: starlette runs an `Exception` handler in its outermost middleware and raises the error again after
     # the answer is sent, so uvicorn still logs its traceback: the log has the bug, the client the JSON shape.
     @app.exception_handler(Exception)
     async def _unexpected(request, err: Exception):
         return error_response(errors.BackendError("the server failed unexpectedly (a bug): its log has the error; "
-                                                  "retry, and report it if it persists", code="internal_error"))
+                                                  "retry, and report it if it persists", code="internal_error"),
+                              openai=request.url.path.startswith("/v1/"))
 
 
 class BodyLimit:
@@ -163,7 +165,8 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             answer = error_response(RequestError(f"request body is {int(declared)} bytes, over the limit of "
-                                                    f"{self.limit} (--max-request-bytes); {self.hint}", code="request_too_large"))
+                                                    f"{self.limit} (--max-request-bytes); {self.hint}", code="request_too_large"),
+                                    openai=scope["path"].startswith("/v1/"))
             return await answer(scope, receive, send)
         seen, body_done = 0, False
 

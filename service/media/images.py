@@ -96,6 +96,10 @@ class ImageHeader:
     # A JPEG's scans (sniff.jpeg_scans: counted up to one more than the limit); 0 for other formats; None: a JPEG of
     # more marker segments than are worth walking (refused, and never given to PIL's header parser).
     scans: int | None = 0
+    # Whether loading keeps it as it is, RGB with no transparency (not a palette, grey, CMYK or alpha image,
+    # nor one with a transparent colour): what vLLM's image loader converts, and so keys otherwise
+    # (store/keys.py's VllmKeys). None where no parser read the header.
+    plain_rgb: bool | None = None
 
 
 # Where prepare_image writes the final pixels: called with their size in bytes, it returns a writable flat
@@ -109,23 +113,26 @@ def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
     then). Cheap enough for the event loop's thread hop (a header parse, no pixels)."""
     fmt = sniff.sniff_format(data)
     if fmt == "WEBP":  # PIL's WebP parser allocates the whole canvas when it opens a file: never here
-        return ImageHeader(len(data), fmt, sniff.declared_size("WEBP", data), plain_jpeg=False)
+        alpha = sniff.webp_alpha(data)
+        return ImageHeader(len(data), fmt, sniff.declared_size("WEBP", data), plain_jpeg=False,
+                           plain_rgb=None if alpha is None else not alpha)
     scans = sniff.count_scans(data, limits) if fmt == "JPEG" else 0
     if scans is None:  # PIL's parser walks the segments before the first scan in Python: 3 s per million
         return ImageHeader(len(data), fmt, None, plain_jpeg=False, scans=None)
-    size, plain = None, False
+    size, plain, plain_rgb = None, False, None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
                 size = img.size
                 plain = fmt == "JPEG" and _is_plain_jpeg(img)
+                plain_rgb = img.mode == "RGB" and "transparency" not in img.info
         except Exception:  # noqa: BLE001 - whatever the header's fault: the decode says what it is
             pass
     # simplejpeg never sees what decode_image refuses on its byte count alone (empty, over max_image_bytes),
     # nor a JPEG of more scans than sniff.FAST_JPEG_SCANS: it cannot be stopped, PIL's decode can (_Budgeted).
     plain = plain and 0 < len(data) <= limits.max_image_bytes and scans <= sniff.FAST_JPEG_SCANS
-    return ImageHeader(len(data), fmt, size, plain_jpeg=plain, scans=scans)
+    return ImageHeader(len(data), fmt, size, plain_jpeg=plain, scans=scans, plain_rgb=plain_rgb)
 
 
 def check_complexity(header: ImageHeader, limits: ImageLimits) -> None:

@@ -107,6 +107,21 @@ def declared_size(fmt: str, data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def webp_alpha(data: bytes) -> bool | None:
+    """Whether a WebP file carries an alpha channel, by its first chunk: VP8X's alpha flag, VP8L's alpha hint
+    (what PIL's WebP plugin opens as RGBA); a lossy VP8 has none. None where the chunk is not one of them."""
+    if len(data) < 21 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    chunk = data[12:16]
+    if chunk == b"VP8 ":
+        return False
+    if chunk == b"VP8X":
+        return bool(data[20] & 0x10)
+    if chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:
+        return bool(int.from_bytes(data[21:25], "little") >> 28 & 1)
+    return None
+
+
 def looks_truncated(fmt: str, data: bytes) -> bool:
     """Whether the container says the file should be longer than it is (used only to classify failures)."""
     tail = data.rstrip(b"\x00\r\n ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import contextlib
 import json
 import os
@@ -280,6 +281,24 @@ class ServiceProcess:
 
 def data_url(blob: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(blob).decode()
+
+
+def proxy_request(model: str, *parts: dict) -> dict:
+    """A user's chat request as vLLM's EPD proxy forwards it to an encoder instance (disagg_epd_proxy.py's
+    fanout_encoder_primer): a copy of the user's, with max_tokens 1, stream false, no stream_options."""
+    user = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 256,
+            "temperature": 0.2, "messages": [
+                {"role": "system", "content": "You describe pictures."},
+                {"role": "user", "content": [{"type": "text", "text": "What is in these?"}, *parts]}]}
+    sent = copy.deepcopy(user)
+    sent["max_tokens"] = 1
+    sent["stream"] = False
+    sent.pop("stream_options", None)
+    return sent
+
+
+def image_part(blob: bytes, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(blob)}, **extra}
 
 
 def json_body(*blobs: bytes, uuids=None) -> dict:

@@ -1,5 +1,5 @@
-"""vLLM 0.33 beside this project's venv, for tests that drive vLLM's own connector calls on the CPU (no engine
-runs). vLLM pins torch 2.14 and transformers < 5.21, which the venv does not have: installing it there
+"""vLLM (0.33 and 0.34, VERSIONS) beside this project's venv, for tests that drive vLLM's own code on the CPU
+(its connector calls, its hasher and image loader; no engine runs). vLLM pins torch 2.14 and transformers < 5.21, which the venv does not have: installing it there
 would break every other test. So it goes, without its dependencies, into a directory of its own, with
 the few packages its connector modules, its config and its Request import that the venv lacks; a test
 runs vLLM's side in a subprocess whose PYTHONPATH puts that directory first (`vllm_env`), on the venv's
@@ -20,13 +20,21 @@ from pathlib import Path
 
 import pytest
 
-VLLM = "vllm==0.33.0"
+# The vLLM releases the shipped connector and the drop-in are tested against (docs/vllm.md names them).
+VERSIONS = ("0.33.0", "0.34.0")
+VLLM = f"vllm=={VERSIONS[0]}"
 # NOTE: found by importing vllm.distributed.ec_transfer.ec_connector.{base,example_connector,factory},
 # vllm.config, vllm.v1.request and vllm.v1.core.sched.output beside the venv; the pins are vLLM 0.33's
-# own where it has them, else the versions that worked here.
-PACKAGES = [VLLM, "psutil==7.2.2", "pyzmq==27.3.0", "cbor2==6.3.0", "openai-harmony==0.0.8", "openai==3.57.0",
-            "sniffio==1.3.1", "cachetools==8.0.2", "cloudpickle==3.1.3", "py-cpuinfo==9.0.0", "xgrammar==0.2.8",
-            "apache-tvm-ffi==0.1.11", "partial-json-parser==0.2.1.1.post7", "llguidance==1.7.6"]
+# own where it has them, else the versions that worked here; 0.34 takes the same. blake3: their hasher's
+# default, for the tests of vLLM's keys.
+_SMALL = ["psutil==7.2.2", "pyzmq==27.3.0", "cbor2==6.3.0", "openai-harmony==0.0.8", "openai==3.57.0",
+          "sniffio==1.3.1", "cachetools==8.0.2", "cloudpickle==3.1.3", "py-cpuinfo==9.0.0", "xgrammar==0.2.8",
+          "apache-tvm-ffi==0.1.11", "partial-json-parser==0.2.1.1.post7", "llguidance==1.7.6"]
+PACKAGES = [VLLM, *_SMALL]
+
+
+def packages(version: str) -> list[str]:
+    return [f"vllm=={version}", *_SMALL, "blake3==1.0.11"]
 
 # vLLM's default video decoder (its `opencv` codec; vLLM requires opencv-python-headless >= 4.13), for the
 # video-loading test only: its own directory beside vLLM's, so the connector tests' install stays as it is.
@@ -62,19 +70,20 @@ def _install(target: Path, packages: list[str] = PACKAGES) -> str:
         return ""
 
 
-def vllm_env() -> dict[str, str]:
-    """The environment of a subprocess that imports vLLM 0.33 (and this checkout's `service`); skips the
-    calling test, saying why, where vLLM cannot be installed here. (A vLLM that installs and then does
+def vllm_env(version: str = VERSIONS[0]) -> dict[str, str]:
+    """The environment of a subprocess that imports vLLM `version` (and this checkout's `service`); skips
+    the calling test, saying why, where vLLM cannot be installed here. (A vLLM that installs and then does
     not import fails the test in that subprocess: no missing capability, but a broken set-up.)"""
-    if "env" not in _FOUND:
-        target = _target()
-        why = _install(target)
+    if version not in _FOUND:
+        wanted = packages(version)
+        target = _target(wanted[0])
+        why = _install(target, wanted)
         root = str(Path(__file__).resolve().parents[2])
-        _FOUND["env"] = why or {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), root]),
-                                "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if isinstance(_FOUND["env"], str):
-        pytest.skip(f"vLLM 0.33 cannot be installed here ({_FOUND['env']})")
-    return dict(_FOUND["env"])
+        _FOUND[version] = why or {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), root]),
+                                  "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if isinstance(_FOUND[version], str):
+        pytest.skip(f"vLLM {version} cannot be installed here ({_FOUND[version]})")
+    return dict(_FOUND[version])
 
 
 def vllm_video_env() -> dict[str, str]:

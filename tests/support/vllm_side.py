@@ -1,4 +1,4 @@
-"""A stand-in for one vLLM 0.33 process, for tests that drive vLLM's own EC connector calls on the CPU:
+"""A stand-in for one vLLM process (0.33 or 0.34: tests/support/vllm_env.py's VERSIONS), for tests that drive vLLM's own EC connector calls on the CPU:
 `VllmSide` runs this file as a subprocess on vLLM's environment (tests/support/vllm_env.py) and sends it one
 call at a time, so that a test can act between two of vLLM's calls (evict an entry between the
 scheduler's check and the worker's load, say). A scheduler and a worker are two of them, as in vLLM:
@@ -77,6 +77,12 @@ def main() -> None:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
+    # NOTE: no platform is detected here (no GPU vLLM knows, and not vLLM's CPU build): vLLM's own connector
+    # would load onto current_platform.device_type, which is "" then. The platform of a CPU deployment.
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
     connectors, caches, requests = {}, {}, {}
 
     def connector(name, role, ec_connector, extra, module=None):
@@ -152,7 +158,22 @@ def main() -> None:
         connectors.pop(name).shutdown()
         return {}
 
-    ops = {f.__name__: f for f in (connector, has, alloc, meta, load, output, vllm_mooncake_read, shutdown)}
+    def mm_hash(model, data, algorithm="blake3"):
+        """vLLM's own key of an image (what its LM computes from the request: its hasher over the item its
+        image loader made of the bytes)."""
+        from vllm.multimodal.hasher import MultiModalHasher
+        from vllm.multimodal.media.image import ImageMediaIO
+
+        item = ImageMediaIO().load_bytes(base64.b64decode(data))
+        return {"mm_hash": MultiModalHasher.hash_kwargs(algorithm, model_id=model, image=item)}
+
+    def version():
+        import vllm
+
+        return {"version": vllm.__version__}
+
+    ops = {f.__name__: f for f in (connector, has, alloc, meta, load, output, vllm_mooncake_read, shutdown, mm_hash,
+                                   version)}
     for line in sys.stdin:
         msg = json.loads(line)
         try:

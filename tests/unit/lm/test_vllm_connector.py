@@ -1,5 +1,5 @@
-"""The vLLM connector we ship (service/lm/vllm_connector.py), driven through vLLM 0.33's own connector calls
-on the CPU, for both stores: a directory written by a real encoder process, and Mooncake Store with a
+"""The vLLM connector we ship (service/lm/vllm_connector.py), driven through vLLM's own connector calls (0.33
+and 0.34, tests/support/vllm_env.py's VERSIONS) on the CPU, for both stores: a directory written by a real encoder process, and Mooncake Store with a
 real master and a real encoder process. vLLM's scheduler-side calls (has_cache_item,
 update_state_after_alloc, build_connector_meta) run in one process and a worker's
 (bind_connector_metadata, start_load_caches into an encoder-cache dict) in another, with the metadata
@@ -17,6 +17,7 @@ cannot be; Mooncake's test also where Mooncake's client cannot work here (tests/
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import time
@@ -27,11 +28,11 @@ import safetensors.torch
 
 from service.store.format import FILE_NAME, TMP_PREFIX
 from tests.support import imagedata as data
-from tests.support.live import ServiceProcess, json_body
+from tests.support.live import ServiceProcess, image_part, json_body, proxy_request
 from tests.support.vllm_side import VllmSide
 from tests.support.mooncake_pool import LOOPBACK, Master, SegmentHost
 from tests.support.processes import wait_for
-from tests.support.vllm_env import vllm_env
+from tests.support.vllm_env import VERSIONS, vllm_env
 
 # NOTE: slow for vLLM's import (~30 s per process on two busy cores), not for what is tested.
 pytestmark = pytest.mark.slow
@@ -41,11 +42,12 @@ TINY = ["serve", "--model", "tiny", "--device", "cpu", "--min-pixels", "16384", 
 ABSENT = "never-encoded"
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
-    """(scheduler, worker): two vLLM-side processes, importing vLLM while the test starts its encoder."""
-    env = vllm_env()
-    logs = tmp_path_factory.mktemp("vllm")
+@pytest.fixture(scope="module", params=VERSIONS)
+def vllm(request, tmp_path_factory):
+    """(scheduler, worker): two vLLM-side processes, importing vLLM while the test starts its encoder; once for
+    each vLLM release tested."""
+    env = vllm_env(request.param)
+    logs = tmp_path_factory.mktemp(f"vllm-{request.param}")
     sides = VllmSide(env, logs / "scheduler.log"), VllmSide(env, logs / "worker.log")
     try:
         yield sides
@@ -267,3 +269,28 @@ def test_a_mooncake_entry_that_contradicts_itself_is_not_found_and_no_load_raise
         for s in stores:
             s.close()
         master.stop()
+
+
+def test_vllms_own_connector_loads_what_the_chat_route_stored_under_the_key_vllm_computes(vllm, tmp_path):
+    """vLLM's EPD deployment with this service as its encoder: the proxy's request to /v1/chat/completions
+    (--vllm-model-id), then vLLM's LM side as it is: its own hasher computes each image's key from the
+    request's bytes, its own ECExampleConnector (shared_storage_path = the store) finds and loads them."""
+    sched, worker = vllm
+    store, model = tmp_path / "store", "Qwen/Qwen3-VL-2B-Instruct"
+    blobs = [_image(7), data.rgba_png()]  # (the second converted by vLLM's loader: keyed with its io_config)
+    encoder = ServiceProcess([*TINY, "--store", str(store), "--vllm-model-id", model], tmp_path / "encoder.log")
+    try:
+        r = httpx.post(encoder.url + "/v1/chat/completions", timeout=60, headers={"x-request-id": "epd-1"},
+                       json=proxy_request(model, *map(image_part, blobs)))
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        hashes = [sched.call("mm_hash", model=model, data=base64.b64encode(b).decode())["mm_hash"] for b in blobs]
+        stored = {h: safetensors.torch.load_file(store / h / FILE_NAME)["ec_cache"] for h in hashes}
+        assert sum(t.shape[0] for t in stored.values()) == r.json()["usage"]["prompt_tokens"]
+        _connect(vllm, "example-epd", ec_connector="ECExampleConnector", extra={"shared_storage_path": str(store)})
+        assert [sched.call("has", name="example-epd", mm_hash=h)["found"] for h in hashes] == [True, True]
+        got = _one_step(vllm, "example-epd", [[h, stored[h].shape[0]] for h in hashes])
+        assert got["keys"] == sorted(hashes)
+        loaded = _loaded(vllm, "example-epd")
+        assert all(loaded[h].equal(stored[h]) for h in hashes)
+    finally:
+        assert encoder.stop(), encoder.log.read_text()[-3000:]
