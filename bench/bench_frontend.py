@@ -15,6 +15,8 @@ as bench/gpu_frontend.sh runs it after the tower alone (the rate 1 image per req
             phase of the server's Server-Timing header (parse, keys, admit, decode, encode, total)
      x1     distinct 448px JPEGs, 1 image per request, --clients processes x --conc1 connections
      x8     the same with 8 images per request, --clients x --conc8 connections
+     chat   (--chat) after x1: the x1 load posted as vLLM's EPD proxy posts it, to /v1/chat/completions, then
+            to /encode again: the chat route's img/s against the mean of the /encode passes around it
    and stop it. With --stores, each mode runs once per store backend, in the order given: `directory` (a
    fresh directory in /dev/shm) and `mooncake` (a fresh mooncake_master on loopback, the server's segment
    --store-bytes, Mooncake's TCP transport). --variants runs each mode once per set of serve flags, --tree
@@ -73,9 +75,16 @@ def body(blobs: list[bytes]) -> bytes:
     return ('{"images":[%s]}' % parts).encode()
 
 
-def request_bytes(port: int, payload: bytes) -> bytes:
-    return (b"POST /encode HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % (port, len(payload))) + payload
+def chat_body(blob: bytes) -> bytes:
+    """What vLLM's EPD proxy posts to its encoder for a user's chat request with this image."""
+    return ('{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,%s"}},'
+            '{"type":"text","text":"Describe the image."}]}],"max_tokens":1,"stream":false}'
+            % base64.b64encode(blob).decode()).encode()
+
+
+def request_bytes(port: int, payload: bytes, path: bytes = b"/encode") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (path, port, len(payload))) + payload
 
 
 async def _send_all(port: int, requests: list[bytes], conc: int) -> list[tuple[int, float, dict, float]]:
@@ -121,11 +130,12 @@ def _client(port: int, requests: list[bytes], conc: int, barrier, q) -> None:
     q.put((t0, time.perf_counter(), res))
 
 
-def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, conc: int) -> dict:
-    """Send every body once, spread over `clients` processes of `conc` connections each."""
+def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, conc: int,
+         path: bytes = b"/encode") -> dict:
+    """Send every body once (to `path`), spread over `clients` processes of `conc` connections each."""
     ctx = mp.get_context("fork")
     barrier, q = ctx.Barrier(clients), ctx.Queue()
-    reqs = [request_bytes(port, b) for b in bodies]
+    reqs = [request_bytes(port, b, path) for b in bodies]
     procs = [ctx.Process(target=_client, args=(port, reqs[i::clients], conc, barrier, q)) for i in range(clients)]
     for p in procs:
         p.start()
@@ -438,6 +448,8 @@ def main() -> int:
                     "variant (e.g. \":;slots6:--pool-slots 6\"; the default: one, the server's defaults); a flag "
                     "@store=DIR puts that variant's directory store under DIR instead of /dev/shm")
     ap.add_argument("--x8", action=argparse.BooleanOptionalAction, default=True, help="the 8-images-per-request phase")
+    ap.add_argument("--chat", action="store_true", help="after x1: the same load as vLLM's EPD proxy posts it to "
+                    "/v1/chat/completions, then /encode again; the chat's img/s against the two /encode passes' mean")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
                     "(another commit's tree, for an A/B in one run: bench/ab_frontend.py); the client is this one")
@@ -512,6 +524,19 @@ def main() -> int:
                 s1 = engine_counters(port)
                 r["x1"].update(per_step(s0, s1, r["x1"]["wall_s"]))
                 print(f"{name}: 1 img/request {r['x1']}", flush=True)
+                if args.chat:  # vLLM's proxy call, between two more /encode passes (fresh images each)
+                    chat_runs = {"x1": r["x1"]["img_s"]}
+                    for k, what in enumerate(("chat", "encode")):
+                        blobs = pool.map(jpeg_448, range(base + 200_000 * (k + 1), base + 200_000 * (k + 1) + n))
+                        bodies = [chat_body(b) for b in blobs] if what == "chat" else [body([b]) for b in blobs]
+                        got = load(port, bodies, 1, args.clients, args.conc1,
+                                   b"/v1/chat/completions" if what == "chat" else b"/encode")
+                        chat_runs[f"x1_{what}"] = got["img_s"]
+                        print(f"{name}: 1 img/request, {what} {got}", flush=True)
+                    encode_s = (chat_runs["x1"] + chat_runs["x1_encode"]) / 2
+                    r["chat"] = {**chat_runs, "chat_vs_encode": round(chat_runs["x1_chat"] / encode_s, 3)}
+                    print(f"{name}: chat / encode (the mean of the passes before and after) {r['chat']}", flush=True)
+                    s1 = engine_counters(port)
                 if args.x8:
                     spies = profile(args, proc.pid, f"mode{mode}_x8")
                     r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=(os.environ.get("QVE_API_KEY") or "").split(",")[0] or None,
                    help="sent as Authorization: Bearer (default: the first of $QVE_API_KEY)")
     load = p.add_argument_group("load")
+    load.add_argument("--api", choices=("encode", "chat"), default="encode",
+                      help="encode: POST /encode; chat: POST /v1/chat/completions as vLLM's EPD proxy posts it to its "
+                      "encoder (the media as a chat message's parts, max_tokens 1)")
     load.add_argument("--concurrency", type=int, default=4, help="closed loop: requests in flight")
     load.add_argument("--rate", type=float, default=0.0, help="open loop instead: Poisson arrivals, requests/s")
     load.add_argument("--max-in-flight", type=int, default=1024, help="--rate: arrivals wait beyond this many in flight")
@@ -141,6 +144,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
                 "--max-in-flight, --duration-s and --verify-every must be positive; --rate and --replay-every not negative")
     if not args.rate and args.concurrency < args.processes:
         p.error(f"--concurrency {args.concurrency} is less than --processes {args.processes}: each process needs one")
+    if args.api == "chat" and args.replay_every:
+        p.error("--replay-every reads answered keys back from the store; a chat answer names none (--api encode)")
     if args.verify and not args.replay_every:
         p.error("--verify checks replayed embeddings: give --replay-every N too")
     if args.pattern == "photo":

@@ -17,17 +17,18 @@ from pathlib import Path
 import httpx
 
 from service.loadtest.checks import replay
-from service.loadtest.media import ImageSpec, build_payload, is_video_url, request_images
+from service.loadtest.media import ImageSpec, build_chat, build_payload, is_video_url, request_images
 from service.loadtest.report import Result
 
 
-async def post_encode(client: httpx.AsyncClient, payload: dict) -> tuple[httpx.Response | httpx.HTTPError, bool]:
-    """POST /encode; returns (the response, or the error if none came back; whether it was retried).
-    A request that met a stale keep-alive connection is sent once more (service/lm/client.py says when)."""
+async def post_encode(client: httpx.AsyncClient, payload: dict,
+                      path: str = "/encode") -> tuple[httpx.Response | httpx.HTTPError, bool]:
+    """POST /encode (or the chat route); returns (the response, or the error if none came back; whether it was
+    retried). A request that met a stale keep-alive connection is sent once more (service/lm/client.py says when)."""
     from service.lm.client import apost
 
     try:
-        return await apost(client, "/encode", json=payload)
+        return await apost(client, path, json=payload)
     except httpx.TransportError as e:
         return e, getattr(e, "sent_twice", False)
 
@@ -51,6 +52,7 @@ class ClientConfig:
     verify_every: int  # every verify_every-th replay is sent to the parent for verification (0: none)
     store_root: str | None
     seed: int  # arrival times in --rate mode
+    chat: bool = False  # --api chat: POST /v1/chat/completions (build_chat) instead of /encode
 
 
 def _ignore_sigint() -> None:
@@ -105,9 +107,10 @@ async def _client(cfg: ClientConfig, sink, stop, go, info: dict) -> None:
     in_flight: set[asyncio.Task] = set()
 
     async def send(i: int, images: list[tuple[str, bytes | None]], lag: float | None) -> None:
-        payload = build_payload([url for url, _ in images])
+        urls = [url for url, _ in images]
         t0 = time.monotonic()
-        answer, retried = await post_encode(client, payload)
+        answer, retried = await (post_encode(client, build_chat(urls), "/v1/chat/completions") if cfg.chat
+                                 else post_encode(client, build_payload(urls)))
         t1 = time.monotonic()
         if lag is not None:
             out.lags.append(lag)
@@ -118,6 +121,10 @@ async def _client(cfg: ClientConfig, sink, stop, go, info: dict) -> None:
         if answer.status_code != 200:
             out.results.append(Result(answer.status_code, t1 - t0, len(images) - videos, 0, t1, retried,
                                       _error_code(answer), videos=videos))
+            return
+        if cfg.chat:  # (a chat.completion names no keys: its prompt tokens are the media's)
+            out.results.append(Result(200, t1 - t0, len(images) - videos, 0, t1, retried, videos=videos,
+                                      tokens=int(answer.json()["usage"]["prompt_tokens"])))
             return
         items = answer.json()["items"]
         frames = sum(len(it.get("frames_indices") or ()) for it in items if it.get("modality") == "video")

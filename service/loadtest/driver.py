@@ -141,6 +141,7 @@ def client_configs(args, spec: ImageSpec, headers: dict[str, str]) -> list[Clien
             gen_workers=max(1, args.gen_workers // n), replay_every=args.replay_every,
             verify_every=args.verify_every if args.verify else 0,
             store_root=str(args.store_root) if args.replay_every else None, seed=args.seed * 1000 + c,
+            chat=args.api == "chat",
         )
         for c in range(n)
     ]

@@ -118,6 +118,14 @@ def build_payload(urls: list[str]) -> dict:
                        else {"type": "image_url", "image_url": {"url": u}} for u in urls]}
 
 
+def build_chat(urls: list[str]) -> dict:
+    """The body vLLM's EPD proxy posts to its encoder for a user's chat request with these media: the parts in
+    one user message beside a text part, max_tokens 1, not streamed."""
+    return {"messages": [{"role": "user", "content": [*build_payload(urls)["images"],
+                                                      {"type": "text", "text": "Describe what you see."}]}],
+            "max_tokens": 1, "stream": False}
+
+
 @dataclass(frozen=True)
 class ImageSpec:
     """What the images of a run look like (picklable: payloads are built in worker processes)."""

@@ -917,3 +917,33 @@ def test_the_live_line_shows_frames_and_tokens_per_second_in_a_video_run():
     images_only.add([Result(200, 0.1, 2, t_end=9.0, tokens=32)])
     assert "frames/s" not in Progress.stats_line(types.SimpleNamespace(args=types.SimpleNamespace(replay_every=0)),
                                                  images_only, None, 10.0)
+
+
+def test_the_chat_api_posts_what_vllms_proxy_posts_and_stores_every_image(tmp_path, tiny_model):
+    """--api chat: the encoder's /v1/chat/completions as vLLM's EPD proxy calls it (the media as parts of a
+    user message, max_tokens 1); the summary counts the images and their tokens from the answers' usage."""
+    out = tmp_path / "chat.json"
+    with _serve(tmp_path, tiny_model) as (url, app):
+        rc = cli.main(["--url", url, "--api", "chat", "--images-per-request", "2", "--sizes", "64x48,40x40",
+                       "--requests", "3", "--concurrency", "1", "--out", str(out), "--quiet"])
+        stored = _entries(tmp_path / "store")
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert (s["ok_requests"], s["ok_images"]) == (3, 6), s
+    assert len(stored) == 6  # each distinct image in the store, under its key
+    from service.store.format import read_embeddings
+
+    rows = sum(read_embeddings(tmp_path / "store", k).main.shape[0] for k in stored)
+    assert s["ok_tokens"] == rows  # the answers' prompt tokens are the stored images' rows
+    from service.loadtest.media import build_chat
+
+    body = build_chat(["data:image/png;base64,AAAA"])
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert [p["type"] for p in body["messages"][0]["content"]] == ["image_url", "text"]
+
+
+def test_the_chat_api_cannot_replay(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["loadtest"])
+    with pytest.raises(SystemExit):
+        cli.main(["--api", "chat", "--replay-every", "2"])
+    assert "a chat answer names none" in capsys.readouterr().err
