@@ -14,7 +14,8 @@ import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, default_compile_cache, env_name, format_size, is_size
+from service.config import Settings, default_compile_cache, env_name, is_size
+from service.sizes import format_size
 from service.flags import setting_groups
 from service.store.options import default_store_dir
 

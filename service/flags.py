@@ -9,7 +9,8 @@ import types
 import typing
 from pathlib import Path
 
-from service.config import Settings, env_name, format_size, is_size
+from service.config import Settings, env_name, is_size
+from service.sizes import format_size
 
 # The settings' groups, in `serve --help` and docs/configuration.md alike (tests/unit/test_flags.py: each setting is in
 # exactly one).
@@ -54,7 +55,7 @@ def _flag_kind(name: str, field) -> tuple[type, list[str] | None, str | None]:
             return str, None, "DIR|URL"
         base = args[0]
     if is_size(name):
-        return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (config.parse_size)
+        return str, None, "SIZE"  # `4GiB` as well as bytes: Settings parses it (sizes.parse_size)
     if typing.get_origin(base) is typing.Literal:
         return str, list(typing.get_args(base)), None
     if typing.get_origin(base) is list:

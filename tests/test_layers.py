@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"service.loadtest"},
     {"cli"},
 ]
-BASE = {"service.errors", "service.presets", "service.tracing"}
+BASE = {"service.errors", "service.presets", "service.sizes", "service.tracing"}
 SETTINGS = {"service.config", "service.flags", "service.metrics"}
 CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.store.options import MOONCAKE_SCHEME, MOONCAKE_TIMEOUT_S, parse_mooncake
-from service.store.format import FILE_NAME, open_entry, read_open_ec_cache
+from service.store.format import FILE_NAME, StoreFormatError, open_entry, open_entry_model, read_open_ec_cache
 from service.store.keys import is_store_key
 from service.store.reader import Reader, open_reader
 
@@ -52,6 +52,10 @@ class EntryOptions:
     # The longest one Mooncake call may take (the encoders' --mooncake-timeout-s): the check runs in vLLM's
     # scheduler loop, so a host that does not answer must cost it this, not the transfer engine's minute.
     mooncake_timeout_s: float = MOONCAKE_TIMEOUT_S
+    # Whose embeddings vLLM may load, as the encoders' /ready names their model (`consume --encoder-model`):
+    # "auto", the vision tower of vLLM's own model where that is a local checkpoint directory (no check for
+    # a hub name, whose files are not known here); "any", no check; else that id.
+    encoder_model: str = "auto"
 
     @classmethod
     def from_config(cls, extra: dict) -> EntryOptions:
@@ -72,9 +76,50 @@ class EntryOptions:
                                  "store_key before '@id:')")
         if opts.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', not {opts.mooncake_protocol!r}")
+        if not isinstance(opts.encoder_model, str) or not opts.encoder_model:
+            raise ValueError("encoder_model must be 'auto', 'any' or an encoder model id (the encoders' /ready "
+                             f"`model`), not {opts.encoder_model!r}")
         if type(opts.mooncake_timeout_s) not in (int, float) or not opts.mooncake_timeout_s > 0:
             raise ValueError(f"mooncake_timeout_s must be a number of seconds above 0, not {opts.mooncake_timeout_s!r}")
         return opts
+
+
+def encoder_model_for(opts: EntryOptions, lm_model: str | None) -> str | None:
+    """The encoder model whose entries vLLM serving `lm_model` (its model_config.model) may load; None: any."""
+    if opts.encoder_model == "any":
+        return None
+    if opts.encoder_model != "auto":
+        return opts.encoder_model
+    if lm_model is None or not Path(lm_model).is_dir():
+        log.info("vLLM's model %r is not a local checkpoint directory: entries of any encoder model are loaded "
+                 "(ec_connector_extra_config's encoder_model names the one to hold them to)", lm_model)
+        return None
+    from service.engine.loader import checkpoint_model_id
+
+    try:
+        return checkpoint_model_id(Path(lm_model))
+    except (OSError, ValueError) as e:
+        log.warning("cannot tell the vision tower of %s (%s): entries of any encoder model are loaded", lm_model, e)
+        return None
+
+
+class _Identity:
+    """Whether an entry's model is the one its reader serves (same_tower), warning once per other model."""
+
+    def __init__(self, model: str | None):
+        self.model, self._warned = model, set()
+
+    def ours(self, key: str, model: str | None) -> bool:
+        from service.engine.loader import same_tower
+
+        if self.model is None or same_tower(model, self.model):
+            return True
+        if model not in self._warned:
+            self._warned.add(model)
+            log.warning("store entry %s was written by the encoder model %s, not %s, whose embeddings this LM "
+                        "reads: such entries are not found (vLLM encodes those images itself)", key, model,
+                        self.model)
+        return False
 
 
 @dataclass(frozen=True)
@@ -93,8 +138,9 @@ class Held:
 class DirectoryEntries:
     """Entries of a store directory on this host (read-only is enough), held open from check to load."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, model: str | None = None):
         self.root = Path(root)
+        self._identity = _Identity(model)  # None: entries of any encoder model
         self._handles: dict[int, int] = {}  # hold id -> open fd (scheduler side)
         self._next = 1
         self._warned = False
@@ -105,8 +151,15 @@ class DirectoryEntries:
         if not is_store_key(key):
             return None
         try:
-            fd, _ = open_entry(self.root, key)
+            fd, where = open_entry(self.root, key)
         except KeyError:
+            return None
+        try:
+            mine = self._identity.ours(key, open_entry_model(fd, where))
+        except StoreFormatError:
+            mine = False  # (not a whole entry of this store: the encoder writes it again)
+        if not mine:
+            os.close(fd)
             return None
         st = os.fstat(fd)
         hold, self._next = self._next, self._next + 1
@@ -162,21 +215,24 @@ class MooncakeEntries:
     24-byte header and size agree with it (read from the value's host, without the tensor), and its dtype
     is the namespace's. Anything else is not found, and vLLM encodes the image itself."""
 
-    def __init__(self, reader: Reader, namespace: str | None = None):
+    def __init__(self, reader: Reader, namespace: str | None = None, model: str | None = None):
         self.reader = reader
+        self._identity = _Identity(model)  # None: entries of any encoder model
         dtype = re.search(r"@dtype:torch\.(\w+)@", namespace or "")
         self.dtype = dtype.group(1) if dtype else None  # the deployment's, as its namespace names it
 
     @classmethod
-    def open(cls, opts: EntryOptions) -> MooncakeEntries:
+    def open(cls, opts: EntryOptions, model: str | None = None) -> MooncakeEntries:
         return cls(open_reader(opts.store, namespace=opts.mooncake_namespace, local_host=opts.mooncake_local_host,
                                protocol=opts.mooncake_protocol, timeout_s=float(opts.mooncake_timeout_s)),
-                   opts.mooncake_namespace)
+                   opts.mooncake_namespace, model)
 
     def hold(self, key: str) -> Held | None:
         # NOTE: `entry` ends with the read of the value's header, which takes the master's lease on it.
         meta = self.reader.entry(key) if is_store_key(key) else None
         if meta is None or (self.dtype is not None and meta.dtype != self.dtype):
+            return None
+        if not self._identity.ours(key, meta.model):
             return None
         return Held(key, 0, shape=(meta.num_tokens, meta.width), dtype=meta.dtype)
 
@@ -199,7 +255,8 @@ class MooncakeEntries:
         self.reader.close()
 
 
-def open_entries(opts: EntryOptions) -> DirectoryEntries | MooncakeEntries:
+def open_entries(opts: EntryOptions, model: str | None = None) -> DirectoryEntries | MooncakeEntries:
+    """The entries of `opts.store`, of the encoder model `model` only (None: any; encoder_model_for)."""
     if opts.store.startswith(MOONCAKE_SCHEME):
-        return MooncakeEntries.open(opts)
-    return DirectoryEntries(opts.store)
+        return MooncakeEntries.open(opts, model)
+    return DirectoryEntries(opts.store, model)

@@ -38,7 +38,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from service.lm.ecload import EntryOptions, Held, open_entries
+from service.lm.ecload import EntryOptions, Held, encoder_model_for, open_entries
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +85,12 @@ class EncoderStoreConnector(ECConnectorBase):
             raise ValueError("EncoderStoreConnector reads the encoder service's entries and writes none: set "
                              "ec_role to ec_consumer (the encoder tier is `qwen3vl-encoder serve`)")
         opts = EntryOptions.from_config(dict(vllm_config.ec_transfer_config.ec_connector_extra_config))
-        self._entries = open_entries(opts)
-        log.info("EncoderStoreConnector (%s): entries from %s%s", role.name.lower(), opts.store,
-                 f" in namespace {opts.mooncake_namespace}" if opts.mooncake_namespace else "")
+        lm = vllm_config.model_config  # (None in a config made without a model)
+        model = encoder_model_for(opts, None if lm is None else str(lm.model))
+        self._entries = open_entries(opts, model)
+        log.info("EncoderStoreConnector (%s): entries from %s%s, of the encoder model %s", role.name.lower(),
+                 opts.store, f" in namespace {opts.mooncake_namespace}" if opts.mooncake_namespace else "",
+                 model or "(any)")
         # scheduler side, for the step being scheduled:
         self._found: dict[str, Held] = {}  # mm_hash -> its entry, found (and held) at a check
         self._loads: dict[str, int] = {}  # mm_hash -> its tokens: found entries this step allocates

@@ -375,6 +375,15 @@ def read_open_ec_cache(fd: int, where: str) -> torch.Tensor:
     return _read_entry(fd, where, False)[0]
 
 
+def open_entry_model(fd: int, where: str) -> str:
+    """The encoder model an open entry file's header names (the file's position is put back to 0);
+    StoreFormatError if the header is not one of this store's."""
+    try:
+        return _read_header(fd, where).model
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
+
+
 def open_entry(root: Path, key: str) -> tuple[int, str]:
     """An open read-only handle on the key's file and the file's path; KeyError if it is not there."""
     path = _key_dir(Path(root), key) / FILE_NAME

@@ -220,7 +220,7 @@ def test_a_bad_size_variable_and_a_zero_size_are_named(monkeypatch, capsys):
 
 
 def test_sizes_are_shown_in_the_largest_exact_unit_and_read_back_alike():
-    from service.config import format_size, parse_size
+    from service.sizes import format_size, parse_size
 
     assert [format_size(n) for n in (4 * 1024**3, 64 * 1024**2, 1536, 3 * 1024**4, 1_500_000_000, 0)] == \
         ["4GiB", "64MiB", "1536", "3TiB", "1500000000", "0"]

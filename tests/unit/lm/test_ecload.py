@@ -106,3 +106,41 @@ def test_where_the_schedulers_handle_cannot_be_reached_it_loads_by_path(tmp_path
     with pytest.raises(KeyError):
         DirectoryEntries(root).load(gone)
     assert entries.held == 0
+
+
+# ---- whose entries ---------------------------------------------------------------------------------
+def test_entries_of_another_encoder_model_are_not_found_and_said_once(tmp_path, caplog):
+    """An encoder on the random 2B preset behind an LM of a real 2B checkpoint gave garbage with shapes that
+    fit. The connector finds only entries of the encoder model it reads (same_tower: the same checkpoint
+    under another directory name is the same tower), and says in one line per other model that it skips."""
+    ours, theirs = "Qwen3-VL-2B-Instruct@1a2b3c", "preset:qwen3-vl-2b:seed0"
+    make_store(tmp_path / "s", model=ours).put("mine", ec_for(1, 5), (1, 2, 10))
+    other = make_store(tmp_path / "s2", model=theirs)
+    other.put("random-1", ec_for(2, 5), (1, 2, 10))
+    other.put("random-2", ec_for(3, 5), (1, 2, 10))
+    for key in ("random-1", "random-2"):
+        os.rename(tmp_path / "s2" / key, tmp_path / "s" / key)  # (one directory, written by two encoders)
+    entries = DirectoryEntries(tmp_path / "s", model="mounted-elsewhere@1a2b3c")
+    with caplog.at_level(logging.WARNING, logger="service.lm.ecload"):
+        assert entries.hold("random-1") is None and entries.hold("random-2") is None
+        held = entries.hold("mine")
+    assert held is not None and torch.equal(entries.load(held), ec_for(1, 5))
+    assert entries.held == 1  # (nothing of the refused ones stays open)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and theirs in said[0] and "mounted-elsewhere@1a2b3c" in said[0], said
+    assert DirectoryEntries(tmp_path / "s").hold("random-1") is not None  # no model given: any
+
+
+def test_the_encoder_model_is_vllms_own_checkpoints_tower_unless_named(tiny_checkpoint, caplog):
+    from service.engine.loader import checkpoint_model_id
+    from service.lm.ecload import encoder_model_for
+
+    auto = EntryOptions(store="/s")
+    assert encoder_model_for(auto, str(tiny_checkpoint)) == checkpoint_model_id(tiny_checkpoint)
+    with caplog.at_level(logging.INFO, logger="service.lm.ecload"):
+        assert encoder_model_for(auto, "Qwen/Qwen3-VL-2B-Instruct") is None  # a hub name: its files are not here
+    assert "not a local checkpoint directory" in caplog.text
+    assert encoder_model_for(EntryOptions(store="/s", encoder_model="any"), str(tiny_checkpoint)) is None
+    assert encoder_model_for(EntryOptions(store="/s", encoder_model="x@1"), str(tiny_checkpoint)) == "x@1"
+    with pytest.raises(ValueError, match="encoder_model must be"):
+        EntryOptions.from_config({"store": "/s", "encoder_model": 3})

@@ -143,6 +143,26 @@ def test_directory_entries_load_bit_for_bit_even_evicted_right_after_vllms_check
         assert encoder.stop(), encoder.log.read_text()[-3000:]
 
 
+def test_entries_of_another_encoder_model_are_not_found_by_vllm(vllm, tmp_path):
+    """The connector given the encoder model it reads (ec_connector_extra_config's encoder_model; by default
+    vLLM's own checkpoint's tower, tests/unit/lm/test_ecload.py) finds no entry of another: vLLM encodes
+    those images itself instead of loading another tower's embeddings that fit its shapes."""
+    sched, _ = vllm
+    store = tmp_path / "store"
+    encoder = ServiceProcess([*TINY, "--store", str(store)], tmp_path / "encoder.log")
+    try:
+        (item,) = _encode(encoder, [7], ["tiny-1"])
+    finally:
+        assert encoder.stop(), encoder.log.read_text()[-3000:]
+    _connect(vllm, "other-model", **OURS, extra={"store": str(store), "encoder_model": "Qwen3-VL-2B-Instruct@0123"})
+    _connect(vllm, "this-model", **OURS, extra={"store": str(store), "encoder_model": "preset:tiny:seed0"})
+    assert sched.call("has", name="other-model", mm_hash=item["key"])["found"] is False
+    assert sched.call("has", name="this-model", mm_hash=item["key"])["found"] is True
+    for side in vllm:
+        for name in ("other-model", "this-model"):
+            assert side.call("shutdown", name=name) == {}
+
+
 def test_mooncake_entries_load_bit_for_bit_as_vllm_reads_them(vllm, tmp_path, mooncake_master_binary):
     sched, worker = vllm
     namespace = "vllm-connector-test"

@@ -376,16 +376,17 @@ def test_header_tokens_are_the_tokens_decoding_gives_without_decoding():
 
 def test_read_header_names_the_format_the_declared_size_and_whether_simplejpeg_may_decode_it(monkeypatch):
     plain = encode(textured_rgb(64, 48), "JPEG", quality=90)
-    assert read_header(plain, LIMITS) == ImageHeader(len(plain), "JPEG", (64, 48), plain_jpeg=True, scans=1)
+    assert read_header(plain, LIMITS) == ImageHeader(len(plain), "JPEG", (64, 48), plain_jpeg=True, scans=1,
+                                                      plain_rgb=True)
     rotated = exif_rotated("JPEG", 6)
-    assert read_header(rotated, LIMITS) == ImageHeader(len(rotated), "JPEG", (96, 64), False, 1)  # as stored
+    assert read_header(rotated, LIMITS) == ImageHeader(len(rotated), "JPEG", (96, 64), False, 1, True)  # as stored
     mpo = encode(quadrants(64, 48), "MPO", save_all=True, append_images=[textured_rgb(64, 48)])
     for data in (encode(textured_rgb(64, 48).convert("L"), "JPEG"), valid_images()["cmyk.jpg"], mpo):
         header = read_header(data, LIMITS)
         assert header.format == "JPEG" and header.size is not None and not header.plain_jpeg
     assert not read_header(plain, ImageLimits(max_image_bytes=len(plain) - 1)).plain_jpeg  # decode refuses it
     png = valid_images()["astronaut.png"]
-    assert read_header(png, LIMITS) == ImageHeader(len(png), "PNG", (512, 512), False)
+    assert read_header(png, LIMITS) == ImageHeader(len(png), "PNG", (512, 512), False, plain_rgb=True)
     assert read_header(png_header_only(9000, 9000), LIMITS).size == (9000, 9000)  # the limits are header_tokens'
     assert read_header(png_header_only(20000, 10000), LIMITS).size is None  # PIL's own bomb limit refused it
     assert read_header(b"not an image", LIMITS) == ImageHeader(12, None, None, False)
@@ -393,7 +394,7 @@ def test_read_header_names_the_format_the_declared_size_and_whether_simplejpeg_m
     # a WebP's size comes from its fixed header fields: PIL's WebP parser allocates the canvas at open
     monkeypatch.setattr(Image, "open", _no_open)
     header = read_header(webp_declaring(16000, 16000), LIMITS)
-    assert header == ImageHeader(header.nbytes, "WEBP", (16000, 16000), False)
+    assert header == ImageHeader(header.nbytes, "WEBP", (16000, 16000), False, plain_rgb=True)  # (no alpha chunk)
     assert pickle.loads(pickle.dumps(header)) == header  # it crosses to decode worker processes
 
 
