@@ -1,5 +1,5 @@
-"""vLLM 0.33's EC connector for this service's store: vLLM as an LM instance (`ec_role: ec_consumer`) takes
-each image's embeddings from the entries the encoder tier wrote, in a directory on this host or in
+"""vLLM's EC connector (0.33 and 0.34) for this service's store: vLLM as an LM instance (`ec_role:
+ec_consumer`) takes each image's embeddings from the entries the encoder tier wrote, in a directory on this host or in
 Mooncake Store across hosts, instead of running its own vision tower for them.
 
     vllm serve MODEL --ec-transfer-config '{"ec_connector": "EncoderStoreConnector",
@@ -77,7 +77,7 @@ class EncoderStoreLoaded(ECConnectorWorkerMetadata):
 
 
 class EncoderStoreConnector(ECConnectorBase):
-    """The consumer role of vLLM 0.33's ECConnectorBase over this service's store (see the module docstring)."""
+    """The consumer role of vLLM's ECConnectorBase (0.33, 0.34) over this service's store (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
