@@ -60,8 +60,8 @@ def served_model(rt: Runtime) -> str:
 
 async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[Input] | None]:
     """The chat request and its media parts as encode Inputs, in order (None: the client left while a URL
-    was fetched). RequestError for a body that is not a
-    chat request, a model this encoder does not serve, hash factors, or media it does not take."""
+    was fetched). RequestError for a body that is not a chat request, a model this encoder does not serve,
+    hash factors, or media it does not take."""
     body = await read_json_body(request, rt.settings)
     try:
         chat = ChatRequest.model_validate_json(body)
@@ -91,9 +91,7 @@ async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[I
                     raise RequestError(f"{where} is a {kind!r} part, which this encoder does not take (it encodes "
                                        "image_url and video_url parts)")
             except ValidationError as e:
-                first = e.errors()[0]
-                field = ".".join(str(x) for x in first["loc"])
-                raise RequestError(f"{where}: invalid {kind} part at '{field}': {first['msg']}") from None
+                raise RequestError(describe_invalid(e, at=("messages", m, "content", p))) from None
     if len(parts) > rt.settings.max_images_per_request:
         raise RequestError(f"{len(parts)} images and videos in one request; the limit is "
                            f"{rt.settings.max_images_per_request}")

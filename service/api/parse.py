@@ -182,13 +182,22 @@ async def _get(rt: Runtime, url: str, host: str, port: int, index: int, video: b
         raise at_index(ImageError(f"images[{index}]: could not fetch {url}: {type(e).__name__}: {e}", code="image_fetch_failed"), index) from None
 
 
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _json_limit(s) -> int:
+    """The largest JSON body read: --max-request-bytes, or what the most images a request may have take as
+    base64 and a little more, if that is less."""
+    return min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
+
+
 async def read_json_body(request: Request, s) -> bytes:
     """A JSON request's body, bounded (its content type checked: JSON, or none given)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = _content_type(request)
     if ctype not in ("application/json", ""):
         raise RequestError(f"content-type {ctype!r} is not supported; send application/json")
-    return await _read_body(request, min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3
-                                         + 65536))
+    return await _read_body(request, _json_limit(s))
 
 
 async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart], body_bytes: int,
@@ -219,8 +228,7 @@ async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart], bod
 
 async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
     s = rt.settings
-    limit = min(s.max_request_bytes, s.max_images_per_request * s.max_image_bytes * 4 // 3 + 65536)
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = _content_type(request)
     if ctype == "multipart/form-data":
         try:
             form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
@@ -249,7 +257,7 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
         return inputs
     if ctype not in ("application/json", ""):
         raise RequestError(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
-    body = await _read_body(request, limit)
+    body = await _read_body(request, _json_limit(s))
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as e:

@@ -97,10 +97,11 @@ def body_path(loc: tuple) -> str:
     return out
 
 
-def describe_invalid(e: ValidationError) -> str:
+def describe_invalid(e: ValidationError, at: tuple = ()) -> str:
     """The one line a 400 says about a body that does not validate: its deepest error (a union's other members
-    report a less useful one each: `content` is not a string either), at its body_path."""
+    report a less useful one each: `content` is not a string either), at its body_path; `at`: where in the
+    body the validated part is, for a part validated on its own."""
     errors = e.errors()
     worst = max(errors, key=lambda err: len(err["loc"]))
     more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
-    return f"invalid request body at '{body_path(worst['loc'])}': {worst['msg']}{more}"
+    return f"invalid request body at '{body_path((*at, *worst['loc']))}': {worst['msg']}{more}"

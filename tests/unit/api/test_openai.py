@@ -111,7 +111,7 @@ def test_bad_input_is_answered_in_the_openai_error_shape_with_the_encode_statuse
         audio = proxy_request({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
         assert "input_audio" in _error(post(audio), 400, "bad_request")["message"]
         broken = proxy_request({"type": "image_url", "image_url": {"detail": "high"}})
-        assert "messages[1].content[1]" in _error(post(broken), 400, "bad_request")["message"]
+        assert "'messages[1].content[1].image_url.url'" in _error(post(broken), 400, "bad_request")["message"]
         other = proxy_request(image_part(photo))
         other["model"] = "another/model"
         assert _error(post(other), 404, "not_found")["type"] == "not_found_error"
