@@ -25,10 +25,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from service.config import Settings, check_otlp_endpoint, describe_errors, unknown_env
+from service.config import Settings, check_otlp_endpoint, unknown_env
 from service.sizes import parse_size
 from service.errors import StartupError
-from service.flags import add_setting_flags
+from service.flags import add_setting_flags, describe_errors
 
 log = logging.getLogger("service")
 

@@ -12,6 +12,7 @@ each part needs is derived from it once, as a frozen options object of its own: 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.media.params import ImageLimits, VideoLimits
@@ -119,6 +120,10 @@ class EngineOptions:
 
 # The media limits' defaults are media/params.py's: one set, which the fields below take.
 _IMAGE, _VIDEO = ImageLimits(), VideoLimits()
+
+
+# The SGLang releases whose encoder protocol is served (api/sglang/; tests run against each).
+SGLANG_VERSIONS = ("0.5.22", "0.5.23")
 
 
 def _named_device(d: str) -> bool:
@@ -222,6 +227,17 @@ class Settings(BaseSettings):
                                       "Unset: content-hash keys")
     mm_hasher_algorithm: Literal["blake3", "sha256", "sha512"] = Field(
         "blake3", description="with --vllm-model-id: the hash of vLLM's keys, as the LM's --mm-hasher-algorithm")
+
+    sglang_version: str | None = Field(None, description="serve SGLang's encoder protocol under /sglang for "
+                                       "language servers of this SGLang release (`--encoder-urls "
+                                       "http://HOST:PORT/sglang`); unset: not served")
+    sglang_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        ["127.0.0.0/8", "::1/128"], description="with --sglang-version: the addresses (CIDRs) SGLang may call "
+        "/sglang from and have embeddings pushed to (its prefill_host); any other is a 403")
+    sglang_push_timeout_s: float = Field(60.0, gt=0, description="with --sglang-version: the longest a push of one "
+                                         "part's embeddings may take, waiting for its ranks' registrations included")
+    sglang_queue_wait_s: float = Field(100.0, ge=0, description="with --sglang-version: how long a part waits for a "
+                                       "queue place when the queue is full (SGLang does not retry a refusal)")
 
     host: str = Field("127.0.0.1", description="bind address (0.0.0.0 only inside a container)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on")
@@ -368,6 +384,24 @@ class Settings(BaseSettings):
             raise ValueError("the model ID is empty: give what the LM's `vllm serve` was given")
         return v
 
+    @field_validator("sglang_version")
+    @classmethod
+    def _check_sglang_version(cls, v: str | None) -> str | None:
+        if v is not None and v not in SGLANG_VERSIONS:
+            raise ValueError(f"SGLang {v} is not supported: its encoder protocol is served for SGLang "
+                             f"{' and '.join(SGLANG_VERSIONS)} only (it changes between releases)")
+        return v
+
+    @field_validator("sglang_allowed_hosts")
+    @classmethod
+    def _check_cidrs(cls, v: list[str]) -> list[str]:
+        for cidr in v:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an address or CIDR (e.g. 10.0.0.0/8)") from None
+        return v
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
@@ -389,7 +423,7 @@ class Settings(BaseSettings):
         return isinstance(self.store, str)
 
     @field_validator("devices", "api_key", "graph_exact_sides", "allowed_url_hosts", "fp8_bf16_blocks", "fp8_gemms",
-                     mode="before")
+                     "sglang_allowed_hosts", mode="before")
     @classmethod
     def _split_commas(cls, v):
         # A list from a flag or a QVE_ variable is comma-separated (`a.example,b.example` is friendlier
@@ -555,22 +589,3 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else f"`--help` lists the {ENV_PREFIX} variables"
         warnings.append(f"{name} is not a setting and is ignored; {hint}")
     return warnings
-
-
-def describe_errors(error: ValidationError, flags: Mapping[str, object]) -> list[str]:
-    """One line per invalid setting, named the way the user set it: `--flag` for a setting in `flags`
-    (given on the command line), else its QVE_ variable (the only other place a value comes from)."""
-    lines = []
-    for e in error.errors():
-        msg = e["msg"].removeprefix("Value error, ")
-        field = e["loc"][0] if e["loc"] else None
-        if field not in Settings.model_fields:  # a check across fields (min_pixels vs max_pixels)
-            lines.append(msg)
-            continue
-        source = "--" + field.replace("_", "-") if field in flags else env_name(field)
-        # A flag's value as it was typed: pydantic's input is what a before-validator made of it (`0GiB` -> 0).
-        given = flags[field] if field in flags else e["input"]
-        # A secret (--api-key) is never echoed; neither is a value too long for one line.
-        value = "" if not Settings.model_fields[field].repr or len(str(given)) > 80 else f"={given}"
-        lines.append(f"{source}{value}: {msg}")
-    return lines

@@ -85,6 +85,7 @@ class RequestError(ServiceError):
         "bad_request": Code(400, "a malformed request: its body, a field, a header"),
         "unauthorized": Code(401, "--api-key is set and the request has no `Authorization: Bearer <key>` with "
                                   "one of the keys"),
+        "forbidden": Code(403, "SGLang's protocol: a caller or a push destination outside --sglang-allowed-hosts"),
         "not_found": Code(404, "no such endpoint"),
         "method_not_allowed": Code(405, "the endpoint does not take this method"),
         # NOTE: a request cut off mid-body leaves the connection in the middle of a message: it cannot carry

@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from service.config import Settings, env_name, is_size
 from service.sizes import format_size
@@ -17,6 +20,7 @@ from service.sizes import format_size
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('Model and device', ('model', 'device', 'devices', 'dtype', 'fp8_bf16_blocks', 'fp8_gemms', 'seed', 'min_pixels', 'max_pixels',)),
     ("Serving as vLLM's encoder", ('vllm_model_id', 'mm_hasher_algorithm',)),
+    ("Serving as SGLang's encoder", ('sglang_version', 'sglang_allowed_hosts', 'sglang_push_timeout_s', 'sglang_queue_wait_s',)),
     ('Store', ('store', 'store_capacity_bytes', 'store_group', 'store_min_residency_s', 'store_writers', 'mooncake_local_host', 'mooncake_segment_bytes', 'mooncake_protocol', 'mooncake_namespace', 'mooncake_timeout_s', 'mooncake_start_wait_s',)),
     ('HTTP serving', ('host', 'port', 'header_timeout_s', 'body_timeout_s', 'keep_alive_s', 'max_connections',)),
     ('Security: API keys and image URLs', ('api_key', 'api_key_metrics', 'allowed_url_hosts', 'allow_private_url_addresses', 'url_timeout_s',)),
@@ -94,3 +98,22 @@ def _add_setting(group, name: str) -> None:
         return
     type_, choices, metavar = _flag_kind(name, field)
     group.add_argument(flag, type=type_, choices=choices, help=help_, metavar=metavar)
+
+
+def describe_errors(error: ValidationError, flags: Mapping[str, object]) -> list[str]:
+    """One line per invalid setting, named the way the user set it: `--flag` for a setting in `flags`
+    (given on the command line), else its QVE_ variable (the only other place a value comes from)."""
+    lines = []
+    for e in error.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        field = e["loc"][0] if e["loc"] else None
+        if field not in Settings.model_fields:  # a check across fields (min_pixels vs max_pixels)
+            lines.append(msg)
+            continue
+        source = "--" + field.replace("_", "-") if field in flags else env_name(field)
+        # A flag's value as it was typed: pydantic's input is what a before-validator made of it (`0GiB` -> 0).
+        given = flags[field] if field in flags else e["input"]
+        # A secret (--api-key) is never echoed; neither is a value too long for one line.
+        value = "" if not Settings.model_fields[field].repr or len(str(given)) > 80 else f"={given}"
+        lines.append(f"{source}{value}: {msg}")
+    return lines

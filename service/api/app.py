@@ -16,15 +16,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from service.api import encode as encoding
 from service.api import openai
 from service.api.docs import mount_docs
 from service.api.encode import Answer
-from service.api.parse import parse_inputs
+from service.api.parse import parse_inputs, read_json_body
 from service.api.runtime import Runtime
-from service.api.schemas import EXAMPLE_REQUEST, EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse
+from service.api.sglang import wire as sglang_wire
+from service.api.sglang.serve import SglangEncoder
+from service.api.schemas import (EXAMPLE_REQUEST, EncodedItem, EncodeRequest, EncodeResponse, ErrorResponse,
+                                 describe_invalid)
 from service.config import Settings
 from service import tracing
 from service.api.server import BodyLimit, bearer_auth, install_error_handlers
@@ -65,18 +69,21 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
     async def lifespan(app: FastAPI):
         rt = await make_runtime()
         app.state.rt = rt
+        app.state.sglang = SglangEncoder(rt, rt.peers) if settings.sglang_version else None
         await rt.start()
         try:
             yield
         finally:
             await rt.shutdown()
+            if app.state.sglang is not None:
+                app.state.sglang.close()
             tracing.shutdown()  # this process's last spans (uvicorn's re-raised SIGTERM skips atexit)
 
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Runs only the Qwen3-VL vision tower and publishes embeddings to a shared store.")
     mount_docs(app)  # /docs from the package, not a CDN
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, timeout_s=settings.body_timeout_s,
-                       paths=("/encode", "/v1/chat/completions"), hint="send fewer or smaller images")
+                       paths=("/encode", "/v1/chat/completions", "/sglang/encode"), hint="send fewer or smaller images")
 
     install_error_handlers(app)
 
@@ -164,6 +171,9 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
                     span.set_attribute("http.response.status_code", status)
                     tracing.record_phases(phases.spans, phases.start)
 
+    if settings.sglang_version:
+        _sglang_routes(app, settings)
+
     @app.get("/health", responses={200: _HEALTH, 503: {**_HEALTH, "description": "the step loop or the engine is "
                                                         "not running, warm-up failed, or the store cannot be written"}})
     async def health(request: Request):
@@ -192,3 +202,40 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         return PlainTextResponse(await request.app.state.rt.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _sglang_routes(app: FastAPI, settings: Settings) -> None:
+    """SGLang's encoder server (api/sglang/serve.py), for `--encoder-urls http://HOST:PORT/sglang`. SGLang sends
+    no API key: its calls are let in by their address instead (--sglang-allowed-hosts)."""
+    def caller(request: Request) -> str | None:
+        return request.client.host if request.client else None
+
+    async def body_of(request: Request, model):
+        try:
+            body = await read_json_body(request, settings)
+            return model.model_validate_json(body), len(body)
+        except ValidationError as e:
+            raise RequestError(describe_invalid(e)) from None
+
+    def answer(status: int, body) -> JSONResponse:
+        return JSONResponse(body, status_code=status)
+
+    @app.post("/sglang/encode", include_in_schema=False)
+    async def sglang_encode(request: Request):
+        try:
+            part, nbytes = await body_of(request, sglang_wire.EncodeBody)
+        except ServiceError as e:
+            return answer(e.status, {"status": "error", "message": e.message, "req_id": None})
+        return answer(*await request.app.state.sglang.encode(part, nbytes, caller(request), request.is_disconnected))
+
+    @app.post("/sglang/scheduler_receive_url", include_in_schema=False)
+    async def sglang_register(request: Request):
+        try:
+            registration, _ = await body_of(request, sglang_wire.RegisterBody)
+        except ServiceError as e:
+            return answer(e.status, {"status": "error", "message": e.message, "req_id": None})
+        return answer(*request.app.state.sglang.register(registration, caller(request)))
+
+    @app.get("/sglang/health", include_in_schema=False)
+    async def sglang_health(request: Request):
+        return answer(*await request.app.state.sglang.health())

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from service.media.images import ImageHeader
     from service.media.video import VideoHeader
     from service.media.params import VideoParams
+    from service.api.sglang.rendezvous import PeerLink
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ class Decoder(Protocol):
 class Runtime:
     """The decoder and the engines of one app instance, and what the service says about its state."""
 
-    def __init__(self, settings: Settings, decoder: Decoder, engines: EngineRouter, metrics: Metrics):
+    def __init__(self, settings: Settings, decoder: Decoder, engines: EngineRouter, metrics: Metrics,
+                 peers: PeerLink | None = None):
         self.settings, self.decoder, self.engines, self.metrics = settings, decoder, engines, metrics
+        self.peers = peers  # this API process's siblings (SGLang's protocol meets its parts' ranks through them)
         self.http = httpx.AsyncClient(timeout=settings.url_timeout_s, follow_redirects=False)
         self.status: EnginesStatus | None = None  # the engines' last answer
         self.params: PreprocessParams | None = None  # how the engines preprocess (known once they answered)

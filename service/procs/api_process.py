@@ -33,6 +33,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
     from service.procs.arena import Arena
     from service.procs.decoders import ArenaDecoder
     from service.procs.ipc import SocketTransport
+    from service.procs.peers import UnixPeers
 
     sys.setswitchinterval(0.001)
     tracing.setup("qwen3vl-encoder", settings.otlp_endpoint)
@@ -43,7 +44,9 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
                                settings.image_limits, metrics, video_limits=settings.video_limits,
                                video_slots=settings.video_decode_slots())
         engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
-        runtime = Runtime(settings, decoder, engines, metrics)
+        peers = (UnixPeers(os.path.dirname(metrics_dir), index, settings.api_process_count())
+                 if settings.sglang_version else None)
+        runtime = Runtime(settings, decoder, engines, metrics, peers)
         settle_heap()  # (procs/child.py: this process's start-up objects out of the collector's way)
         return runtime
 

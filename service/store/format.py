@@ -375,6 +375,22 @@ def read_open_ec_cache(fd: int, where: str) -> torch.Tensor:
     return _read_entry(fd, where, False)[0]
 
 
+def read_entry_data(root: Path, item: StoredItem) -> bytes:
+    """The tensor bytes of the entry `item` names ([shape] of its dtype, rows in order), without torch, for a
+    process that only passes them on. KeyError if the entry is gone, StoreFormatError if the file there now
+    is not that entry (another shape, dtype or source)."""
+    fd, where = open_entry(root, item.key)
+    try:
+        h = _read_header(fd, where)
+        if (h.shape, h.dtype, h.grid_thw) != (tuple(item.shape), item.dtype, tuple(item.grid_thw)) or (
+                item.content_sha256 and h.metadata.get("content_sha256") != item.content_sha256):
+            raise StoreFormatError(f"{where}: holds a {list(h.shape)} {h.dtype} entry, not the one answered "
+                                   f"({list(item.shape)} {item.dtype})")
+        return _read_bytes(fd, h.data_nbytes, where)
+    finally:
+        os.close(fd)
+
+
 def open_entry_model(fd: int, where: str) -> str:
     """The encoder model an open entry file's header names (the file's position is put back to 0);
     StoreFormatError if the header is not one of this store's."""

@@ -50,7 +50,7 @@ from service.store.keys import validate_key
 from service.store.lookups import Lookups
 from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_TIMEOUT_S, MooncakeOptions, parse_mooncake
 from service.store.pool import connect
-from service.store.values import DTYPE_CODES, HEADER, MAGIC, Companion, ValueHeaders, companion, parse_value
+from service.store.values import DTYPE_CODES, HEADER, ITEMSIZE, MAGIC, Companion, ValueHeaders, companion, parse_value
 
 if TYPE_CHECKING:
     import torch
@@ -562,6 +562,19 @@ class MooncakeReader:
         if not value:
             raise KeyError(key)
         return parse_value(value, expect)
+
+    def read_data(self, item: StoredItem) -> memoryview:
+        """The value's tensor bytes (after its header), checked against the /encode answer `item`: KeyError if it
+        is not in the pool or does not arrive within the deadline, StoreFormatError if it is another value."""
+        value = self._get("read", self.client.get, self._keys(item.key, item.store_key)[0])
+        if not value:
+            raise KeyError(item.key)
+        buf = memoryview(value).cast("B")
+        want = (MAGIC, DTYPE_CODES.get(item.dtype), *item.shape)
+        if len(buf) < HEADER.size or HEADER.unpack_from(buf) != want or len(buf) != HEADER.size + item.shape[0] * item.shape[1] * ITEMSIZE[item.dtype]:
+            raise StoreFormatError(f"{item.key}: the value in the pool is not the entry answered ({list(item.shape)} "
+                                   f"{item.dtype})")
+        return buf[HEADER.size:]
 
     def close(self) -> None:
         _close(self.client, self._headers, self.calls)

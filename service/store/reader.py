@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from service.store.options import MOONCAKE_SCHEME
-from service.store.format import FILE_NAME, StoredEmbeddings, _key_dir, read_ec_cache, read_embeddings as format_read_embeddings
+from service.store.format import (FILE_NAME, StoredEmbeddings, StoredItem, _key_dir, read_ec_cache, read_entry_data,
+                                  read_embeddings as format_read_embeddings)
 from service.store.mooncake import MooncakeReader
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ class Reader(Protocol):
 
     def exists(self, key: str, store_key: str | None = None) -> bool: ...
 
+    def read_data(self, item: StoredItem) -> bytes | memoryview:
+        """The tensor bytes of the entry an /encode answer named (no torch): for a process that passes them
+        on. KeyError if it is gone, StoreFormatError if what is there now is not that entry."""
+
     def close(self) -> None: ...
 
 
@@ -47,6 +52,9 @@ class DirectoryReader:
 
     def exists(self, key: str, store_key: str | None = None) -> bool:
         return (_key_dir(self.root, key) / FILE_NAME).is_file()
+
+    def read_data(self, item: StoredItem) -> bytes:
+        return read_entry_data(self.root, item)
 
     def close(self) -> None:
         pass

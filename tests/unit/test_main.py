@@ -81,7 +81,7 @@ def test_serve_flags_come_in_the_groups_of_the_settings_headings():
              if g.title not in ("options", "positional arguments")]
     assert shown == list(setting_groups())  # the same groups as docs/configuration.md's sections
     titles = [title for title, _ in shown]
-    assert titles == ["Model and device", "Serving as vLLM's encoder", "Store", "HTTP serving", "Security: API keys and image URLs",
+    assert titles == ["Model and device", "Serving as vLLM's encoder", "Serving as SGLang's encoder", "Store", "HTTP serving", "Security: API keys and image URLs",
                       "Request limits", "Batching and admission", "Processes", "Step loop and GPU",
                       "Logging and tracing"]  # no "Other": every setting is under a heading
     where = {name: title for title, names in shown for name in names}
