@@ -10,6 +10,7 @@ Every ServiceError answers its code's HTTP status (service/errors.py's families 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -76,7 +77,7 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         finally:
             await rt.shutdown()
             if app.state.sglang is not None:
-                app.state.sglang.close()
+                await asyncio.to_thread(app.state.sglang.close)  # (zmq's term waits out messages still lingering)
             tracing.shutdown()  # this process's last spans (uvicorn's re-raised SIGTERM skips atexit)
 
     app = FastAPI(title="Qwen3-VL encoder service", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,

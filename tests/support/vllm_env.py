@@ -43,12 +43,12 @@ OPENCV = ["opencv-python-headless==5.0.0.93"]
 _FOUND: dict[str, object] = {}
 
 
-def _target(name: str = VLLM) -> Path:
+def side_dir(name: str = VLLM) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "qwen3vl-encoder" / name.replace("==", "-")
 
 
-def _install(target: Path, packages: list[str] = PACKAGES) -> str:
+def install_side(target: Path, packages: list[str] = PACKAGES) -> str:
     """Install `packages` into `target` unless there already; '' or why it failed (pip's last lines)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     stamp = target / ".complete"
@@ -76,8 +76,8 @@ def vllm_env(version: str = VERSIONS[0]) -> dict[str, str]:
     not import fails the test in that subprocess: no missing capability, but a broken set-up.)"""
     if version not in _FOUND:
         wanted = packages(version)
-        target = _target(wanted[0])
-        why = _install(target, wanted)
+        target = side_dir(wanted[0])
+        why = install_side(target, wanted)
         root = str(Path(__file__).resolve().parents[2])
         _FOUND[version] = why or {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), root]),
                                   "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -91,8 +91,8 @@ def vllm_video_env() -> dict[str, str]:
     the calling test, saying why, where either cannot be installed here."""
     env = vllm_env()
     if "opencv" not in _FOUND:
-        target = _target(OPENCV[0])
-        _FOUND["opencv"] = _install(target, OPENCV) or str(target)
+        target = side_dir(OPENCV[0])
+        _FOUND["opencv"] = install_side(target, OPENCV) or str(target)
     if not os.path.isdir(str(_FOUND["opencv"])):
         pytest.skip(f"OpenCV (vLLM's video decoder) cannot be installed here ({_FOUND['opencv']})")
     env["PYTHONPATH"] = os.pathsep.join([str(_FOUND["opencv"]), env["PYTHONPATH"]])

@@ -239,6 +239,13 @@ def test_unknown_variables_are_warned_with_the_closest_name_and_known_ones_are_n
     assert not any("QVE_FAULT_INJECT" in line or "QVE_ENCODER_API_KEY" in line for line in lines)
 
 
+def test_an_sglang_release_not_served_is_refused_at_start_in_one_line_naming_those_that_are(capsys):
+    assert main(["serve", "--sglang-version", "0.5.21"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "invalid settings: --sglang-version=0.5.21: SGLang 0.5.21 is not supported: its encoder protocol is served "
+        "for SGLang 0.5.22 and 0.5.23 only (it changes between releases)"]
+
+
 def test_every_flag_has_a_working_variable(monkeypatch):
     """QVE_LOG_LEVEL included (--log-level used to be the one flag without a setting)."""
     values = {"log_level": "warning", "port": "9100", "model": "tiny", "warmup": "false", "max_wait_ms": "2.5",

@@ -63,7 +63,14 @@ class SglangEncoder:
     # ---- the endpoints ---------------------------------------------------------------------------------
     async def encode(self, body: wire.EncodeBody, body_bytes: int, caller: str | None,
                      client_gone: ClientGone) -> tuple[int, Any]:
-        """(status, JSON) of one part; its message pushed first (success or error), where it can be."""
+        """(status, JSON) of one part; its message pushed first (success or error), where it can be. Counted
+        in /metrics with /encode's requests, by status."""
+        status, answer = await self._encode(body, body_bytes, caller, client_gone)
+        self.rt.metrics.requests.labels(status=str(status)).inc()
+        return status, answer
+
+    async def _encode(self, body: wire.EncodeBody, body_bytes: int, caller: str | None,
+                      client_gone: ClientGone) -> tuple[int, Any]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.rt.settings.sglang_queue_wait_s + self.rt.settings.sglang_push_timeout_s
         part = (body.req_id, body.num_parts, body.part_idx)
@@ -120,7 +127,6 @@ class SglangEncoder:
     async def _encoded(self, body: wire.EncodeBody, body_bytes: int, modality: str,
                        client_gone: ClientGone) -> list | None:
         """The success message of the part (None: SGLang left); Failure for anything that failed."""
-        rt = self.rt
         try:
             inputs = await self._inputs(body, body_bytes, modality == "VIDEO", client_gone)
             if inputs is None:
@@ -137,9 +143,7 @@ class SglangEncoder:
                         raise Unavailable("the part's entries were evicted before they could be sent twice in a row; "
                                           "the store is too small for the load (--store-capacity-bytes)")
         except ServiceError as e:
-            rt.metrics.requests.labels(status=str(e.status)).inc()
             raise Failure(e.status, e.message) from None
-        rt.metrics.requests.labels(status="200").inc()
         first = answers[0].stored
         rows = sum(a.stored.shape[0] for a in answers)
         stamps = [list(a.stored.video.timestamps) for a in answers] if modality == "VIDEO" else None

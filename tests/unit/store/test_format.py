@@ -4,6 +4,7 @@ round trip, split order, malformed files) and key validation. The files are writ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,8 @@ from safetensors.torch import load_file
 
 from service.errors import RequestError
 from service.store.format import StoredItem
-from service.store.format import (FILE_NAME, StoreFormatError, open_entry, read_ec_cache, read_embeddings, read_open_ec_cache)
+from service.store.format import (FILE_NAME, StoreFormatError, open_entry, read_ec_cache, read_embeddings, read_entry_data,
+                                  read_open_ec_cache)
 from service.store.keys import validate_key
 from tests.support.storedata import MODEL, D, L, W, ec_for, files_under, make_store, parts_for
 from tests.support.errors import raises_code
@@ -84,6 +86,21 @@ def test_the_whole_tensor_by_key_and_from_an_open_entry_after_its_eviction(tmp_p
     finally:
         os.close(fd)
     assert where == str(root / "img-1" / FILE_NAME)
+
+
+def test_the_raw_rows_of_an_answered_entry_and_nothing_else(tmp_path):
+    """read_entry_data: the tensor's bytes without torch (a process that passes them on: SGLang's pushes),
+    only while the file is the entry the answer named."""
+    root = tmp_path / "s"
+    store = make_store(root, dtype="bfloat16")
+    ec = ec_for(5, 6, torch.bfloat16)
+    item = store.put("img-2", ec, (1, 4, 6), content_sha256="ef" * 32)
+    assert read_entry_data(root, item) == ec.view(torch.uint8).numpy().tobytes()
+    store.put("img-2", ec_for(6, 4, torch.bfloat16), (1, 4, 4), content_sha256="ef" * 32)  # replaced since
+    with pytest.raises(StoreFormatError, match="not the one answered"):
+        read_entry_data(root, item)
+    with pytest.raises(KeyError):
+        read_entry_data(root, dataclasses.replace(item, key="absent"))
 
 
 def test_read_rejects_malformed_files(tmp_path):

@@ -5,6 +5,7 @@ a stopped master is a clear 503 and the store serves again when it returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -16,7 +17,7 @@ import torch
 from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_TIMEOUT_S, MooncakeOptions, parse_mooncake
 from service.errors import Unavailable
 from service.store.directory import DirectoryStore
-from service.store.format import read_embeddings
+from service.store.format import StoreFormatError, read_embeddings
 from service.store.mooncake import MooncakeStore, meta_key, value_key
 from service.store.pool import anonymous_mappings, connect
 from service.store.reader import open_reader
@@ -85,9 +86,16 @@ def test_the_value_is_vllms_layout_and_equals_the_directory_entry_bit_for_bit(ma
     meta = json.loads(bytes(other.get(meta_key(pooled.namespace, "img-1"))))
     assert meta["grid_thw"] == [1, 2, 74] and meta["content_sha256"] == "ab" * 32 and meta["model"] == f"layout-{dtype}"
     # And this project's reader, by the answer's store_key alone, gives the directory reader's embeddings.
-    read = open_reader(master.url).read("img-1", item.store_key)
+    reader = open_reader(master.url)
+    read = reader.read("img-1", item.store_key)
     assert read.grid_thw == (1, 2, 74) and torch.equal(read.main, file.main)
     assert all(torch.equal(a, b) for a, b in zip(read.deepstack, file.deepstack))
+    # The raw rows, for a process without torch (SGLang's pushes), are the same bytes; another answer's are not.
+    assert bytes(reader.read_data(item)) == bytes(value[24:])
+    with pytest.raises(StoreFormatError, match="not the entry answered"):
+        reader.read_data(dataclasses.replace(item, shape=(36, WIDTH)))
+    with pytest.raises(KeyError):
+        reader.read_data(dataclasses.replace(item, key="absent", store_key=value_key(pooled.namespace, "absent")))
     other.close()
 
 

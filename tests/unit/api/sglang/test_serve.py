@@ -304,6 +304,41 @@ def test_a_scheduler_part_whose_ranks_do_not_all_register_fails_in_the_push_time
     assert r.status_code == 504 and "1 ranks registered" in r.json()["message"]
 
 
+def test_a_store_that_fails_is_the_parts_error_message_and_the_next_part_is_served(tmp_path, tiny_model, zctx):
+    sock, port = _pull(zctx)
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        store = local_host(app.state.rt).store
+        real_commit = store.commit
+
+        def commit(reservation, ec_cache, answer=None):  # the write fails (after its reservation succeeded)
+            store.abort(reservation)
+            raise OSError(28, "No space left on device")
+
+        store.commit = commit
+        r = httpx.post(url + "/sglang/encode", json=_part(url, [_jpeg("rocket.jpg", 96)], port), timeout=60)
+        state, frames = _frames(sock)
+        assert r.status_code == 500 and "No space left on device" in r.json()["message"]
+        assert len(frames) == 1 and state["error_code"] == 500 and state["error_msg"] == r.json()["message"]
+
+        # An entry evicted between its answer and its read, twice in a row: encoded again once, then a 503.
+        store.commit = real_commit
+        reads = []
+
+        def gone(answers):
+            reads.append(len(answers))
+            raise KeyError(answers[0].stored.key)
+
+        app.state.sglang._read_rows = gone
+        r = httpx.post(url + "/sglang/encode", json=_part(url, [_jpeg("rocket.jpg", 100)], port, "ev_local_part_0"),
+                       timeout=60)
+        state, _ = _frames(sock)
+        assert r.status_code == 503 and "evicted" in state["error_msg"] and reads == [1, 1]
+        del app.state.sglang._read_rows
+        assert httpx.post(url + "/sglang/encode", json=_part(url, [_jpeg("rocket.jpg", 104)], port, "ok_local_part_0"),
+                          timeout=60).status_code == 200
+        assert _frames(sock)[0]["error_msg"] is None
+
+
 def test_health_and_an_unsupported_version_at_start(tmp_path, tiny_model):
     with live_server(_settings(tmp_path), tiny_model) as (url, _):
         assert httpx.get(url + "/sglang/health").status_code == 200
