@@ -208,35 +208,34 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
 def _sglang_routes(app: FastAPI, settings: Settings) -> None:
     """SGLang's encoder server (api/sglang/serve.py), for `--encoder-urls http://HOST:PORT/sglang`. SGLang sends
     no API key: its calls are let in by their address instead (--sglang-allowed-hosts)."""
-    def caller(request: Request) -> str | None:
-        return request.client.host if request.client else None
-
-    async def body_of(request: Request, model):
+    async def handle(request: Request, model, call):
+        """`call(body, its size, the caller's address)` on the body validated as `model`; a body that is not
+        answers in SGLang's error shape."""
         try:
             body = await read_json_body(request, settings)
-            return model.model_validate_json(body), len(body)
-        except ValidationError as e:
-            raise RequestError(describe_invalid(e)) from None
-
-    def answer(status: int, body) -> JSONResponse:
-        return JSONResponse(body, status_code=status)
+            try:
+                parsed = model.model_validate_json(body)
+            except ValidationError as e:
+                raise RequestError(describe_invalid(e)) from None
+        except ServiceError as e:
+            return JSONResponse({"status": "error", "message": e.message, "req_id": None}, status_code=e.status)
+        status, answer = await call(parsed, len(body), request.client.host if request.client else None)
+        return JSONResponse(answer, status_code=status)
 
     @app.post("/sglang/encode", include_in_schema=False)
     async def sglang_encode(request: Request):
-        try:
-            part, nbytes = await body_of(request, sglang_wire.EncodeBody)
-        except ServiceError as e:
-            return answer(e.status, {"status": "error", "message": e.message, "req_id": None})
-        return answer(*await request.app.state.sglang.encode(part, nbytes, caller(request), request.is_disconnected))
+        sglang = request.app.state.sglang
+        return await handle(request, sglang_wire.EncodeBody,
+                            lambda part, nbytes, caller: sglang.encode(part, nbytes, caller, request.is_disconnected))
 
     @app.post("/sglang/scheduler_receive_url", include_in_schema=False)
     async def sglang_register(request: Request):
-        try:
-            registration, _ = await body_of(request, sglang_wire.RegisterBody)
-        except ServiceError as e:
-            return answer(e.status, {"status": "error", "message": e.message, "req_id": None})
-        return answer(*request.app.state.sglang.register(registration, caller(request)))
+        async def register(registration, _, caller):
+            return request.app.state.sglang.register(registration, caller)
+
+        return await handle(request, sglang_wire.RegisterBody, register)
 
     @app.get("/sglang/health", include_in_schema=False)
     async def sglang_health(request: Request):
-        return answer(*await request.app.state.sglang.health())
+        status, body = await request.app.state.sglang.health()
+        return JSONResponse(body, status_code=status)

@@ -23,46 +23,19 @@ Not a test module: the test process imports only `SglangSide` (no SGLang); the s
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPLY = "@@ "
+from tests.support.side import SideProcess, serve
 
 
-class SglangSide:
+
+class SglangSide(SideProcess):
     """One SGLang-side process. `call(op, **args)` -> its reply (a dict); see `main` for the ops."""
 
+    WHAT = "SGLang-side"
+
     def __init__(self, env: dict[str, str], log: Path):
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, __file__], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, bufsize=1)
-
-    def call(self, op: str, **args) -> dict:
-        """The reply to one call. The first waits for SGLang's import (~10 s; more on two busy cores); a call
-        that never answers is ended by pytest's timeout."""
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the SGLang-side process exited:\n{self.log.read_text()[-4000:]}")
-            if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # (main returns at the end of its input)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__(__file__, env, log)
 
 
 def _jsonable(value):
@@ -337,13 +310,7 @@ def main() -> None:
         return {"version": sglang.__version__}
 
     ops = {f.__name__: f for f in (tokenizer, scheduler, unpickle, reject_missing, version)}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            reply = ops[msg.pop("op")](**msg)
-        except Exception as e:  # the test asserts on it (SGLang's unpickler refusing a frame, say)
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        print(REPLY + json.dumps(reply), flush=True)
+    serve(ops)
 
 
 if __name__ == "__main__":

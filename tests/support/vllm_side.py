@@ -15,47 +15,20 @@ Not a test module: the test process imports only `VllmSide` (no vLLM); the subpr
 from __future__ import annotations
 
 import base64
-import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
-REPLY = "@@ "
+from tests.support.side import SideProcess, serve
 
 
-class VllmSide:
+
+class VllmSide(SideProcess):
     """One vLLM-side process. `call(op, **args)` -> its reply (a dict); see `main` for the ops."""
 
+    WHAT = "vLLM-side"
+
     def __init__(self, env: dict[str, str], log: Path):
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, __file__], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, bufsize=1)
-
-    def call(self, op: str, **args) -> dict:
-        """The reply to one call. The first waits for vLLM's import (~30 s on two busy cores); a call that
-        never answers is ended by pytest's timeout."""
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the vLLM-side process exited:\n{self.log.read_text()[-4000:]}")
-            if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # (main returns at the end of its input)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__(__file__, env, log)
 
 
 def _b64(obj) -> str | None:
@@ -174,13 +147,7 @@ def main() -> None:
 
     ops = {f.__name__: f for f in (connector, has, alloc, meta, load, output, vllm_mooncake_read, shutdown, mm_hash,
                                    version)}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            reply = ops[msg.pop("op")](**msg)
-        except Exception as e:  # the test asserts on it (vLLM's own connector failing under eviction, say)
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        print(REPLY + json.dumps(reply), flush=True)
+    serve(ops)
 
 
 if __name__ == "__main__":

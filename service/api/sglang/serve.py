@@ -211,16 +211,16 @@ class SglangEncoder:
                 await self.pusher.push(to, frames, deadline)
                 return
             urls, whole = await self.registrations.urls(req_id, deadline)
+            if not whole:  # (SGLang fails every rank of a part whose /encode is not a 200)
+                raise Failure(504, f"{len(urls)} ranks registered for {clip(req_id)} within "
+                                   f"{self.rt.settings.sglang_push_timeout_s:g} s (--sglang-push-timeout-s), fewer "
+                                   "than it named")
             ends = [self.pusher.parse_receive_url(u) for u in urls]
             outcomes = await asyncio.gather(*(self.pusher.push(e, frames, deadline) for e in ends),
                                             return_exceptions=True)
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if failed is not None:
                 raise failed
-            if not whole:
-                raise Failure(504, f"{len(urls)} ranks registered for {clip(req_id)} within "
-                                   f"{self.rt.settings.sglang_push_timeout_s:g} s (--sglang-push-timeout-s), fewer "
-                                   "than it named")
         except PushFailed as e:
             if not quietly:
                 raise Failure(502, str(e)) from None

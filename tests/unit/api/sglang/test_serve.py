@@ -199,23 +199,31 @@ def test_a_malformed_part_is_400_saying_what(tmp_path, tiny_model, zctx, change,
     assert r.status_code == 400 and says in r.json()["message"], r.text
 
 
+def _encode_body(side: int) -> dict:
+    return {"images": [{"type": "image_url", "image_url": {"url": _jpeg("rocket.jpg", side)}}]}
+
+
+def _fill_queue(url, app, pool):
+    """With --max-queue-images 1: one /encode request held in the step loop (its gate) and one queued behind it,
+    so that the queue is full. (the gate, the two requests' futures)"""
+    gate = Gate(local_host(app.state.rt).engine)
+    held = pool.submit(httpx.post, url + "/encode", json=_encode_body(90), timeout=60)
+    assert gate.entered.wait(10)
+    queued = pool.submit(httpx.post, url + "/encode", json=_encode_body(100), timeout=60)
+    deadline = time.monotonic() + 10
+    while local_host(app.state.rt).batcher.queue_depth() < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return gate, held, queued
+
+
 def test_a_full_queue_makes_a_part_wait_for_a_place_not_fail(tmp_path, tiny_model, zctx):
     sock, port = _pull(zctx)
     s = _settings(tmp_path, max_queue_images=1, max_batch_images=1)
     with live_server(s, tiny_model) as (url, app):
-        gate = Gate(local_host(app.state.rt).engine)
         with ThreadPoolExecutor(4) as pool:
-            held = pool.submit(httpx.post, url + "/encode", json={"images": [{"type": "image_url", "image_url": {
-                "url": _jpeg("rocket.jpg", 90)}}]}, timeout=60)
-            assert gate.entered.wait(10)
-            queued = pool.submit(httpx.post, url + "/encode", json={"images": [{"type": "image_url", "image_url": {
-                "url": _jpeg("rocket.jpg", 100)}}]}, timeout=60)
-            deadline = time.monotonic() + 10
-            while local_host(app.state.rt).batcher.queue_depth() < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            over = httpx.post(url + "/encode", json={"images": [{"type": "image_url", "image_url": {
-                "url": _jpeg("rocket.jpg", 110)}}]}, timeout=60)
+            gate, held, queued = _fill_queue(url, app, pool)
+            over = httpx.post(url + "/encode", json=_encode_body(110), timeout=60)
             assert over.status_code == 429  # /encode's clients are refused...
             part = pool.submit(httpx.post, url + "/sglang/encode", json=_part(url, [_jpeg("rocket.jpg", 120)], port),
                                timeout=60)
@@ -232,14 +240,8 @@ def test_a_part_that_waits_past_the_queue_wait_is_an_error_message(tmp_path, tin
     sock, port = _pull(zctx)
     s = _settings(tmp_path, max_queue_images=1, max_batch_images=1, sglang_queue_wait_s=0.3)
     with live_server(s, tiny_model) as (url, app):
-        gate = Gate(local_host(app.state.rt).engine)
         with ThreadPoolExecutor(2) as pool:
-            held = pool.submit(httpx.post, url + "/encode", json={"images": [{"type": "image_url", "image_url": {
-                "url": _jpeg("rocket.jpg", 90)}}]}, timeout=60)
-            assert gate.entered.wait(10)
-            queued = pool.submit(httpx.post, url + "/encode", json={"images": [{"type": "image_url", "image_url": {
-                "url": _jpeg("rocket.jpg", 100)}}]}, timeout=60)
-            time.sleep(0.3)
+            gate, held, queued = _fill_queue(url, app, pool)
             t0 = time.monotonic()
             r = httpx.post(url + "/sglang/encode", json=_part(url, [_jpeg("rocket.jpg", 120)], port), timeout=60)
             waited = time.monotonic() - t0
