@@ -2,7 +2,7 @@
 
     python bench/bench_frontend.py --out DIR [--preset qwen3-vl-4b] [--modes 0,4,8,8x2] [--images 4096]
         [--stores directory,mooncake] [--variants "NAME:SERVE FLAGS;..."] [--tree CHECKOUT] [--no-baseline]
-        [--no-x8] [--conc1 48] [--idle-requests 100] [--profile-s N]
+        [--no-x8] [--conc1 48] [--idle-requests 100] [--chat] [--sglang] [--profile-s N]
 
 bench/RESULTS.md's HTTP lines: `--modes 4 --conc1 32 --no-x8 --no-baseline --images 8192 --idle-requests 300`,
 as bench/gpu_frontend.sh runs it after the tower alone (the rate 1 image per request is held to).
@@ -17,6 +17,8 @@ as bench/gpu_frontend.sh runs it after the tower alone (the rate 1 image per req
      x8     the same with 8 images per request, --clients x --conc8 connections
      chat   (--chat) after x1: the x1 load posted as vLLM's EPD proxy posts it, to /v1/chat/completions, then
             to /encode again: the chat route's img/s against the mean of the /encode passes around it
+     sglang (--sglang) likewise as SGLang's language side posts it, to /sglang/encode, each client process taking
+            the rows pushed back on a PULL socket of its own
    and stop it. With --stores, each mode runs once per store backend, in the order given: `directory` (a
    fresh directory in /dev/shm) and `mooncake` (a fresh mooncake_master on loopback, the server's segment
    --store-bytes, Mooncake's TCP transport). --variants runs each mode once per set of serve flags, --tree
@@ -82,6 +84,26 @@ def chat_body(blob: bytes) -> bytes:
             % base64.b64encode(blob).decode()).encode()
 
 
+def sglang_body(blob: bytes, req_id: str, pull_port: int) -> bytes:
+    """What SGLang's language side posts to an encoder for one image (zmq_to_tokenizer: the rows come back to
+    its PULL socket on `pull_port`)."""
+    return ('{"encoder_idx":0,"encoder_url":"","mm_items":["data:image/jpeg;base64,%s"],"num_parts":1,"part_idx":0,'
+            '"req_id":"%s","modality":"IMAGE","prefill_host":"127.0.0.1","embedding_port":%d}'
+            % (base64.b64encode(blob).decode(), req_id, pull_port)).encode()
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for sk in socks:
+        sk.bind(("127.0.0.1", 0))
+    ports = [sk.getsockname()[1] for sk in socks]
+    for sk in socks:
+        sk.close()
+    return ports
+
+
 def request_bytes(port: int, payload: bytes, path: bytes = b"/encode") -> bytes:
     return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % (path, port, len(payload))) + payload
@@ -123,20 +145,45 @@ def _phases(header: str) -> dict[str, float]:
     return out
 
 
-def _client(port: int, requests: list[bytes], conc: int, barrier, q) -> None:
+def _client(port: int, requests: list[bytes], conc: int, barrier, q, pull_port: int | None = None) -> None:
+    """Send `requests`; with `pull_port`, also take the messages SGLang's protocol pushes there (a thread: the
+    count and bytes of those that arrived, waited for up to 30 s after the last answer)."""
+    got = [0, 0]
+    if pull_port is not None:
+        import threading
+
+        import zmq
+
+        pull = zmq.Context().socket(zmq.PULL)
+        pull.bind(f"tcp://127.0.0.1:{pull_port}")
+
+        def drain():
+            while pull.poll(60_000):
+                frames = pull.recv_multipart(copy=False)
+                got[0] += 1
+                got[1] += sum(len(f.buffer) for f in frames)
+
+        threading.Thread(target=drain, daemon=True).start()
     barrier.wait()
     t0 = time.perf_counter()
     res = asyncio.run(_send_all(port, requests, conc))
-    q.put((t0, time.perf_counter(), res))
+    t1 = time.perf_counter()
+    ok = sum(1 for r in res if r[0] == 200)
+    deadline = time.monotonic() + 30
+    while pull_port is not None and got[0] < ok and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.put((t0, t1, res, tuple(got)))
 
 
 def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, conc: int,
-         path: bytes = b"/encode") -> dict:
-    """Send every body once (to `path`), spread over `clients` processes of `conc` connections each."""
+         path: bytes = b"/encode", pull_ports: list[int] | None = None) -> dict:
+    """Send every body once (to `path`), spread over `clients` processes of `conc` connections each (body i to
+    client i % clients; with `pull_ports`, client i takes SGLang's pushes on pull_ports[i])."""
     ctx = mp.get_context("fork")
     barrier, q = ctx.Barrier(clients), ctx.Queue()
     reqs = [request_bytes(port, b, path) for b in bodies]
-    procs = [ctx.Process(target=_client, args=(port, reqs[i::clients], conc, barrier, q)) for i in range(clients)]
+    procs = [ctx.Process(target=_client, args=(port, reqs[i::clients], conc, barrier, q,
+                                               pull_ports[i] if pull_ports else None)) for i in range(clients)]
     for p in procs:
         p.start()
     parts = [q.get() for _ in procs]
@@ -157,12 +204,37 @@ def load(port: int, bodies: list[bytes], images_per_request: int, clients: int, 
     done = sorted(t for st, _, _, t in res if st == 200)
     lo, hi = len(done) // 10, len(done) * 9 // 10
     steady = round((hi - lo) * images_per_request / (done[hi] - done[lo]), 1) if hi > lo and done[hi] > done[lo] else None
-    return {"requests": len(res), "images_per_request": images_per_request, "clients": clients, "connections": clients * conc,
+    pushed = [sum(p[3][0] for p in parts), sum(p[3][1] for p in parts)] if pull_ports else None
+    return {"requests": len(res), "images_per_request": images_per_request, "pushed_messages_bytes": pushed, "clients": clients, "connections": clients * conc,
             "wall_s": round(wall, 3), "img_s": round(len(ok) * images_per_request / wall, 1),
             "img_s_steady": steady, "status": codes,
             "p50_ms": round(1e3 * ok[len(ok) // 2], 2) if ok else None,
             "p99_ms": round(1e3 * ok[int(len(ok) * 0.99)], 2) if ok else None,
             "server_timing_p50_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()}}
+
+
+def other_route(args, pool, port: int, name: str, route: str, path: bytes, seed: int, n: int, before: float) -> dict:
+    """x1's load as vLLM's proxy (`chat`) or SGLang's language side (`sglang`: its rows pushed to each client's
+    PULL socket) posts it, then /encode once more: its img/s against the mean of `before` (the /encode pass
+    before it) and that one."""
+    runs = {"x1_before": before}
+    for k, what in enumerate((route, "encode")):
+        blobs = pool.map(jpeg_448, range(seed + 100_000 * k, seed + 100_000 * k + n))
+        ports = free_ports(args.clients) if what == "sglang" else None
+        if what == "chat":
+            bodies = [chat_body(b) for b in blobs]
+        elif what == "sglang":
+            bodies = [sglang_body(b, f"b{i}_local_part_0", ports[i % args.clients]) for i, b in enumerate(blobs)]
+        else:
+            bodies = [body([b]) for b in blobs]
+        got = load(port, bodies, 1, args.clients, args.conc1, b"/encode" if what == "encode" else path, ports)
+        runs[f"x1_{what}"] = got["img_s"]
+        if ports:
+            runs["pushed_messages_bytes"] = got["pushed_messages_bytes"]
+        print(f"{name}: 1 img/request, {what} {got}", flush=True)
+    runs[f"{route}_vs_encode"] = round(runs[f"x1_{route}"] / ((before + runs["x1_encode"]) / 2), 3)
+    print(f"{name}: {route} / encode (the mean of the passes before and after) {runs}", flush=True)
+    return runs
 
 
 def _tree(root: int) -> list[int]:
@@ -322,6 +394,8 @@ def serve(args, mode: str, port: int, store: Path | str, log: Path, flags: str =
            "--store", str(store), "--port", str(port), "--store-capacity-bytes", str(args.store_bytes),
            "--store-min-residency-s", "0", "--max-queue-images", "4096", "--api-processes", str(api),
            "--compile-cache", str(args.compile_cache), *shlex.split(flags)]
+    if args.sglang:
+        cmd += ["--sglang-version", "0.5.23"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if str(store).startswith("mooncake://"):
         cmd += ["--mooncake-local-host", "127.0.0.1", "--mooncake-segment-bytes", str(args.store_bytes)]
@@ -450,6 +524,9 @@ def main() -> int:
     ap.add_argument("--x8", action=argparse.BooleanOptionalAction, default=True, help="the 8-images-per-request phase")
     ap.add_argument("--chat", action="store_true", help="after x1: the same load as vLLM's EPD proxy posts it to "
                     "/v1/chat/completions, then /encode again; the chat's img/s against the two /encode passes' mean")
+    ap.add_argument("--sglang", action="store_true", help="after x1 (and --chat): the same load as SGLang's language "
+                    "side posts it to /sglang/encode, its rows pushed to the clients' PULL sockets, then /encode "
+                    "again; its img/s against the two /encode passes' mean (serves with --sglang-version)")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose `python -m service serve` is measured "
                     "(another commit's tree, for an A/B in one run: bench/ab_frontend.py); the client is this one")
@@ -524,19 +601,13 @@ def main() -> int:
                 s1 = engine_counters(port)
                 r["x1"].update(per_step(s0, s1, r["x1"]["wall_s"]))
                 print(f"{name}: 1 img/request {r['x1']}", flush=True)
-                if args.chat:  # vLLM's proxy call, between two more /encode passes (fresh images each)
-                    chat_runs = {"x1": r["x1"]["img_s"]}
-                    for k, what in enumerate(("chat", "encode")):
-                        blobs = pool.map(jpeg_448, range(base + 200_000 * (k + 1), base + 200_000 * (k + 1) + n))
-                        bodies = [chat_body(b) for b in blobs] if what == "chat" else [body([b]) for b in blobs]
-                        got = load(port, bodies, 1, args.clients, args.conc1,
-                                   b"/v1/chat/completions" if what == "chat" else b"/encode")
-                        chat_runs[f"x1_{what}"] = got["img_s"]
-                        print(f"{name}: 1 img/request, {what} {got}", flush=True)
-                    encode_s = (chat_runs["x1"] + chat_runs["x1_encode"]) / 2
-                    r["chat"] = {**chat_runs, "chat_vs_encode": round(chat_runs["x1_chat"] / encode_s, 3)}
-                    print(f"{name}: chat / encode (the mean of the passes before and after) {r['chat']}", flush=True)
-                    s1 = engine_counters(port)
+                before = r["x1"]["img_s"]
+                for flag, route, path in ((args.chat, "chat", b"/v1/chat/completions"), (args.sglang, "sglang", b"/sglang/encode")):
+                    if flag:  # the same load in another engine's protocol, between two /encode passes (fresh images)
+                        seed = base + 600_000 + 200_000 * (len(r) - 2)  # (clear of the other passes' images)
+                        r[route] = other_route(args, pool, port, name, route, path, seed, n, before)
+                        before = r[route]["x1_encode"]
+                        s1 = engine_counters(port)
                 if args.x8:
                     spies = profile(args, proc.pid, f"mode{mode}_x8")
                     r["x8"] = load(port, bodies8, 8, args.clients, args.conc8)
