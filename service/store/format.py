@@ -375,7 +375,7 @@ def read_open_ec_cache(fd: int, where: str) -> torch.Tensor:
     return _read_entry(fd, where, False)[0]
 
 
-def read_entry_data(root: Path, item: StoredItem) -> bytes:
+def read_entry_data(root: Path, item: StoredItem) -> bytearray:
     """The tensor bytes of the entry `item` names ([shape] of its dtype, rows in order), without torch, for a
     process that only passes them on. KeyError if the entry is gone, StoreFormatError if the file there now
     is not that entry (another shape, dtype or source)."""
@@ -386,7 +386,9 @@ def read_entry_data(root: Path, item: StoredItem) -> bytes:
                 item.content_sha256 and h.metadata.get("content_sha256") != item.content_sha256):
             raise StoreFormatError(f"{where}: holds a {list(h.shape)} {h.dtype} entry, not the one answered "
                                    f"({list(item.shape)} {item.dtype})")
-        return _read_bytes(fd, h.data_nbytes, where)
+        data = bytearray(h.data_nbytes)  # (read into once: no second copy of a 4 MB entry into bytes)
+        _read_into(fd, memoryview(data), where)
+        return data
     finally:
         os.close(fd)
 

@@ -31,7 +31,7 @@ class Reader(Protocol):
 
     def exists(self, key: str, store_key: str | None = None) -> bool: ...
 
-    def read_data(self, item: StoredItem) -> bytes | memoryview:
+    def read_data(self, item: StoredItem) -> bytearray | memoryview:
         """The tensor bytes of the entry an /encode answer named (no torch): for a process that passes them
         on. KeyError if it is gone, StoreFormatError if what is there now is not that entry."""
 
@@ -53,7 +53,7 @@ class DirectoryReader:
     def exists(self, key: str, store_key: str | None = None) -> bool:
         return (_key_dir(self.root, key) / FILE_NAME).is_file()
 
-    def read_data(self, item: StoredItem) -> bytes:
+    def read_data(self, item: StoredItem) -> bytearray:
         return read_entry_data(self.root, item)
 
     def close(self) -> None:

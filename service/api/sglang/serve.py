@@ -188,14 +188,15 @@ class SglangEncoder:
                 return None
             pause = min(pause * 2, _RETRY_MAX_S)
 
-    def _read_rows(self, answers: list[Answer]) -> bytes:
+    def _read_rows(self, answers: list[Answer]) -> bytes | bytearray | memoryview:
         """The items' rows, in order, read back from the store (a thread: file or Mooncake reads)."""
         if self._reader is None:
             s = self.rt.settings
             self._reader = (open_reader(s.store, local_host=s.mooncake_local_host, protocol=s.mooncake_protocol,
                                         timeout_s=s.mooncake_timeout_s) if s.store_is_mooncake else open_reader(s.store))
         try:
-            return b"".join([self._reader.read_data(a.stored) for a in answers])
+            rows = [self._reader.read_data(a.stored) for a in answers]
+            return rows[0] if len(rows) == 1 else b"".join(rows)  # (one item, the most common part: no copy)
         except StoreFormatError as e:
             log.error("%s", e)
             raise BackendError("a stored entry changed before it could be sent; the server's log has it") from None
