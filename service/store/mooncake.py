@@ -50,7 +50,7 @@ from service.store.keys import validate_key
 from service.store.lookups import Lookups
 from service.store.options import MOONCAKE_BUFFER_BYTES, MOONCAKE_TIMEOUT_S, MooncakeOptions, parse_mooncake
 from service.store.pool import connect
-from service.store.values import DTYPE_CODES, HEADER, ITEMSIZE, MAGIC, Companion, ValueHeaders, companion, parse_value
+from service.store.values import DTYPE_CODES, HEADER, MAGIC, Companion, ValueHeaders, companion, parse_value, value_rows
 
 if TYPE_CHECKING:
     import torch
@@ -569,12 +569,10 @@ class MooncakeReader:
         value = self._get("read", self.client.get, self._keys(item.key, item.store_key)[0])
         if not value:
             raise KeyError(item.key)
-        buf = memoryview(value).cast("B")
-        want = (MAGIC, DTYPE_CODES.get(item.dtype), *item.shape)
-        if len(buf) < HEADER.size or HEADER.unpack_from(buf) != want or len(buf) != HEADER.size + item.shape[0] * item.shape[1] * ITEMSIZE[item.dtype]:
-            raise StoreFormatError(f"{item.key}: the value in the pool is not the entry answered ({list(item.shape)} "
-                                   f"{item.dtype})")
-        return buf[HEADER.size:]
+        try:
+            return value_rows(value, (MAGIC, DTYPE_CODES.get(item.dtype, -1), *item.shape))[3]
+        except StoreFormatError as e:
+            raise StoreFormatError(f"{item.key}: the value in the pool is not the entry answered ({e})") from None
 
     def close(self) -> None:
         _close(self.client, self._headers, self.calls)

@@ -190,26 +190,34 @@ class ValueHeaders:
             self._free.clear()
 
 
-def parse_value(value, expect: Companion | None = None) -> torch.Tensor:
-    """A value in vLLM 0.33's layout (bytes or a memoryview) -> the [num_tokens, hidden] tensor, a copy this
-    process owns, as vLLM parses it: the header's magic, dtype code and sizes checked against the bytes
-    (and, with `expect`, against its companion). StoreFormatError otherwise."""
-    import torch
-
+def value_rows(value, expect: tuple[int, int, int, int] | None = None) -> tuple[str, int, int, memoryview]:
+    """A value in vLLM 0.33's layout (bytes or a memoryview) -> (dtype name, num_tokens, hidden, its tensor's
+    bytes, a view), the header's magic, dtype code and sizes checked against the bytes (and, with `expect`,
+    against that header: a companion's, an answer's). StoreFormatError otherwise. No torch."""
     buf = memoryview(value).cast("B")
     if len(buf) < HEADER.size:
         raise StoreFormatError(f"a Mooncake value of {len(buf)} bytes has no header")
     magic, code, n, hidden = HEADER.unpack_from(buf)
-    dtypes = {c: getattr(torch, name) for name, c in DTYPE_CODES.items()}
-    if magic != MAGIC or code not in dtypes:
+    names = {c: name for name, c in DTYPE_CODES.items()}
+    if magic != MAGIC or code not in names:
         raise StoreFormatError(f"not an embedding value (magic {magic:#x}, dtype code {code})")
-    dtype = dtypes[code]
-    if len(buf) != HEADER.size + n * hidden * dtype.itemsize:
+    dtype = names[code]
+    if len(buf) != HEADER.size + n * hidden * ITEMSIZE[dtype]:
         raise StoreFormatError(f"a value of {len(buf)} bytes for [{n}, {hidden}] {dtype}")
-    if expect is not None and (magic, code, n, hidden) != expect.header():
-        raise StoreFormatError(f"a [{n}, {hidden}] {dtype} value whose companion says [{expect.num_tokens}, "
-                               f"{expect.width}] {expect.dtype}")
-    out = torch.empty((n, hidden), dtype=dtype)
+    if expect is not None and (magic, code, n, hidden) != expect:
+        raise StoreFormatError(f"a [{n}, {hidden}] {dtype} value where [{expect[2]}, {expect[3]}] "
+                               f"{names.get(expect[1], expect[1])} was expected")
+    return dtype, n, hidden, buf[HEADER.size:]
+
+
+def parse_value(value, expect: Companion | None = None) -> torch.Tensor:
+    """A value in vLLM 0.33's layout (bytes or a memoryview) -> the [num_tokens, hidden] tensor, a copy this
+    process owns, as vLLM parses it: checked as value_rows checks it (with `expect`, against its companion).
+    StoreFormatError otherwise."""
+    import torch
+
+    dtype, n, hidden, rows = value_rows(value, None if expect is None else expect.header())
+    out = torch.empty((n, hidden), dtype=getattr(torch, dtype))
     if n * hidden:
-        out.view(torch.uint8).view(-1).numpy()[:] = buf[HEADER.size:]  # the one copy
+        out.view(torch.uint8).view(-1).numpy()[:] = rows  # the one copy
     return out

@@ -72,7 +72,6 @@ class _Held:
 @dataclass
 class _Waiting:
     urls: list[str] = field(default_factory=list)
-    count: int | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -128,7 +127,6 @@ class Registrations:
             waiting = self._waiting.get(msg.req_id)
             if waiting is not None and msg.url not in waiting.urls:
                 waiting.urls.append(msg.url)
-                waiting.count = msg.count
                 if len(waiting.urls) >= msg.count:
                     waiting.event.set()
             return

@@ -71,8 +71,6 @@ class SglangEncoder:
 
     async def _encode(self, body: wire.EncodeBody, body_bytes: int, caller: str | None,
                       client_gone: ClientGone) -> tuple[int, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.rt.settings.sglang_queue_wait_s + self.rt.settings.sglang_push_timeout_s
         part = (body.req_id, body.num_parts, body.part_idx)
         try:
             self._check_caller(caller)
@@ -90,11 +88,10 @@ class SglangEncoder:
             if frames is None:
                 return 499, None  # SGLang gave up on the part and closed the connection: nobody to push to
         except Failure as f:
-            await self._deliver(to, body.req_id, wire.error_frames(*part, modality, f.message, f.status), deadline,
-                                quietly=True)
+            await self._deliver(to, body.req_id, wire.error_frames(*part, modality, f.message, f.status), quietly=True)
             return _error(f.status, f.message, body.req_id)
         try:
-            await self._deliver(to, body.req_id, frames, deadline)
+            await self._deliver(to, body.req_id, frames)
         except Failure as f:
             return _error(f.status, f.message, body.req_id)
         return 200, None
@@ -201,12 +198,11 @@ class SglangEncoder:
             log.error("%s", e)
             raise BackendError("a stored entry changed before it could be sent; the server's log has it") from None
 
-    async def _deliver(self, to: Endpoint | None, req_id: str, frames: list, deadline: float,
-                       quietly: bool = False) -> None:
-        """Push the message to the part's destination (`to`), or to each rank registered for it; Failure
-        (unless `quietly`: an error message that cannot be delivered is only logged) if any push fails."""
-        loop = asyncio.get_running_loop()
-        deadline = min(deadline, loop.time() + self.rt.settings.sglang_push_timeout_s)
+    async def _deliver(self, to: Endpoint | None, req_id: str, frames: list, quietly: bool = False) -> None:
+        """Push the message to the part's destination (`to`), or to each rank registered for it, within
+        --sglang-push-timeout-s from now; Failure (unless `quietly`: an error message that cannot be delivered is
+        only logged) if any push fails."""
+        deadline = asyncio.get_running_loop().time() + self.rt.settings.sglang_push_timeout_s
         try:
             if to is not None:
                 await self.pusher.push(to, frames, deadline)

@@ -255,7 +255,7 @@ def test_a_part_that_waits_past_the_queue_wait_is_an_error_message(tmp_path, tin
 def test_a_language_side_that_is_gone_costs_only_its_own_part(tmp_path, tiny_model, zctx):
     sock, port = _pull(zctx)
     with refused_port() as gone:  # a port nobody takes messages on
-        with live_server(_settings(tmp_path, sglang_push_timeout_s=1.0), tiny_model) as (url, _):
+        with live_server(_settings(tmp_path, sglang_push_timeout_s=5.0), tiny_model) as (url, _):
             with ThreadPoolExecutor(2) as pool:
                 t0 = time.monotonic()
                 lost = pool.submit(httpx.post, url + "/sglang/encode",
@@ -266,9 +266,9 @@ def test_a_language_side_that_is_gone_costs_only_its_own_part(tmp_path, tiny_mod
                 assert r.status_code == 200 and _frames(sock)[0]["error_msg"] is None
                 lost_r, lost_s = lost.result(), time.monotonic() - t0
             assert httpx.get(url + "/sglang/health").status_code == 200
-    assert other_s < 1.0, "a push to a language side that is gone held another part"
-    assert lost_r.status_code == 502 and "did not take the message within 1 s" in lost_r.json()["message"]
-    assert 0.9 < lost_s < 5
+    assert other_s < 4.0, "a push to a language side that is gone held another part"
+    assert lost_r.status_code == 502 and "did not take the message within 5 s" in lost_r.json()["message"]
+    assert 4.9 < lost_s < 15
 
 
 def test_the_scheduler_path_pushes_a_copy_to_each_registered_rank_whenever_they_register(tmp_path, tiny_model, zctx):
