@@ -46,6 +46,7 @@ class BatchLimits:
     # this bounds the queued pixels too): a few huge images cannot fill memory under the image count.
     # An item is always admitted into an empty queue, so no single image is refused for its size here.
     max_queue_tokens: int | None = None
+    priority_aging_s: float = 10.0  # aging between priority levels (service/priority.py); 0: strict priority
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens <= 0:
@@ -308,6 +309,12 @@ class Settings(BaseSettings):
     max_queue_tokens: int = Field(65536, gt=0, description="admission limit on the queued images' output tokens "
                                   "(one token = 1024 pixels after resizing, so 65536 ~ 67 megapixels); beyond it "
                                   "429. An image alone in the queue is always admitted")
+    priority_aging_s: float = Field(10.0, ge=0, description="aging between priority levels (a request's `priority`, "
+                                    "lower first): work of priority q arriving more than (p - q) times this many "
+                                    "seconds after work of priority p never goes before it; 0 = strict priority")
+    default_deadline_ms: int | None = Field(None, ge=0, description="budget of a request sending no `deadline_ms`: "
+                                            "work not decoded, or whose step has not started, this long after its "
+                                            "arrival is dropped and answered 504 (a cached hit is still answered)")
 
     api_processes: int | None = Field(None, ge=0, description="HTTP API processes started by a supervisor beside "
                                       "the engine process(es) (images reach the engines through shared memory); 0 = "
@@ -519,7 +526,7 @@ class Settings(BaseSettings):
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_images=self.max_batch_images,
                            max_wait_s=self.max_wait_ms / 1000, max_queue_images=self.max_queue_images,
-                           max_queue_tokens=self.max_queue_tokens)
+                           max_queue_tokens=self.max_queue_tokens, priority_aging_s=self.priority_aging_s)
 
     def runner_options(self, faults: FaultInjection = FaultInjection()) -> RunnerOptions:
         """`faults`: FaultInjection.from_env(os.environ) at an entry point; tests pass theirs."""

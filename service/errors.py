@@ -11,7 +11,8 @@ place their answers are built.
      │   ├─ Overloaded        the queue or an arena is full: 429 + Retry-After
      │   ├─ Unavailable       starting, the store full or unreachable, the engines disagree: 503
      │   ├─ BackendError      an encoding step or a store write failed: 500
-     │   ├─ GatewayError      the LM side: a service it needs failed (502, 424, 504)
+     │   ├─ GatewayError      the LM side: a service it needs failed (502, 424)
+     │   ├─ DeadlineExceeded  a request's time ran out (its deadline_ms, the LM side's timeout): 504
      │   └─ Relayed           another service's error answer, passed on with its own status
      └─ StartupError          a start-up check failed: one line, exit status 2 (never an HTTP answer)
          ├─ ModelLoadError
@@ -180,10 +181,16 @@ class GatewayError(ServiceError):
         "lm_unauthorized": Code(502, "vLLM refused this router's key"),
         "embeddings_mismatch": Code(502, "a store entry does not fit this language model"),
         "embeddings_missing": Code(424, "the encoder answered a key its store does not hold"),
-        # Its generation was stopped, so the LM goes on to the next request. No Retry-After: the request itself
-        # (its max_tokens, its prompt) may be what took too long, not the queue.
-        "deadline_exceeded": Code(504, "a request was not answered within its deadline (--request-timeout-s)"),
     }
+
+
+class DeadlineExceeded(ServiceError):
+    """A request's time ran out: the encoder's `deadline_ms` (its work dropped before decode or before its step,
+    never done late), or the LM side's --request-timeout-s (its generation stopped, so the LM goes on to the
+    next request). No Retry-After: the request itself (its budget, its max_tokens) may be what was too short."""
+
+    CODES = {"deadline_exceeded": Code(504, "a request was not answered within its deadline (the encoder: "
+                                            "`deadline_ms` or --default-deadline-ms; the LM side: --request-timeout-s)")}
 
 
 class Relayed(ServiceError):
@@ -206,6 +213,7 @@ class Relayed(ServiceError):
 
 
 FAMILIES: tuple[type[ServiceError], ...] = (RequestError, KeyConflict, ImageError, VideoError, Overloaded, Unavailable,
+                                           DeadlineExceeded,
                                             BackendError, GatewayError)
 # Every code, with the family that raises it (each code is one family's).
 CODES: dict[str, tuple[type[ServiceError], Code]] = {c: (f, code) for f in FAMILIES for c, code in f.CODES.items()}

@@ -17,7 +17,7 @@ from service.config import MULTIPROC_ENV
 # prometheus_client's multiprocess mode (its variable MULTIPROC_ENV, set by procs/api_process.py first):
 # each process's values live in files of one directory, and any API process answers the sum of all.
 API_FAMILIES = frozenset({"qve_requests", "qve_images", "qve_rejected", "qve_encode_latency_seconds",
-                          "qve_arena_bytes_in_use"})
+                          "qve_arena_bytes_in_use", "qve_deadline_exceeded"})
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
@@ -78,6 +78,24 @@ class Metrics:
         self.arena_bytes = Gauge("qve_arena_bytes_in_use", "Pixel-arena bytes held for the engine (summed over "
                                  "the API processes; 0 in a single-process service)", registry=r,
                                  multiprocess_mode="livesum")  # a dead API process's cells are gone with it
+        # The signals to scale on (docs/operations.md): the waiting work per priority level, how long the
+        # longest-waiting image has waited, and the encode rate (rate() of the two counters).
+        self.waiting_images = Gauge("qve_waiting_images", "Images waiting for a step: queued, or holding a queue "
+                                    "place while decoded, by request priority (lower runs first)", ["priority"], registry=r)
+        self.waiting_tokens = Gauge("qve_waiting_tokens", "Output tokens of the images waiting for a step, by request "
+                                    "priority", ["priority"], registry=r)
+        self.oldest_wait = Gauge("qve_oldest_wait_seconds", "How long the longest-waiting image (queued or being "
+                                 "decoded) has waited", registry=r)
+        self.encoded_images = Counter("qve_encoded_images", "Images (and video parts) run through the tower", registry=r)
+        self.encoded_tokens = Counter("qve_encoded_tokens", "Output tokens run through the tower", registry=r)
+        self.shed = Gauge("qve_shed", "Queued images answered 429 to make room for more urgent work (a full queue)",
+                          registry=r)
+        self.expired = Gauge("qve_expired", "Queued images' waiters answered 504: their deadline passed before the "
+                             "step", registry=r)
+        self.deadline_exceeded = Counter("qve_deadline_exceeded", "Requests answered 504 deadline_exceeded, by where "
+                                         "their deadline passed: claim (before decode), decode (waiting for a "
+                                         "decoder), submit (decoded too late), queue (before its step)", ["where"],
+                                         registry=r)
         self.fence_waits = Gauge("qve_fence_waits", "Staging-slot acquires that had to wait on the slot's event", registry=r)
 
     def watch_gc(self) -> Callable[[], None]:
@@ -127,7 +145,17 @@ class Metrics:
         for call, n in stats.timeouts.items():  # (the store counts; the counter follows it)
             self.store_timeouts.labels(call=call).inc(n - self._store_timeouts_seen.get(call, 0))
             self._store_timeouts_seen[call] = n
-        self.dropped.set(batcher.stats.dropped)
+        batch_stats = batcher.stats
+        self.dropped.set(batch_stats.dropped)
+        self.shed.set(batch_stats.shed)
+        self.expired.set(batch_stats.expired)
+        waiting = batcher.waiting()
+        for gauge, per_level in ((self.waiting_images, waiting.images), (self.waiting_tokens, waiting.tokens)):
+            gauge.clear()  # (a level that no longer waits leaves no stale series)
+            gauge.labels(priority="0").set(0)  # always one series: the HPA's metric exists on an idle encoder
+            for level, n in per_level.items():
+                gauge.labels(priority=str(level)).set(n)
+        self.oldest_wait.set(waiting.oldest_s)
 
 
 def label_engines(texts: list[str]) -> str:

@@ -7,7 +7,7 @@
     engine          (batcher, step loop, runner, writer, tower, the engine host and its client)
     settings        service.config (Settings and the options derived from it), service.flags, service.metrics
     media    store  (each with its own parameter and option types, which Settings builds)
-    base     service.errors, service.presets, service.tracing; qve_kernels
+    base     service.errors, service.presets, service.priority, service.tracing; qve_kernels
 
 A module may import its own package, any package of a lower layer, and nothing else: not a package of a
 higher layer, nor another package of its own layer. Function-local imports count: a lazy import hides
@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"service.loadtest"},
     {"cli"},
 ]
-BASE = {"service.errors", "service.presets", "service.sizes", "service.tracing"}
+BASE = {"service.errors", "service.presets", "service.priority", "service.sizes", "service.tracing"}
 SETTINGS = {"service.config", "service.flags", "service.metrics"}
 CLI = {"service.__main__", "service.quickstart", "service.configdoc", "service.demo"}
 

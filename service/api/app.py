@@ -35,12 +35,13 @@ from service import tracing
 from service.api.server import BodyLimit, bearer_auth, install_error_handlers
 from service import errors
 from service.errors import Overloaded, RequestError, ServiceError, http_status
+from service.priority import Urgency
 
 
 # The error answers of /encode, written from the families' code tables (service/errors.py): each status with
 # the codes it answers and what they mean.
 ENCODER_ERRORS = (errors.RequestError, errors.KeyConflict, errors.ImageError, errors.VideoError, errors.Overloaded,
-                  errors.Unavailable, errors.BackendError)
+                  errors.Unavailable, errors.DeadlineExceeded, errors.BackendError)
 _ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": "; ".join(f"`{c}`: {m}" for c, m in codes)}
                     for status, codes in errors.statuses(ENCODER_ERRORS).items()}
 _HEALTH = {"description": "the service's state, in words", "content": {"application/json": {"schema": {
@@ -109,12 +110,13 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}, "example": EXAMPLE_REQUEST},
         "multipart/form-data": {"schema": {"type": "object", "properties": {
             "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
-            "uuid": {"type": "array", "items": {"type": "string"}}}}}}, "required": True}})
+            "uuid": {"type": "array", "items": {"type": "string"}},
+            "priority": {"type": "integer"}, "deadline_ms": {"type": "integer"}}}}}, "required": True}})
     async def encode(request: Request, response: Response):
         """Encode images; answer one item per image, in input order, once each is in the store. The
         `Server-Timing` header says where the request's time went (parse, keys, admit, decode, encode)."""
         async def parse(rt: Runtime):
-            return None, await parse_inputs(rt, request)
+            return None, *await parse_inputs(rt, request)
 
         return await _encoded(request, response, parse, lambda rt, _, answers: EncodeResponse(
             items=[_item(a) for a in answers]))
@@ -134,9 +136,10 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
         return openai.models(request.app.state.rt)
 
     async def _encoded(request: Request, response: Response, parse, answer):
-        """One encoding request, whatever its protocol: `parse(rt)` -> (what `answer` needs, the inputs),
-        then `answer(rt, that, answers)`. Authorised and ready before the body is read, counted in /metrics,
-        traced."""
+        """One encoding request, whatever its protocol: `parse(rt)` -> (what `answer` needs, the inputs, its
+        priority and deadline), then `answer(rt, that, answers)`. Authorised and ready before the body is read,
+        counted in /metrics, traced. Its deadline counts from here, its arrival."""
+        arrival = time.monotonic()
         rt: Runtime = request.app.state.rt
         status = 500
         # (with tracing on: this request's span, current while it runs, so that its submits carry it to the
@@ -147,12 +150,13 @@ def create_app(settings: Settings, make_runtime: Callable[[], Awaitable[Runtime]
             try:
                 authorize(request)
                 await rt.require_ready()  # before the body is read (or any URL fetched)
-                parsed, inputs = await parse(rt)
+                parsed, inputs, asked = await parse(rt)
                 if inputs is None:  # client gone while a URL was fetched
                     status = 499
                     return PlainTextResponse("client disconnected", status_code=499)
                 phases.mark("parse")
-                answers = await encoding.encode(rt, inputs, request.is_disconnected, phases)
+                urgency = Urgency.at_arrival(arrival, asked.priority, asked.deadline_ms, settings.default_deadline_ms)
+                answers = await encoding.encode(rt, inputs, request.is_disconnected, phases, urgency)
                 if answers is None:  # client gone: nobody to answer
                     status = 499
                     return PlainTextResponse("client disconnected", status_code=499)

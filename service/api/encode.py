@@ -29,10 +29,11 @@ from typing import NamedTuple
 from service.api.runtime import Decoded, Runtime
 from service.engine.client import Pending
 from service.engine.messages import Grant, Hit
-from service.errors import at_index, BackendError, ImageError, KeyConflict, ServiceError, VideoError
+from service.errors import at_index, BackendError, DeadlineExceeded, ImageError, KeyConflict, ServiceError, VideoError
 from service.media import video as media_video
 from service.media.images import ImageHeader, check_complexity, header_tokens, read_header
 from service.media.video_preprocess import plan_video
+from service.priority import Urgency
 from service.store.format import StoredItem
 from service.store.keys import content_key, validate_key, video_salt
 
@@ -98,12 +99,29 @@ class _Keyed(NamedTuple):
 
 
 async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
-                 phases: Phases | None = None) -> list[Answer] | None:
+                 phases: Phases | None = None, urgency: Urgency = Urgency()) -> list[Answer] | None:
     """Answer one item per input image, in order; None if the client went away first (its queued work
     is cancelled). Raises the request's ServiceError; nothing of a failed request stays queued. The
     caller has checked `await rt.require_ready()`. `phases` gets the marks keys, admit (claims and
-    queue places), decode (decoded and queued) and encode (every answer in the store)."""
-    phases = phases or Phases()
+    queue places), decode (decoded and queued) and encode (every answer in the store). `urgency`: the
+    request's priority (its turn for a decoder and a step) and deadline (504 `deadline_exceeded` once it
+    passes before an image is decoded or its step starts; a cached image is still answered)."""
+    try:
+        return await _encode(rt, inputs, client_gone, phases or Phases(), urgency)
+    except DeadlineExceeded as e:
+        rt.metrics.deadline_exceeded.labels(where=getattr(e, "where", "queue")).inc()
+        raise
+
+
+def _at(e: BaseException, where: str) -> BaseException:
+    """`e`, a DeadlineExceeded marked with where it passed (/metrics' qve_deadline_exceeded counts by it)."""
+    if isinstance(e, DeadlineExceeded):
+        e.where = where
+    return e
+
+
+async def _encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone, phases: Phases,
+                  urgency: Urgency) -> list[Answer] | None:
     keyed = await _keys_for(rt, inputs)
     phases.mark("keys")
     engines, decoder = rt.engines, rt.decoder
@@ -139,8 +157,8 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
     early: dict[str, asyncio.Future] = {}
     def start_decode(i: int) -> Awaitable[Decoded]:
         if inputs[i].video:
-            return decoder.decode_video(inputs[i].data, keyed[i].header, rt.video)
-        return decoder.decode(inputs[i].data, keyed[i].header, rt.params)
+            return decoder.decode_video(inputs[i].data, keyed[i].header, rt.video, urgency)
+        return decoder.decode(inputs[i].data, keyed[i].header, rt.params, urgency)
 
     if engines.travels and rt.requests_in_flight == 0:
         early = {key: loop.create_task(start_decode(i)) for key, i in firsts.items()}
@@ -161,18 +179,19 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
         except Exception as p:
             if abandoned:
                 return  # (answered already: its grant was given back)
-            raise _decode_failure(inputs, i, p)
+            raise _at(_decode_failure(inputs, i, p), "decode")
         if abandoned:  # its grant was given back when the request was answered; nobody wants these pixels
             decoder.release(decoded)
             return
         try:
-            submitted = await engines.submit(grant.id, key, keyed[i].sha256, decoded.geometry, decoded.pixels)
+            submitted = await engines.submit(grant.id, key, keyed[i].sha256, decoded.geometry, decoded.pixels,
+                                             urgency)
         except KeyConflict as e:
             raise conflict(i, e.message) from None
-        except ServiceError:
+        except ServiceError as e:
             if not engines.route(key).connected:  # never reached its engine: nothing else gives the pixels back
                 decoder.release(decoded)
-            raise
+            raise _at(e, "submit")
         finally:
             del grants[key]  # a submit uses its grant up, answered or not
         if isinstance(submitted, Hit):  # stored meanwhile (another request's identical image)
@@ -188,8 +207,8 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
 
     stayed = False
     try:
-        claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens, inputs[i].video) for k, i in firsts.items()),
-                                      return_exceptions=True)
+        claims = await asyncio.gather(*(engines.claim(k, keyed[i].sha256, keyed[i].tokens, inputs[i].video, urgency)
+                                        for k, i in firsts.items()), return_exceptions=True)
         for j, ((key, i), c) in enumerate(zip(firsts.items(), claims)):
             if isinstance(c, KeyConflict):
                 claims[j] = conflict(i, c.message)
@@ -200,7 +219,7 @@ async def encode(rt: Runtime, inputs: list[Input], client_gone: ClientGone,
             elif isinstance(c, Pending):
                 waits[key] = c
         if (err := first_error(claims)) is not None:
-            raise err
+            raise _at(err, "claim")
         phases.mark("admit")
         drop_early(keep=set(grants))
         # Each image is submitted as soon as it is decoded. The request is answered at its first failure or

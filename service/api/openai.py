@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.api.encode import Answer, Input
 from service.api.parse import inputs_from_parts, read_json_body
 from service.api.runtime import Runtime
-from service.api.schemas import ImagePart, VideoPart, describe_invalid
+from service.api.schemas import ImagePart, Urgent, VideoPart, describe_invalid
 from service.errors import RequestError
 
 # The content-part types of vLLM's chat API that carry media this encoder does not take.
@@ -41,7 +41,7 @@ class _Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Urgent):
     """What of a chat request this encoder reads; the rest (sampling, tools, ...) is the LM's and is ignored."""
 
     model_config = ConfigDict(extra="allow")
@@ -58,9 +58,9 @@ def served_model(rt: Runtime) -> str:
     return rt.settings.vllm_model_id or rt.settings.model
 
 
-async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[Input] | None]:
-    """The chat request and its media parts as encode Inputs, in order (None: the client left while a URL
-    was fetched). RequestError for a body that is not a chat request, a model this encoder does not serve,
+async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[Input] | None, Urgent]:
+    """The chat request, its media parts as encode Inputs, in order (None: the client left while a URL
+    was fetched), and its priority and deadline (the request's own fields). RequestError for a body that is not a chat request, a model this encoder does not serve,
     hash factors, or media it does not take."""
     body = await read_json_body(request, rt.settings)
     try:
@@ -95,7 +95,7 @@ async def parse_chat(rt: Runtime, request: Request) -> tuple[ChatRequest, list[I
     if len(parts) > rt.settings.max_images_per_request:
         raise RequestError(f"{len(parts)} images and videos in one request; the limit is "
                            f"{rt.settings.max_images_per_request}")
-    return chat, await inputs_from_parts(rt, parts, len(body), request.is_disconnected)
+    return chat, await inputs_from_parts(rt, parts, len(body), request.is_disconnected), chat
 
 
 def completion(rt: Runtime, chat: ChatRequest, answers: list[Answer], request_id: str | None) -> dict:

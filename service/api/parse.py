@@ -24,8 +24,8 @@ from pydantic import ValidationError
 
 from service.api.encode import ClientGone, Input, watch_client
 from service.api.runtime import Runtime
-from service.api.schemas import EncodeRequest, ImagePart, VideoPart, describe_invalid
-from service.errors import at_index, ImageError, RequestError, ServiceError, Unavailable, VideoError
+from service.api.schemas import EncodeRequest, ImagePart, Urgent, VideoPart, describe_invalid
+from service.errors import at_index, clip, ImageError, RequestError, ServiceError, Unavailable, VideoError
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -226,12 +226,13 @@ async def inputs_from_parts(rt: Runtime, parts: list[ImagePart | VideoPart], bod
     return inputs
 
 
-async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
+async def parse_inputs(rt: Runtime, request: Request) -> tuple[list[Input] | None, Urgent]:
+    """/encode's inputs (None: the client left while a URL was fetched) and the request's priority and deadline."""
     s = rt.settings
     ctype = _content_type(request)
     if ctype == "multipart/form-data":
         try:
-            form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request)
+            form = await request.form(max_files=s.max_images_per_request, max_fields=2 * s.max_images_per_request + 2)
         except ServiceError:
             raise  # `request_too_large` from the body limit, as it is
         except Exception as e:  # starlette raises MultiPartException / HTTPException on malformed bodies
@@ -254,7 +255,7 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
             if len(data) > limit:
                 raise _too_large(video, f"{where} is over the limit of {limit} bytes", i)
             inputs.append(Input(data, uuids[i] if uuids else None, video=video, name=where))
-        return inputs
+        return inputs, _form_urgency(form)
     if ctype not in ("application/json", ""):
         raise RequestError(f"content-type {ctype!r} is not supported; send application/json or multipart/form-data")
     body = await _read_body(request, _json_limit(s))
@@ -264,4 +265,23 @@ async def parse_inputs(rt: Runtime, request: Request) -> list[Input] | None:
         raise RequestError(describe_invalid(e)) from None
     if len(req.images) > s.max_images_per_request:
         raise RequestError(f"{len(req.images)} images in one request; the limit is {s.max_images_per_request}")
-    return await inputs_from_parts(rt, req.images, len(body), request.is_disconnected)
+    return await inputs_from_parts(rt, req.images, len(body), request.is_disconnected), req
+
+
+def _form_urgency(form) -> Urgent:
+    """A multipart request's `priority` and `deadline_ms` fields (integers, at most one each), as the JSON
+    body's fields would be."""
+    fields = {}
+    for name in Urgent.model_fields:
+        values = form.getlist(name)
+        if len(values) > 1 or (values and not isinstance(values[0], str)):
+            raise RequestError(f"multipart field {name!r}: send it once, as a text field")
+        if values:
+            try:
+                fields[name] = int(values[0])
+            except ValueError:
+                raise RequestError(f"multipart field {name!r} must be an integer, got {clip(values[0])!r}") from None
+    try:
+        return Urgent(**fields)
+    except ValidationError as e:
+        raise RequestError(describe_invalid(e)) from None

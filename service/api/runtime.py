@@ -27,6 +27,7 @@ from service.engine.client import EngineRouter, EnginesStatus
 from service.engine.messages import Cell, Geometry
 from service.errors import ServiceError, Unavailable
 from service.metrics import Metrics
+from service.priority import Urgency
 from service.store.keys import VllmKeys
 
 if TYPE_CHECKING:
@@ -56,13 +57,17 @@ class Decoder(Protocol):
 
     async def start(self, params: PreprocessParams, warm_video: bool = False) -> None: ...
 
-    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
-        """`header`: media.images.read_header's of `data`. Raises the image's ImageError, or
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams,
+                     urgency: Urgency = Urgency()) -> Decoded:
+        """`header`: media.images.read_header's of `data`. Waits for a decoder in `urgency`'s priority order.
+        Raises the image's ImageError, DeadlineExceeded when its deadline passes before its decode starts, or
         Overloaded/Unavailable when it cannot take the work."""
 
-    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams,
+                           urgency: Urgency = Urgency()) -> Decoded:
         """`header`: media.video.read_header's of `data`. Decodes the sampled frames and resizes them (off
-        the event loop). Raises the video's VideoError, or Overloaded/Unavailable."""
+        the event loop), waiting as `decode` does. Raises the video's VideoError, DeadlineExceeded, or
+        Overloaded/Unavailable."""
 
     def release(self, decoded: Decoded) -> None:
         """Give back the pixels of an image or video that never reached an engine."""

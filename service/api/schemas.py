@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from service.priority import PRIORITY_MAX, PRIORITY_MIN
+
 
 class ImageURL(BaseModel):
     url: str = Field(description="data:image/...;base64,... or an http(s) URL on the allow-list")
@@ -31,7 +33,19 @@ class VideoPart(BaseModel):
                              "video settings)")
 
 
-class EncodeRequest(BaseModel):
+class Urgent(BaseModel):
+    """A request's place among waiting work (service/priority.py): the same fields on /encode, on
+    /v1/chat/completions (vLLM's proxy forwards the user's own `priority`) and as multipart form fields."""
+
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower runs first (vLLM's "
+                          "convention); first come, first served within a level, aged by --priority-aging-s")
+    deadline_ms: int | None = Field(None, ge=0, strict=True, description="the request's budget from its arrival: "
+                                    "work not decoded, or whose step has not started, by then is dropped and the "
+                                    "request answered 504 deadline_exceeded (a cached image is still answered); "
+                                    "default --default-deadline-ms")
+
+
+class EncodeRequest(Urgent):
     images: list[Annotated[ImagePart | VideoPart, Field(discriminator="type")]] = Field(
         min_length=1, description="image_url and video_url parts (the OpenAI / vLLM content-part shapes), answered "
         "in order")

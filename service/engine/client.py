@@ -43,6 +43,7 @@ from service.engine.messages import (
     ToEngine,
 )
 from service.metrics import label_engines
+from service.priority import Urgency
 from service.store.keys import shard_of
 
 if TYPE_CHECKING:
@@ -154,10 +155,12 @@ class EngineClient:
             raise errors.from_code(answer.code, answer.message, answer.retry_after_s)
         return answer, later
 
-    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False) -> Claimed:
+    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False,
+                    urgency: Urgency = Urgency()) -> Claimed:
         """Hit (stored already) | Pending (joined an identical image in flight) | Grant (decode it, then
-        `submit` under this grant). `tokens`: the image's output tokens by its header; `video`: a video part."""
-        msg = Claim(next(self._ids), key, sha256, tokens, video)
+        `submit` under this grant). `tokens`: the image's output tokens by its header; `video`: a video part;
+        `urgency`: its request's priority and deadline."""
+        msg = Claim(next(self._ids), key, sha256, tokens, video, urgency.priority, urgency.deadline)
         answer, later = await self._ask(msg, keep_result=True)
         if isinstance(answer, Joined):
             return Pending(msg.id, self._item(later), coalesced=True)
@@ -166,12 +169,12 @@ class EngineClient:
         return answer
 
     async def submit(self, grant: int, key: str, sha256: str, geometry: Geometry,
-                     pixels: Cell | np.ndarray) -> Hit | Pending:
+                     pixels: Cell | np.ndarray, urgency: Urgency = Urgency()) -> Hit | Pending:
         """Queue a decoded image under the claim `grant`: its pixels in an arena cell (over a socket) or
         an array (in process). The wait for its entry, or Hit when it was stored meanwhile."""
         in_cell = isinstance(pixels, Cell)
         msg = Submit(next(self._ids), grant, key, sha256, geometry, cell=pixels if in_cell else None,
-                     traceparent=tracing.traceparent())
+                     traceparent=tracing.traceparent(), priority=urgency.priority, deadline=urgency.deadline)
         answer, later = await self._ask(msg, keep_result=True, pixels=None if in_cell else pixels)
         if isinstance(answer, Hit):
             self._results.pop(msg.id, None)
@@ -275,14 +278,15 @@ class EngineRouter:
     async def connect(self) -> None:
         await asyncio.gather(*(c.connect() for c in self.clients))
 
-    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False) -> Claimed:
-        return await self.route(key).claim(key, sha256, tokens, video)
+    async def claim(self, key: str, sha256: str, tokens: int, video: bool = False,
+                    urgency: Urgency = Urgency()) -> Claimed:
+        return await self.route(key).claim(key, sha256, tokens, video, urgency)
 
     async def submit(self, grant: int, key: str, sha256: str, geometry: Geometry,
-                     pixels: Cell | np.ndarray) -> Hit | Pending:
+                     pixels: Cell | np.ndarray, urgency: Urgency = Urgency()) -> Hit | Pending:
         client = self.route(key)
         assert self._issuer(grant) is client, "a grant is submitted to the engine that gave it: this is a bug"
-        return await client.submit(grant, key, sha256, geometry, pixels)
+        return await client.submit(grant, key, sha256, geometry, pixels, urgency)
 
     def cancel(self, rid: int) -> None:
         self._issuer(rid).cancel(rid)

@@ -4,8 +4,10 @@ step loop, whether they come from this process (`LocalTransport`, a single-proce
 API processes over a Unix socket (procs/ipc.py's EngineServer, in an engine process).
 
     Claim  -> stored and the same bytes: Hit | queued or running: Joined (no decode) | else Grant
-              (a queue place, counted with the image's header tokens: admission before decode)
-    Submit -> stored meanwhile: Hit | else queued (Queued), its Result once written
+              (a queue place, counted with the image's header tokens: admission before decode),
+              or 504 when its request's deadline has passed (a hit is still answered)
+    Submit -> stored meanwhile: Hit | its deadline passed: 504, nothing queued | else queued (Queued),
+              its Result once written (or 504 if its deadline passes before its step starts)
               (the store is asked only what it knows without a round trip: what this engine wrote since)
     Cancel -> a grant's place or a wait given back
 
@@ -40,6 +42,7 @@ from service.media.images import PreparedImage, warmup_image
 from service.media.preprocess import grid_for, num_tokens
 from service.media.video_preprocess import PreparedVideo, video_grid
 from service.metrics import Metrics
+from service.priority import Urgency
 from service.store import Identity, Store, open_store
 from service.store.format import StoredItem
 from service.store.keys import key_salt, validate_key
@@ -239,7 +242,9 @@ class EngineHost:
         if hit is not None:
             conn.send(Hit(msg.id, hit))
             return
-        joined = self.batcher.join(msg.key)  # an identical image already queued or running: no decode
+        urgency = Urgency(msg.priority, msg.deadline)
+        urgency.check("its image was decoded")
+        joined = self.batcher.join(msg.key, urgency)  # an identical image already queued or running: no decode
         if joined is not None:
             if joined.payload.content_sha256 != msg.sha256 or isinstance(joined.payload.image, PreparedVideo) != msg.video:
                 joined.cancel()
@@ -250,7 +255,7 @@ class EngineHost:
             return
         # Admission before decode: the grant holds a queue place (with the image's tokens by its header)
         # until its submit; a full queue is Overloaded (429) before any pixels exist.
-        conn.grants[msg.id] = self.batcher.reserve(msg.tokens)
+        conn.grants[msg.id] = self.batcher.reserve(msg.tokens, urgency)
         conn.send(Grant(msg.id))
 
     def _submit(self, conn: Connection, msg: Submit, pixels: np.ndarray, release: Callable[[], None]) -> None:
@@ -278,9 +283,11 @@ class EngineHost:
                 drop()
                 conn.send(Hit(msg.id, hit))
                 return
+            urgency = Urgency(msg.priority, msg.deadline)
+            urgency.check("its image was queued")  # (decoded too late: dropped here, never encoded)
             stamps = Stamps(msg.traceparent, tracing.now_ns()) if msg.traceparent and tracing.enabled() else None
             ticket = self.batcher.submit(msg.key, EncodeJob(msg.key, image, msg.sha256, stamps), tokens=image.num_tokens,
-                                         place=place)
+                                         place=place, urgency=urgency)
         except Exception:
             drop()
             raise

@@ -63,6 +63,8 @@ class Claim(msgspec.Struct, tag=True):
     sha256: str  # of the image's encoded bytes (a uuid bound to other bytes is a conflict)
     tokens: int  # output tokens by the image's header: what its queue place counts
     video: bool = False  # a video part: an image's entry under the same key (a uuid) is no hit for it
+    priority: int = 0  # its request's (lower first: service/priority.py)
+    deadline: float | None = None  # its request's, on time.monotonic() (one clock for the host's processes)
 
 
 class Submit(msgspec.Struct, tag=True):
@@ -73,6 +75,8 @@ class Submit(msgspec.Struct, tag=True):
     geometry: Geometry
     cell: Cell | None = None  # where the pixels are (socket); None in process (the array travels beside)
     traceparent: str | None = None  # the submitting request's span (W3C), when tracing is on: the engine's spans' parent
+    priority: int = 0  # as its Claim's
+    deadline: float | None = None
 
 
 class Cancel(msgspec.Struct, tag=True):

@@ -128,6 +128,8 @@ class StepLoop:
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.step_tokens.observe(launched.token_offsets[-1])
         self.metrics.step_images.observe(len(batch.items))
+        self.metrics.encoded_images.inc(len(batch.items))
+        self.metrics.encoded_tokens.inc(launched.token_offsets[-1])
         self.metrics.fence_waits.set(self.runner.pool.stats.waits_blocked)
 
 

@@ -42,7 +42,7 @@ def api_main(settings: Settings, sock: socket.socket, index: int, arena_name: st
         metrics = Metrics()
         decoder = ArenaDecoder(Arena(arena_name, settings.arena_bytes), settings.decode_worker_count(),
                                settings.image_limits, metrics, video_limits=settings.video_limits,
-                               video_slots=settings.video_decode_slots())
+                               video_slots=settings.video_decode_slots(), aging_s=settings.priority_aging_s)
         engines = EngineRouter([SocketTransport(path) for path in engine_sockets], decoder.cell_free)
         peers = (UnixPeers(os.path.dirname(metrics_dir), index, settings.api_process_count())
                  if settings.sglang_version else None)

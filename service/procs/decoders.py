@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import bisect
 import contextlib
 import functools
+import itertools
 import logging
 import multiprocessing
 import os
@@ -50,6 +52,7 @@ from service.media.video import VideoHeader
 from service.media.video_preprocess import PreparedVideo, plan_video, prepare_video
 from service.metrics import Metrics
 from service.procs.arena import Arena
+from service.priority import Due, PriorityGate, Urgency, due, expired_error
 from service.procs.child import exit_with
 
 log = logging.getLogger(__name__)
@@ -130,29 +133,40 @@ def _geometry(prep: PreparedImage | PreparedVideo) -> Geometry:
 
 class VideoGate:
     """At most `slots` video decodes at once in one process, whose resized frames (VideoPlan.nbytes) total at
-    most `max_bytes`: a video waits for both. Images never wait here; with videos on fewer decoders than there
-    are, a long video cannot take the decoder an image needs."""
+    most `max_bytes`: a video waits for both, its turn by its request's priority (service/priority.py), and
+    leaves with a 504 if its deadline passes meanwhile. Images never wait here; with videos on fewer decoders
+    than there are, a long video cannot take the decoder an image needs."""
 
-    def __init__(self, slots: int, max_bytes: int):
+    def __init__(self, slots: int, max_bytes: int, aging_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         assert slots >= 1, f"{slots} video decode slots: this is a bug"
-        self.slots, self.max_bytes = slots, max_bytes
+        self.slots, self.max_bytes, self.aging_s, self._clock = slots, max_bytes, aging_s, clock
         self.running, self.held = 0, 0  # videos decoding now, and their resized frames' bytes
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: list[tuple[Due, int, asyncio.Future]] = []  # in due order
+        self._seq = itertools.count()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.running < self.slots and self.held + nbytes <= self.max_bytes
 
     @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int):
+    async def hold(self, nbytes: int, urgency: Urgency = Urgency()):
         """A video decode's place, held while the block runs. A video that alone is more than `max_bytes` (the
         request's keys refuse it first) is a 413."""
         if nbytes > self.max_bytes:
             raise VideoError(f"the video is {nbytes} bytes once resized; the limit is {self.max_bytes} for the videos "
                              "a process decodes at once (--video-max-process-bytes)", code="video_too_large")
-        while self.running >= self.slots or self.held + nbytes > self.max_bytes:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                self._waiters.remove(waiter)
+        urgency.check("its decode started", self._clock())
+        if self._waiters or not self._fits(nbytes):
+            order = (due(self._clock(), urgency.priority, self.aging_s), next(self._seq))
+            while self._waiters and self._waiters[0][:2] < order or not self._fits(nbytes):
+                entry = (*order, asyncio.get_running_loop().create_future())
+                bisect.insort(self._waiters, entry, key=lambda e: e[:2])
+                timeout = None if urgency.deadline is None else max(0.0, urgency.deadline - self._clock())
+                try:
+                    await asyncio.wait_for(asyncio.shield(entry[2]), timeout)
+                except TimeoutError:
+                    raise expired_error("its decode started") from None
+                finally:
+                    self._waiters.remove(entry)
         self.running += 1
         self.held += nbytes
         try:
@@ -160,9 +174,12 @@ class VideoGate:
         finally:
             self.running -= 1
             self.held -= nbytes
-            for waiter in self._waiters:  # (each looks again; those that fit go, the others wait on)
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake()
+
+    def _wake(self) -> None:
+        for *_, waiter in self._waiters:  # (most urgent first: each looks again, in turn; those that fit go)
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class _PoolBroke(Exception):
@@ -178,13 +195,14 @@ class PoolDecoder:
 
     def __init__(self, workers: int, limits: ImageLimits, stall_s: float = DECODE_STALL_S,
                  clock: Callable[[], float] = time.monotonic, video_limits: VideoLimits = VideoLimits(),
-                 kill_grace_s: float = DECODE_KILL_GRACE_S, video_slots: int = 1):
+                 kill_grace_s: float = DECODE_KILL_GRACE_S, video_slots: int = 1, aging_s: float = 0.0):
         """`clock` times the stall watch (tests inject a fake one). An image's decode process is ended after
         limits.decode_timeout_s + kill_grace_s of CPU on it, a video's after video_cpu_s(). At most
-        `video_slots` videos decode at once (Settings.video_decode_slots)."""
+        `video_slots` videos decode at once (Settings.video_decode_slots). Decodes wait for a worker in their
+        requests' priority order, aged by `aging_s` (--priority-aging-s)."""
         self.workers, self.limits, self.stall_s, self._clock = workers, limits, stall_s, clock
-        self.video_limits, self.kill_grace_s = video_limits, kill_grace_s
-        self.videos = VideoGate(video_slots, video_limits.max_process_bytes)
+        self.video_limits, self.kill_grace_s, self.aging_s = video_limits, kill_grace_s, aging_s
+        self.videos = VideoGate(video_slots, video_limits.max_process_bytes, aging_s)
         # When a decode last finished or a video decoded a frame (a pool that does neither is stuck).
         self._progress_at = clock()
         self._slot_pids = weakref.WeakKeyDictionary()  # pool -> its job slots' pids (_within_budget)
@@ -193,7 +211,7 @@ class PoolDecoder:
         self._verdicts = weakref.WeakKeyDictionary()  # broken pool -> future of the slots its CPU budgets ended
         # At most `workers` decodes in a pool at a time, each in a job slot of its own: a decode handed to the
         # pool starts at once (the stall clock's waiting time is a decode's), and a slot names it.
-        self._sem: asyncio.Semaphore | None = None
+        self._sem: PriorityGate | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._free_slots: list[int] = []
         self.pool = self._new_pool()
@@ -246,7 +264,8 @@ class PoolDecoder:
             await asyncio.to_thread(lambda: list(self.pool.map(_warm_video, range(self.workers))))
         self.ready = True
 
-    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams,
+                     urgency: Urgency = Urgency()) -> Decoded:
         """prepare_image in a decode worker (with the header read at admission: not parsed again). A dead worker (the OOM killer's SIGKILL) breaks the whole
         pool: it is replaced at once and this image answered 503, so one death costs one request.
 
@@ -260,16 +279,17 @@ class PoolDecoder:
         ended by the kernel: that image is answered 422 (`image_too_complex`), and the others on the pool are
         decoded again on the new pool (up to RESUBMITS times)."""
         prep = await self._in_pool(prepare_image, data, params, self.limits, header,
-                                   cpu_s=self.limits.decode_timeout_s + self.kill_grace_s)
+                                   cpu_s=self.limits.decode_timeout_s + self.kill_grace_s, urgency=urgency)
         return Decoded(_geometry(prep), prep.pixels)
 
-    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams,
+                           urgency: Urgency = Urgency()) -> Decoded:
         """prepare_video in a decode worker once the video gate lets it, watched as `decode` is: every frame it
         decodes is progress for the stall watch, and past video_cpu_s() of CPU its process is ended (413
         `video_too_long`; the decodes beside it go again on the new pool)."""
-        async with self.videos.hold(plan_video(header, params).nbytes):
+        async with self.videos.hold(plan_video(header, params).nbytes, urgency):
             prep = await self._in_pool(functools.partial(prepare_video, progress=_progress), data, header, params,
-                                       self.video_limits, cpu_s=self.video_cpu_s(), video=True)
+                                       self.video_limits, cpu_s=self.video_cpu_s(), video=True, urgency=urgency)
         return Decoded(_geometry(prep), prep.frames)
 
     def video_cpu_s(self) -> float:
@@ -279,17 +299,18 @@ class PoolDecoder:
         stops checking (a frame that never finishes decoding)."""
         return self.video_limits.max_decode_s * usable_cores() + self.kill_grace_s
 
-    def _slots(self) -> asyncio.Semaphore:
+    def _slots(self) -> PriorityGate:
         loop = asyncio.get_running_loop()
         if self._sem_loop is not loop:  # (made in the loop that uses it: tests run several loops in turn)
-            self._sem, self._sem_loop, self._free_slots = asyncio.Semaphore(self.workers), loop, list(range(self.workers))
+            self._sem, self._sem_loop = PriorityGate(self.workers, self.aging_s), loop
+            self._free_slots = list(range(self.workers))
         return self._sem
 
-    async def _in_pool(self, fn, *args, cpu_s: float | None = None, video: bool = False):
+    async def _in_pool(self, fn, *args, cpu_s: float | None = None, video: bool = False, urgency: Urgency = Urgency()):
         """fn(*args) in a decode worker, in a job slot of its own (`cpu_s`: its process's CPU budget, see
-        _within_budget; `video`: a video's, for the error its budget gives); a dead or stuck pool replaced
-        (see `decode`)."""
-        async with self._slots():
+        _within_budget; `video`: a video's, for the error its budget gives), once its turn comes (`urgency`: a
+        504 if its deadline passes first); a dead or stuck pool replaced (see `decode`)."""
+        async with self._slots().hold(urgency):
             slot = self._free_slots.pop()
             try:
                 for attempt in range(RESUBMITS + 1):
@@ -386,13 +407,16 @@ class ArenaDecoder:
     """Decode threads for an API process; the pixels land in a cell of this process's arena."""
 
     def __init__(self, arena: Arena, workers: int, limits: ImageLimits, metrics: Metrics,
-                 video_limits: VideoLimits = VideoLimits(), video_slots: int = 1):
-        """At most `video_slots` of the `workers` threads decode videos at once (Settings.video_decode_slots)."""
+                 video_limits: VideoLimits = VideoLimits(), video_slots: int = 1, aging_s: float = 0.0):
+        """At most `video_slots` of the `workers` threads decode videos at once (Settings.video_decode_slots).
+        Decodes wait for a thread in their requests' priority order, aged by `aging_s` (--priority-aging-s)."""
         self.arena, self.limits, self.metrics, self.video_limits = arena, limits, metrics, video_limits
-        self.videos = VideoGate(video_slots, video_limits.max_process_bytes)
+        self.videos = VideoGate(video_slots, video_limits.max_process_bytes, aging_s)
         # NOTE: threads, not processes: this process's only job is HTTP and decoding, and there are
         # several such processes; PIL releases the GIL while it decodes and resizes.
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        # The executor's own queue is first come, first served: decodes wait here instead, one per thread.
+        self.gate = PriorityGate(workers, aging_s)
         self.ready = True
 
     async def start(self, params: PreprocessParams, warm_video: bool = False) -> None:
@@ -428,11 +452,14 @@ class ArenaDecoder:
             raise
         return Decoded(_geometry(prep), cells[0])
 
-    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams) -> Decoded:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
+    async def decode(self, data: bytes, header: ImageHeader, params: PreprocessParams,
+                     urgency: Urgency = Urgency()) -> Decoded:
+        async with self.gate.hold(urgency):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
-    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams) -> Decoded:
-        async with self.videos.hold(plan_video(header, params).nbytes):
+    async def decode_video(self, data: bytes, header: VideoHeader, params: VideoParams,
+                           urgency: Urgency = Urgency()) -> Decoded:
+        async with self.videos.hold(plan_video(header, params).nbytes, urgency), self.gate.hold(urgency):
             return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, data, header, params)
 
     def release(self, decoded: Decoded) -> None:

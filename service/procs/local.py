@@ -29,7 +29,8 @@ async def local_runtime(settings: Settings, model: LoadedModel, settle: bool = F
     threading.Thread(target=host.warm_up, args=((lambda: settle_heap(host.metrics)) if settle else None,),
                      name="warmup", daemon=True).start()
     decoder = PoolDecoder(settings.decode_worker_count(), settings.image_limits, stall_s=settings.decode_stall_s,
-                          video_limits=settings.video_limits, video_slots=settings.video_decode_slots())
+                          video_limits=settings.video_limits, video_slots=settings.video_decode_slots(),
+                          aging_s=settings.priority_aging_s)
     return Runtime(settings, decoder, EngineRouter([LocalTransport(host, owner=True)]), Metrics())
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from typing import Any
 
 from service.api import encode as encoding
@@ -32,6 +33,7 @@ from service.api.sglang import wire
 from service.api.sglang.push import Endpoint, PushFailed, Pusher
 from service.api.sglang.rendezvous import PeerLink, Registrations
 from service.errors import BackendError, Overloaded, RequestError, ServiceError, Unavailable, clip
+from service.priority import Urgency
 from service.store.format import StoreFormatError
 from service.store.reader import Reader, open_reader
 
@@ -169,14 +171,16 @@ class SglangEncoder:
         return inputs
 
     async def _encode_waiting(self, inputs: list[Input], client_gone: ClientGone) -> list[Answer] | None:
-        """encode(), waiting for a queue place (or the engines' start) while --sglang-queue-wait-s allows."""
+        """encode(), waiting for a queue place (or the engines' start) while --sglang-queue-wait-s allows. SGLang
+        sends no priority (0) and no deadline: --default-deadline-ms applies, from here."""
         loop = asyncio.get_running_loop()
+        urgency = Urgency.at_arrival(time.monotonic(), default_deadline_ms=self.rt.settings.default_deadline_ms)
         give_up = loop.time() + self.rt.settings.sglang_queue_wait_s
         pause = _RETRY_FIRST_S
         while True:
             try:
                 await self.rt.require_ready()
-                return await encoding.encode(self.rt, inputs, client_gone)
+                return await encoding.encode(self.rt, inputs, client_gone, urgency=urgency)
             except (Overloaded, Unavailable) as e:
                 if (isinstance(e, Unavailable) and e.code != "unavailable") or loop.time() + pause > give_up:
                     raise

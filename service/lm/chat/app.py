@@ -24,7 +24,7 @@ from service import tracing
 from service.api.schemas import ImagePart, VideoPart, describe_invalid
 from service.api.server import BodyLimit, bearer_auth, bound_url, install_error_handlers, serve_app
 from service.engine.loader import checkpoint_model_id, same_tower
-from service.errors import GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
+from service.errors import DeadlineExceeded, GatewayError, ModelLoadError, Overloaded, Relayed, RequestError
 from service.lm.chat.config import ChatConfig
 from service.lm.chat.model import LanguageModel
 from service.lm.chat.schemas import ChatRequest
@@ -195,10 +195,10 @@ class Chat:
             raise self._late(cancel)
         return work.result()
 
-    def _late(self, cancel: Cancel) -> GatewayError:
-        return GatewayError(f"no answer within {self.cfg.request_timeout_s:g} s (--request-timeout-s); the request "
+    def _late(self, cancel: Cancel) -> DeadlineExceeded:
+        return DeadlineExceeded(f"no answer within {self.cfg.request_timeout_s:g} s (--request-timeout-s); the request "
                                 f"was stopped while {cancel.phase}: ask for fewer max_tokens, or retry when the LM is "
-                                "less busy", code="deadline_exceeded")
+                                "less busy")
 
     async def complete(self, req: ChatRequest, cancel: Cancel) -> dict:
         if req.temperature not in (None, 0, 0.0):

@@ -849,3 +849,101 @@ def test_hostile_videos_get_their_4xx_before_or_while_decoding_and_images_beside
         assert r.status_code == 200, r.text
         assert [it["modality"] for it in r.json()["items"]] == ["image", "video"]
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_priority_and_deadline_ms_are_checked_in_json_and_multipart_bodies(tmp_path, tiny_model):
+    blob = _png(1400)
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        for fields, says in [({"priority": "high"}, "priority"), ({"priority": True}, "priority"),
+                             ({"priority": 2**40}, "priority"), ({"priority": 1.5}, "priority"),
+                             ({"deadline_ms": -1}, "deadline_ms"), ({"deadline_ms": "soon"}, "deadline_ms")]:
+            r = httpx.post(url + "/encode", json={**json_body(blob), **fields}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (fields, r.text)
+            assert says in r.json()["error"]["message"], r.text
+        files = [("image", ("a.png", blob, "image/png"))]
+        for form, says in [({"priority": "x"}, "'priority' must be an integer"),
+                           ({"deadline_ms": "-5"}, "deadline_ms"), ({"priority": ["1", "2"]}, "send it once")]:
+            r = httpx.post(url + "/encode", files=files, data=form, timeout=30)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], (form, r.text)
+        r = httpx.post(url + "/encode", json={**json_body(blob), "priority": -3, "deadline_ms": 60_000}, timeout=30)
+        assert r.status_code == 200, r.text
+        r = httpx.post(url + "/encode", files=files, data={"priority": "7", "deadline_ms": "60000"}, timeout=30)
+        assert r.status_code == 200 and r.json()["items"][0]["cached"] is True, r.text
+
+
+def test_a_spent_deadline_still_answers_a_cached_image_and_504s_an_uncached_one_without_decoding_it(tmp_path, tiny_model):
+    cached, fresh = _png(1500), _png(1501)
+    with live_server(_settings(tmp_path), tiny_model) as (url, app):
+        rt = app.state.rt
+        decoded, real_decode = [], rt.decoder.decode
+
+        async def counting_decode(blob, *rest):
+            decoded.append(len(blob))
+            return await real_decode(blob, *rest)
+
+        rt.decoder.decode = counting_decode
+        assert httpx.post(url + "/encode", json=json_body(cached), timeout=30).status_code == 200
+        r = httpx.post(url + "/encode", json={**json_body(cached), "deadline_ms": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["items"][0]["cached"] is True, r.text
+        for send in (lambda: httpx.post(url + "/encode", json={**json_body(fresh), "deadline_ms": 0}, timeout=30),
+                     lambda: httpx.post(url + "/encode", files=[("image", ("f.png", fresh, "image/png"))],
+                                        data={"deadline_ms": "0"}, timeout=30)):
+            r = send()
+            assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+            assert "before its image was decoded" in r.json()["error"]["message"]
+        assert len(decoded) == 1 and len(local_host(rt).store) == 1  # only the first image was ever decoded
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_deadline_exceeded_total", 'where="claim"') == 2
+        assert metric(m, "qve_requests_total", 'status="504"') == 2
+
+
+def test_the_default_deadline_drops_work_queued_too_long_and_the_rest_of_the_step_succeeds(tmp_path, tiny_model):
+    """--default-deadline-ms applies to a request that sends none; one that sends its own is held to that. The
+    expired image leaves the queue when the step loop next plans: never encoded, its request 504."""
+    with live_server(_settings(tmp_path, max_batch_images=4, default_deadline_ms=400), tiny_model) as (url, app):
+        rt = app.state.rt
+        gate = Gate(local_host(rt).engine)
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(httpx.post, url + "/encode", json={**json_body(_png(1600)), "deadline_ms": 60_000},
+                               timeout=60)
+            assert gate.entered.wait(10)  # the step loop holds image 1600
+            expiring = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1601)), timeout=60)
+            patient = pool.submit(httpx.post, url + "/encode", json={**json_body(_png(1602)), "deadline_ms": 60_000},
+                                  timeout=60)
+            _wait_for(lambda: local_host(rt).batcher.queue_depth() == 2)
+            time.sleep(0.5)  # past the default 400 ms of 1601
+            gate.release.set()
+            assert held.result().status_code == 200 and patient.result().status_code == 200
+            r = expiring.result()
+            assert r.status_code == 504 and "before its step started" in r.json()["error"]["message"], r.text
+        _wait_for(lambda: local_host(rt).batcher.in_flight() == 0)
+        assert len(local_host(rt).store) == 2  # 1601 never ran
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_deadline_exceeded_total", 'where="queue"') == 1 and metric(m, "qve_expired") == 1
+        assert metric(m, "qve_encoded_images_total") == 2  # 1600's and 1602's
+
+
+def test_a_full_queue_sheds_queued_bulk_images_for_an_urgent_one_and_reports_what_waits(tmp_path, tiny_model):
+    with live_server(_settings(tmp_path, max_queue_images=2, max_batch_images=1), tiny_model) as (url, app):
+        rt = app.state.rt
+        gate = Gate(local_host(rt).engine)
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1700)), timeout=60)
+            assert gate.entered.wait(10)
+            bulk = [pool.submit(httpx.post, url + "/encode", json={**json_body(_png(1701 + i)), "priority": 5},
+                                timeout=60) for i in range(2)]
+            _wait_for(lambda: local_host(rt).batcher.queue_depth() == 2)
+            m = httpx.get(url + "/metrics").text
+            assert metric(m, "qve_waiting_images", 'priority="5"') == 2 and metric(m, "qve_waiting_tokens", 'priority="5"') > 0
+            assert metric(m, "qve_oldest_wait_seconds") > 0
+            same = httpx.post(url + "/encode", json={**json_body(_png(1800)), "priority": 5}, timeout=60)
+            assert same.status_code == 429 and "queue is full" in same.json()["error"]["message"]
+            urgent = pool.submit(httpx.post, url + "/encode", json=json_body(_png(1900)), timeout=60)
+            _wait_for(lambda: sum(f.done() for f in bulk) == 1)
+            shed = next(f.result() for f in bulk if f.done())
+            assert shed.status_code == 429 and "shed" in shed.json()["error"]["message"], shed.text
+            gate.release.set()
+            assert held.result().status_code == 200 and urgent.result().status_code == 200
+            assert sorted(f.result().status_code for f in bulk) == [200, 429]
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "qve_shed") == 1 and metric(m, "qve_waiting_images", 'priority="0"') == 0

@@ -87,7 +87,8 @@ def check(r, seen: Counter, images: int | None = None) -> None:
     status, text = r.status_code, r.content.decode(errors="replace")
     seen[status] += 1
     what = f"{method} {path} -> {status}: {text[:400]!r}"
-    assert status < 500, what
+    # (504: a fuzzed deadline_ms the request could not meet, its work dropped: an answer, not a failure)
+    assert status < 500 or (status == 504 and '"deadline_exceeded"' in text), what
     if method == "HEAD":
         return
     if status >= 400:

@@ -132,3 +132,17 @@ def test_models_lists_the_lms_model(tmp_path, tiny_model):
         assert r.status_code == 200
         (model,) = r.json()["data"]
         assert r.json()["object"] == "list" and model["id"] == MODEL and model["object"] == "model"
+
+
+def test_the_chat_requests_priority_and_deadline_ms_are_vllms_fields_checked_and_applied(tmp_path, tiny_model):
+    photo = data.photo("rocket.jpg", 120)
+    with live_server(_settings(tmp_path), tiny_model) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", json={**proxy_request(image_part(photo)), "priority": "urgent"},
+                       timeout=60)
+        assert r.status_code == 400 and "priority" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/chat/completions", json={**proxy_request(image_part(photo)), "deadline_ms": 0},
+                       timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+        r = httpx.post(url + "/v1/chat/completions", json={**proxy_request(image_part(photo)), "priority": -1,
+                                                          "deadline_ms": 60_000}, timeout=60)
+        assert r.status_code == 200, r.text

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from service.engine.batcher import BACKLOG, BACKLOG_POLL_S, Batch, Batcher, BatchLimits
-from service.errors import BackendError, Overloaded, Unavailable
+from service.errors import BackendError, DeadlineExceeded, Overloaded, Unavailable
+from service.priority import Urgency
 
 
 class FakeClock:
@@ -639,3 +640,152 @@ def test_stress_producers_and_consumer():
     assert st.submitted == len(records)
     assert st.submitted - st.coalesced == len(finish_counts) + st.dropped  # every new item ran or was dropped
     assert st.batches == len(batches)
+
+
+# ---- priorities, aging, deadlines, shedding --------------------------------------------------------------
+def make_aged(aging_s: float, clock: FakeClock, max_queue_images=512, max_batch_images=64, max_queue_tokens=None):
+    limits = BatchLimits(100, max_batch_images, 1.0, max_queue_images, max_queue_tokens, priority_aging_s=aging_s)
+    return Batcher(limits, clock=clock)
+
+
+def drain_keys(b: Batcher) -> list[str]:
+    out = []
+    while (batch := b.next_batch(timeout=0, busy=lambda: 0)) is not None:
+        out += keys(batch)
+        for it in batch.items:
+            b.finish(it, result=it.key)
+    return out
+
+
+@pytest.mark.parametrize("aging_s", [0.0, 10.0])
+def test_the_most_urgent_level_goes_first_and_each_level_in_arrival_order(aging_s):
+    clock = FakeClock()
+    b = make_aged(aging_s, clock, max_batch_images=2)
+    for k, p in [("bulk1", 5), ("bulk2", 5), ("chat1", 0), ("bulk3", 5), ("chat2", 0), ("neg", -1)]:
+        b.submit(k, None, tokens=1, urgency=Urgency(p))
+        clock.advance(0.01)
+    assert keys(b.next_batch(timeout=0, busy=lambda: 0)) == ["neg", "chat1"]
+    assert drain_keys(b) == ["chat2", "bulk1", "bulk2", "bulk3"]
+
+
+def test_aging_bounds_how_late_more_urgent_work_may_still_overtake():
+    """Priority 2 arriving at t=0 against priority 1: overtaken only by what arrives within (2 - 1) * aging_s."""
+    clock = FakeClock(0.0)
+    b = make_aged(1.0, clock)
+    b.submit("old-bulk", None, tokens=1, urgency=Urgency(2))
+    clock.advance(0.9)
+    b.submit("early-chat", None, tokens=1, urgency=Urgency(1))  # within the bound: goes first
+    clock.advance(0.2)
+    b.submit("late-chat", None, tokens=1, urgency=Urgency(1))  # 1.1 s after: never before old-bulk
+    clock.advance(50)  # however long they all wait, the order holds
+    assert drain_keys(b) == ["early-chat", "old-bulk", "late-chat"]
+    # Strict priority (aging 0): the bulk image waits behind every more urgent one.
+    b = make_aged(0.0, clock)
+    b.submit("old-bulk", None, tokens=1, urgency=Urgency(2))
+    clock.advance(1000)
+    b.submit("late-chat", None, tokens=1, urgency=Urgency(1))
+    assert drain_keys(b) == ["late-chat", "old-bulk"]
+
+
+def test_a_more_urgent_join_moves_its_item_up_as_if_it_arrived_then():
+    clock = FakeClock()
+    b = make_aged(10.0, clock)
+    for k in ("a", "b", "c"):
+        b.submit(k, None, tokens=1, urgency=Urgency(5))
+    b.submit("chat", None, tokens=1, urgency=Urgency(0))
+    clock.advance(1)
+    joined = b.join("c", Urgency(0))
+    assert joined is not None and joined.coalesced
+    assert b.join("a", Urgency(9)) is not None  # less urgent: a stays where it is
+    assert drain_keys(b) == ["chat", "c", "a", "b"]
+    assert joined.future.result(timeout=1) == "c"
+
+
+def test_a_waiter_past_its_deadline_is_answered_504_and_its_item_never_runs():
+    clock = FakeClock()
+    b = make_aged(10.0, clock)
+    late = b.submit("late", None, tokens=1, urgency=Urgency(0, deadline=clock() + 1))
+    kept = b.submit("kept", None, tokens=1, urgency=Urgency(0, deadline=clock() + 5))
+    clock.advance(2)
+    batch = b.next_batch(timeout=0, busy=lambda: 0)
+    assert keys(batch) == ["kept"]
+    err = late.future.exception(timeout=1)
+    assert isinstance(err, DeadlineExceeded) and err.code == "deadline_exceeded" and err.status == 504
+    assert "before its step started" in err.message
+    assert late.work_future.cancelled()  # dropped: the engine host gives its pixels back on this
+    assert b.stats.expired == 1 and b.stats.dropped == 1
+    clock.advance(10)  # in flight: a deadline bounds waiting only, so it is answered
+    b.finish(batch.items[0], result="ok")
+    assert kept.future.result(timeout=1) == "ok"
+
+
+def test_each_waiter_of_a_shared_item_expires_on_its_own():
+    clock = FakeClock()
+    b = make_aged(10.0, clock)
+    first = b.submit("k", None, tokens=1, urgency=Urgency(0, deadline=clock() + 1))
+    second = b.join("k", Urgency(0))  # no deadline
+    third = b.join("k", Urgency(0, deadline=clock() + 1))
+    third.cancel()  # gone before its deadline: not counted as expired
+    clock.advance(2)
+    batch = b.next_batch(timeout=0, busy=lambda: 0)
+    assert keys(batch) == ["k"]
+    assert isinstance(first.future.exception(timeout=1), DeadlineExceeded)
+    b.finish(batch.items[0], result="v")
+    assert second.future.result(timeout=1) == "v"
+    assert b.stats.expired == 1 and b.stats.dropped == 0
+
+
+def test_a_deadline_wakes_a_waiting_step_loop():
+    b = make(max_wait_s=30.0, clock=time.monotonic)
+    t = b.submit("k", None, tokens=1, urgency=Urgency(0, deadline=time.monotonic() + 0.1))
+    get = run_in_thread(lambda: b.next_batch(timeout=3, busy=lambda: 1))  # a step runs: the batch waits 30 s
+    started = time.monotonic()
+    assert isinstance(t.future.exception(timeout=2), DeadlineExceeded)
+    assert time.monotonic() - started < 1.5
+    assert get() is None and b.queue_depth() == 0
+
+
+def test_a_full_queue_sheds_its_least_urgent_newest_items_for_more_urgent_work():
+    clock = FakeClock()
+    b = make_aged(10.0, clock, max_queue_images=3)
+    bulk = [b.submit(f"bulk{i}", None, tokens=1, urgency=Urgency(5)) for i in range(2)]
+    bulk.append(b.submit("bulk9", None, tokens=1, urgency=Urgency(9)))
+    with pytest.raises(Overloaded):
+        b.submit("same", None, tokens=1, urgency=Urgency(9))  # not more urgent than any: refused, nothing shed
+    assert b.stats.shed == 0 and b.stats.rejected == 1
+    chat = b.submit("chat", None, tokens=1, urgency=Urgency(0))
+    err = bulk[2].future.exception(timeout=1)
+    assert isinstance(err, Overloaded) and err.status == 429 and "shed" in err.message
+    place = b.reserve(1, Urgency(1))  # admission before decode sheds too: the newest of the least urgent level
+    assert isinstance(bulk[1].future.exception(timeout=1), Overloaded)
+    assert not bulk[0].future.done() and b.stats.shed == 2
+    with pytest.raises(Overloaded):
+        b.reserve(1, Urgency(5))
+    b.submit("placed", None, tokens=1, place=place, urgency=Urgency(1))
+    assert drain_keys(b) == ["chat", "placed", "bulk0"] and chat.future.result(timeout=1) == "chat"
+
+
+def test_shedding_that_would_not_make_room_sheds_nothing():
+    clock = FakeClock()
+    b = make_aged(10.0, clock, max_queue_images=10, max_queue_tokens=10)
+    low = b.submit("low", None, tokens=2, urgency=Urgency(5))
+    b.submit("high", None, tokens=7, urgency=Urgency(0))
+    with pytest.raises(Overloaded, match="tokens"):
+        b.submit("big", None, tokens=4, urgency=Urgency(0))  # shedding `low` frees 2 of the 3 needed
+    assert not low.future.done() and b.stats.shed == 0
+
+
+def test_waiting_counts_queued_and_held_places_per_level():
+    clock = FakeClock()
+    b = make_aged(10.0, clock)
+    b.submit("a", None, tokens=3, urgency=Urgency(0))
+    clock.advance(2)
+    b.submit("b", None, tokens=4, urgency=Urgency(7))
+    b.reserve(5, Urgency(7))
+    clock.advance(1)
+    w = b.waiting()
+    assert w.images == {0: 1, 7: 2} and w.tokens == {0: 3, 7: 9} and w.oldest_s == pytest.approx(3.0)
+    drain_keys(b)
+    clock.advance(4)
+    w = b.waiting()
+    assert w.images == {7: 1} and w.tokens == {7: 5} and w.oldest_s == pytest.approx(5.0)  # the place, held 5 s

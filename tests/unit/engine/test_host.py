@@ -6,6 +6,7 @@ thread, batched, one per image (a submit asks what this engine wrote itself), an
 connection or an unreachable master does to a claim waiting for one."""
 
 import queue
+import time
 import threading
 
 import numpy as np
@@ -326,3 +327,41 @@ def test_an_entry_of_the_other_modality_under_a_uuid_is_a_conflict_not_a_hit():
     assert [(type(m), m.code) for m in sent] == [(Failed, "key_conflict")] * 2, sent
     assert "as an image" in sent[0].message and "as a video" in sent[1].message
     assert host.batcher.reserved() == 0
+
+
+def test_a_claim_past_its_deadline_is_a_504_unless_its_image_is_stored():
+    store = _DictStore()
+    host, sent, conn = _host(max_queue_images=4, max_queue_tokens=500, store=store)
+    sha = "12" * 32
+    item = StoredItem(key="hit", path="hit/encoder_cache.safetensors", num_tokens=4, grid_thw=(1, 4, 4), shape=(4, 48),
+                      dtype="float32", nbytes=1000, content_sha256=sha)
+    store.items["hit"] = item
+    spent = time.monotonic() - 0.001
+    host.handle(conn, Claim(1, "hit", sha, 4, deadline=spent))
+    assert sent == [Hit(1, item)]  # a cached image is still answered
+    host.handle(conn, Claim(2, "miss", sha, 4, deadline=spent))
+    assert isinstance(sent[-1], Failed) and sent[-1].code == "deadline_exceeded" and "before its image was decoded" in sent[-1].message
+    assert host.batcher.reserved() == 0  # no queue place, so nothing is decoded
+    host.handle(conn, Claim(3, "miss", sha, 4, priority=3, deadline=time.monotonic() + 60))
+    assert sent[-1] == Grant(3) and host.batcher.waiting().images == {3: 1}
+
+
+def test_a_submit_decoded_past_its_deadline_is_a_504_and_nothing_is_queued():
+    host, sent, conn = _host(max_queue_images=4, max_queue_tokens=500)
+    sha = "34" * 32
+    host.handle(conn, Claim(1, "k", sha, 4, deadline=time.monotonic() + 60))
+    assert sent == [Grant(1)]
+    released = []
+    host.handle(conn, Submit(2, 1, "k", sha, _geometry(64, 64), deadline=time.monotonic() - 0.001),
+                np.zeros(64 * 64 * 3, np.uint8), release=lambda: released.append(2))
+    assert isinstance(sent[-1], Failed) and sent[-1].code == "deadline_exceeded" and "before its image was queued" in sent[-1].message
+    assert released == [2] and host.batcher.reserved() == 0 and host.batcher.queue_depth() == 0
+    # One in time is queued with its priority and deadline: past it, the step loop answers it 504.
+    host.handle(conn, Claim(3, "k", sha, 4))
+    host.handle(conn, Submit(4, 3, "k", sha, _geometry(64, 64), priority=2, deadline=time.monotonic() + 0.05),
+                np.zeros(64 * 64 * 3, np.uint8), release=lambda: released.append(4))
+    assert sent[-1] == Queued(4) and host.batcher.waiting().images == {2: 1}
+    time.sleep(0.06)
+    assert host.batcher.next_batch(timeout=0) is None  # expired: dropped, never in a step
+    assert isinstance(sent[-1], Failed) and sent[-1].id == 4 and sent[-1].code == "deadline_exceeded"
+    assert "before its step started" in sent[-1].message and released == [2, 4]

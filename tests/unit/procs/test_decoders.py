@@ -14,7 +14,8 @@ from PIL import Image
 
 from service.media.params import ImageLimits, PreprocessParams, VideoLimits
 from service.config import Settings, usable_cores
-from service.errors import http_status, ImageError, Overloaded, Unavailable, VideoError
+from service.errors import DeadlineExceeded, http_status, ImageError, Overloaded, Unavailable, VideoError
+from service.priority import Urgency
 from service.media.images import prepare_image, read_header
 from service.metrics import Metrics
 from service.procs import decoders
@@ -298,6 +299,33 @@ def test_the_video_gate_lets_as_many_videos_decode_as_its_slots_and_bytes_allow(
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert (gate.running, gate.held, gate._waiters, order[-1]) == (0, 0, [], "c")
+
+    asyncio.run(main())
+
+
+def test_videos_waiting_for_the_gate_go_by_priority_and_leave_at_their_deadline():
+    gate = decoders.VideoGate(slots=1, max_bytes=100, aging_s=10.0)
+    order: list[str] = []
+
+    async def video(name: str, urgency: Urgency, release: asyncio.Event | None = None) -> None:
+        async with gate.hold(10, urgency):
+            order.append(name)
+            if release is not None:
+                await release.wait()
+
+    async def main():
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(video("first", Urgency(), first))]
+        await asyncio.sleep(0.01)
+        for name, u in [("bulk", Urgency(5)), ("late", Urgency(0, time.monotonic() + 0.05)), ("chat", Urgency(0))]:
+            tasks.append(asyncio.create_task(video(name, u)))
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)
+        first.set()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == ["first", "chat", "bulk"]
+        assert isinstance(outcomes[2], DeadlineExceeded) and "before its decode started" in outcomes[2].message
+        assert (gate.running, gate.held, gate._waiters) == (0, 0, [])
 
     asyncio.run(main())
 
