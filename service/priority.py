@@ -146,7 +146,9 @@ class PriorityGate:
     async def acquire(self, urgency: Urgency, what: str = "its decode started") -> None:
         """Wait for a permit (give it back with `release`). Raises the 504 once `urgency`'s deadline passes first."""
         urgency.check(what, self._clock())
-        if self.held < self.permits and not self.waiting():
+        while self._waiters and self._waiters[0][2].done():  # (gone or timed out: their entries go lazily)
+            heapq.heappop(self._waiters)
+        if self.held < self.permits and not self._waiters:
             self.held += 1
             return
         fut = asyncio.get_running_loop().create_future()

@@ -900,7 +900,8 @@ def test_a_spent_deadline_still_answers_a_cached_image_and_504s_an_uncached_one_
 def test_the_default_deadline_drops_work_queued_too_long_and_the_rest_of_the_step_succeeds(tmp_path, tiny_model):
     """--default-deadline-ms applies to a request that sends none; one that sends its own is held to that. The
     expired image leaves the queue when the step loop next plans: never encoded, its request 504."""
-    with live_server(_settings(tmp_path, max_batch_images=4, default_deadline_ms=400), tiny_model) as (url, app):
+    # (2 s: a loaded machine's arrival-to-queue time stays far under it, so the image expires in the queue)
+    with live_server(_settings(tmp_path, max_batch_images=4, default_deadline_ms=2000), tiny_model) as (url, app):
         rt = app.state.rt
         gate = Gate(local_host(rt).engine)
         with ThreadPoolExecutor(4) as pool:
@@ -911,7 +912,7 @@ def test_the_default_deadline_drops_work_queued_too_long_and_the_rest_of_the_ste
             patient = pool.submit(httpx.post, url + "/encode", json={**json_body(_png(1602)), "deadline_ms": 60_000},
                                   timeout=60)
             _wait_for(lambda: local_host(rt).batcher.queue_depth() == 2)
-            time.sleep(0.5)  # past the default 400 ms of 1601
+            time.sleep(2.1)  # past the default 2 s of 1601
             gate.release.set()
             assert held.result().status_code == 200 and patient.result().status_code == 200
             r = expiring.result()
